@@ -1,0 +1,1 @@
+"""`tokembed bench`: the benchmark harness."""

@@ -1,0 +1,1 @@
+"""The ``tokembed`` command: one entry point, a subcommand per room."""

@@ -1,0 +1,5 @@
+import sys
+
+from tokembed.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""``tokembed export``: the command line of the exporter."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tokembed.export.errors import ExportError
+
+DEFAULT_VOCAB_SIZE = 32000
+DEFAULT_D_MODEL = 512
+DEFAULT_SEED = 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="turn a token-embedding layer into a verified ONNX model directory",
+        description=(
+            "Export a token-embedding layer (seeded random, or a matrix from a checkpoint) "
+            "to DIR/model.onnx + manifest.json, after proving that onnxruntime computes "
+            "exactly what torch computes."
+        ),
+    )
+    parser.add_argument("--out", required=True, type=Path, help="model directory to write")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"V, rows of the table (default {DEFAULT_VOCAB_SIZE}; "
+        "taken from the checkpoint with --weights)",
+    )
+    parser.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        help=f"D, width of the table (default {DEFAULT_D_MODEL}; "
+        "taken from the checkpoint with --weights)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="seed of the random table and of the parity check (default 0)",
+    )
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="checkpoint: a torch state_dict (.pt/.pth/.bin) or .safetensors",
+    )
+    parser.add_argument("--key", default=None, help="key of the [V,D] matrix in --weights")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16"],
+        help="storage dtype of the table (output is float32 either way)",
+    )
+    parser.add_argument(
+        "--scale",
+        default="sqrt",
+        help="'sqrt' (sqrt(D), default), 'none' (1.0) or a positive number",
+    )
+    parser.add_argument(
+        "--padding-idx",
+        type=int,
+        default=None,
+        help="padding id: its row starts as zeros (random init) and is recorded",
+    )
+    parser.add_argument("--name", default="tokembed-default", help="model name in the manifest")
+    parser.add_argument("--model-version", default="1", help="model version in the manifest")
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite --out even if it is not empty"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export; a bad input is reported as one line (by the caller) via ExportError."""
+    # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
+    from tokembed.export.module import TokenEmbedding, random_table
+    from tokembed.export.onnx_export import ExportOptions, export_model
+
+    logging.getLogger("tokembed").setLevel(logging.INFO)
+    if args.key is not None and args.weights is None:
+        raise ExportError("--key needs --weights")
+    source: dict[str, object]
+    if args.weights is not None:
+        if args.key is None:
+            raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
+        from tokembed.export.hashing import sha256_file
+        from tokembed.export.weights import load_matrix
+
+        table = load_matrix(args.weights, args.key)
+        vocab_size, d_model = (int(n) for n in table.shape)
+        for flag, given, actual in (
+            ("--vocab-size", args.vocab_size, vocab_size),
+            ("--d-model", args.d_model, d_model),
+        ):
+            if given is not None and given != actual:
+                raise ExportError(f"{flag} {given} disagrees with the checkpoint's {actual}")
+        source = {
+            "kind": "checkpoint",
+            "file": args.weights.name,
+            "key": args.key,
+            "sha256": sha256_file(args.weights, label=f"hashing {args.weights.name}"),
+        }
+    else:
+        vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
+        d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
+        _check_positive("--vocab-size", vocab_size)
+        _check_positive("--d-model", d_model)
+        _check_padding(args.padding_idx, vocab_size)
+        table = random_table(vocab_size, d_model, args.seed, args.padding_idx)
+        source = {"kind": "random", "seed": args.seed, "init": "normal(0,1)"}
+    _check_padding(args.padding_idx, vocab_size)
+    module = TokenEmbedding(
+        vocab_size, d_model, scale=args.scale, padding_idx=args.padding_idx, weight=table
+    )
+    manifest = export_model(
+        module,
+        ExportOptions(
+            out_dir=args.out,
+            name=args.name,
+            version=args.model_version,
+            weight_dtype=args.dtype,
+            force=args.force,
+            seed=args.seed,
+            source=source,
+        ),
+    )
+    print(
+        f"exported {manifest.name} v{manifest.version}: V={manifest.vocab_size} "
+        f"D={manifest.d_model} scale={manifest.scale:g} weights={manifest.weight_dtype} "
+        f"max_abs_error={manifest.parity.max_abs_error:g} -> {args.out}"
+    )
+    return 0
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if value <= 0:
+        raise ExportError(f"{flag} must be positive, got {value}")
+
+
+def _check_padding(padding_idx: int | None, vocab_size: int) -> None:
+    if padding_idx is not None and not 0 <= padding_idx < vocab_size:
+        raise ExportError(f"--padding-idx {padding_idx} is outside [0, {vocab_size})")

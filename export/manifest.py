@@ -1,0 +1,173 @@
+"""The manifest: what a model directory claims about itself.
+
+This module is the contract between the exporter (which writes it) and the server
+(which trusts it only after ``model_dir.load_model_dir`` has checked it against the
+files and the graph). It imports neither torch nor onnx.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokembed.export.errors import ModelDirError
+
+MANIFEST_NAME = "manifest.json"
+MODEL_NAME = "model.onnx"
+FORMAT = "tokembed-model/1"
+INPUT_NAME = "input_ids"
+OUTPUT_NAME = "hidden_states"
+WEIGHT_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    # Symbolic dimensions are strings ("batch"), fixed ones ints.
+    shape: list[str | int]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class Parity:
+    max_abs_error: float
+    tolerance: float
+    ids_checked: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    version: str
+    vocab_size: int
+    d_model: int
+    scale: float
+    padding_idx: int | None
+    weight_dtype: str
+    input: TensorSpec
+    output: TensorSpec
+    opset: int
+    files: dict[str, FileEntry]
+    producer: dict[str, str]
+    parity: Parity
+    source: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def write(self, directory: Path) -> Path:
+        path = directory / MANIFEST_NAME
+        path.write_text(self.to_json(), encoding="utf-8")
+        return path
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise ModelDirError(f"{path}: manifest missing")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelDirError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(raw, where=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str = "manifest") -> Manifest:
+        reader = _Reader(raw, where)
+        if (found := reader.text("format")) != FORMAT:
+            raise ModelDirError(f"{where}: format is {found!r}, expected {FORMAT!r}")
+        padding = reader.get("padding_idx")
+        if padding is not None and not _is_int(padding):
+            raise ModelDirError(f"{where}: padding_idx must be an integer or null, got {padding!r}")
+        files_raw = reader.obj("files")
+        files = {
+            str(name): FileEntry(
+                sha256=_Reader(entry, f"{where}: files[{name!r}]").text("sha256"),
+                size_bytes=_Reader(entry, f"{where}: files[{name!r}]").integer("size_bytes"),
+            )
+            for name, entry in files_raw.items()
+        }
+        parity = _Reader(reader.obj("parity"), f"{where}: parity")
+        return cls(
+            name=reader.text("name"),
+            version=reader.text("version"),
+            vocab_size=reader.integer("vocab_size"),
+            d_model=reader.integer("d_model"),
+            scale=reader.number("scale"),
+            padding_idx=padding,
+            weight_dtype=reader.text("weight_dtype"),
+            input=_tensor_spec(reader.obj("input"), f"{where}: input"),
+            output=_tensor_spec(reader.obj("output"), f"{where}: output"),
+            opset=reader.integer("opset"),
+            files=files,
+            producer={str(k): str(v) for k, v in reader.obj("producer").items()},
+            parity=Parity(
+                max_abs_error=parity.number("max_abs_error"),
+                tolerance=parity.number("tolerance"),
+                ids_checked=parity.integer("ids_checked"),
+            ),
+            source=reader.obj("source") if reader.get("source") is not None else {},
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensor_spec(raw: dict[str, Any], where: str) -> TensorSpec:
+    reader = _Reader(raw, where)
+    shape = reader.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, (str, int)) for d in shape):
+        raise ModelDirError(f"{where}: shape must be a list of names or sizes, got {shape!r}")
+    return TensorSpec(name=reader.text("name"), dtype=reader.text("dtype"), shape=shape)
+
+
+class _Reader:
+    """Typed access to one JSON object, with errors that name the field."""
+
+    def __init__(self, raw: object, where: str) -> None:
+        if not isinstance(raw, dict):
+            raise ModelDirError(f"{where}: expected an object, got {type(raw).__name__}")
+        self._raw: dict[str, Any] = raw
+        self._where = where
+
+    def get(self, key: str) -> Any:
+        return self._raw.get(key)
+
+    def _require(self, key: str) -> Any:
+        if key not in self._raw:
+            raise ModelDirError(f"{self._where}: field {key!r} missing")
+        return self._raw[key]
+
+    def text(self, key: str) -> str:
+        value = self._require(key)
+        if not isinstance(value, str):
+            raise ModelDirError(f"{self._where}: field {key!r} must be a string, got {value!r}")
+        return value
+
+    def integer(self, key: str) -> int:
+        value = self._require(key)
+        if not _is_int(value):
+            raise ModelDirError(f"{self._where}: field {key!r} must be an integer, got {value!r}")
+        return int(value)
+
+    def number(self, key: str) -> float:
+        value = self._require(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelDirError(f"{self._where}: field {key!r} must be a number, got {value!r}")
+        return float(value)
+
+    def obj(self, key: str) -> dict[str, Any]:
+        value = self._require(key)
+        if not isinstance(value, dict):
+            raise ModelDirError(f"{self._where}: field {key!r} must be an object, got {value!r}")
+        return value

@@ -1,0 +1,195 @@
+"""The model-directory loader: the only way the server opens a model.
+
+It trusts nothing in ``manifest.json`` until it has checked it: every listed file is
+present with the recorded size and sha256, the graph's input, output and embedding
+table agree with the manifest, and any external data the graph points to is listed.
+Every failure is a ``ModelDirError`` whose message names the file and the field.
+
+Importable without torch: it needs only the ``onnx`` package, and reads the graph
+without loading external weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from tokembed.export.errors import ModelDirError
+from tokembed.export.hashing import sha256_file
+from tokembed.export.manifest import MODEL_NAME, WEIGHT_DTYPES, Manifest
+
+# onnx.TensorProto data types, named the way the manifest names them.
+_ONNX_DTYPE_NAMES = {
+    1: "float32",
+    6: "int32",
+    7: "int64",
+    10: "float16",
+    11: "float64",
+    16: "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A model directory that passed every check."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / MODEL_NAME
+
+    @property
+    def model_sha256(self) -> str:
+        return self.manifest.files[MODEL_NAME].sha256
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(entry.size_bytes for entry in self.manifest.files.values())
+
+
+def load_model_dir(path: Path | str, *, verify_hashes: bool = True) -> ModelDir:
+    """Validate a model directory and return it; raise ``ModelDirError`` naming what is wrong."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelDirError(f"{directory}: model directory does not exist")
+    manifest = Manifest.read(directory)
+    _check_manifest_values(manifest, directory)
+    _check_files(manifest, directory, verify_hashes=verify_hashes)
+    _check_graph(manifest, directory)
+    return ModelDir(path=directory, manifest=manifest)
+
+
+def _check_manifest_values(manifest: Manifest, directory: Path) -> None:
+    where = directory / "manifest.json"
+    if manifest.vocab_size <= 0:
+        raise ModelDirError(f"{where}: vocab_size must be positive, got {manifest.vocab_size}")
+    if manifest.d_model <= 0:
+        raise ModelDirError(f"{where}: d_model must be positive, got {manifest.d_model}")
+    if not (math.isfinite(manifest.scale) and manifest.scale > 0):
+        raise ModelDirError(f"{where}: scale must be a positive number, got {manifest.scale}")
+    if manifest.weight_dtype not in WEIGHT_DTYPES:
+        raise ModelDirError(
+            f"{where}: weight_dtype {manifest.weight_dtype!r} is not one of {list(WEIGHT_DTYPES)}"
+        )
+    padding = manifest.padding_idx
+    if padding is not None and not 0 <= padding < manifest.vocab_size:
+        raise ModelDirError(f"{where}: padding_idx {padding} is outside [0, {manifest.vocab_size})")
+    if MODEL_NAME not in manifest.files:
+        raise ModelDirError(f"{where}: files does not list {MODEL_NAME}")
+
+
+def _safe_member(directory: Path, name: str) -> Path:
+    """A file named by the manifest or the graph must stay inside the directory."""
+    relative = PurePosixPath(name)
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise ModelDirError(f"{directory}: file name {name!r} points outside the model directory")
+    return directory.joinpath(*relative.parts)
+
+
+def _check_files(manifest: Manifest, directory: Path, *, verify_hashes: bool) -> None:
+    for name, entry in sorted(manifest.files.items()):
+        file_path = _safe_member(directory, name)
+        if not file_path.is_file():
+            raise ModelDirError(f"{file_path}: listed in the manifest but missing")
+        size = file_path.stat().st_size
+        if size != entry.size_bytes:
+            raise ModelDirError(
+                f"{file_path}: size is {size} bytes, the manifest records {entry.size_bytes}"
+            )
+        if verify_hashes:
+            actual = sha256_file(file_path, label=f"verifying {name}")
+            if actual != entry.sha256:
+                raise ModelDirError(
+                    f"{file_path}: sha256 is {actual}, the manifest records {entry.sha256}"
+                )
+
+
+def _check_graph(manifest: Manifest, directory: Path) -> None:
+    import onnx  # deferred: only the loader needs it, and it is not light
+
+    model_path = directory / MODEL_NAME
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError, OSError, ValueError...
+        raise ModelDirError(f"{model_path}: not a readable ONNX model ({exc})") from exc
+    graph = model.graph
+    where = f"{model_path}"
+
+    initializer_names = {init.name for init in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in initializer_names]
+    if len(inputs) != 1 or inputs[0].name != manifest.input.name:
+        raise ModelDirError(
+            f"{where}: graph inputs are {[i.name for i in inputs]}, "
+            f"the manifest names {manifest.input.name!r}"
+        )
+    _check_value_info(inputs[0], manifest.input.dtype, 2, None, where)
+    outputs = list(graph.output)
+    if len(outputs) != 1 or outputs[0].name != manifest.output.name:
+        raise ModelDirError(
+            f"{where}: graph outputs are {[o.name for o in outputs]}, "
+            f"the manifest names {manifest.output.name!r}"
+        )
+    _check_value_info(outputs[0], manifest.output.dtype, 3, manifest.d_model, where)
+
+    tables = [init for init in graph.initializer if len(init.dims) == 2]
+    if len(tables) != 1:
+        raise ModelDirError(
+            f"{where}: expected one 2-D embedding table, found {len(tables)} "
+            f"({[(t.name, list(t.dims)) for t in tables]})"
+        )
+    table = tables[0]
+    shape = [int(d) for d in table.dims]
+    if shape != [manifest.vocab_size, manifest.d_model]:
+        raise ModelDirError(
+            f"{where}: embedding table {table.name!r} is {shape}, the manifest says "
+            f"[{manifest.vocab_size}, {manifest.d_model}]"
+        )
+    table_dtype = _ONNX_DTYPE_NAMES.get(table.data_type, str(table.data_type))
+    if table_dtype != manifest.weight_dtype:
+        raise ModelDirError(
+            f"{where}: embedding table is {table_dtype}, the manifest says {manifest.weight_dtype}"
+        )
+    for init in graph.initializer:
+        for item in init.external_data:
+            if item.key == "location":
+                _safe_member(directory, item.value)
+                if item.value not in manifest.files:
+                    raise ModelDirError(
+                        f"{where}: weights of {init.name!r} live in {item.value!r}, "
+                        f"which the manifest does not list"
+                    )
+    opsets = {op.domain: op.version for op in model.opset_import}
+    if opsets.get("", opsets.get("ai.onnx")) != manifest.opset:
+        raise ModelDirError(
+            f"{where}: graph opset is {opsets.get('', opsets.get('ai.onnx'))}, "
+            f"the manifest says {manifest.opset}"
+        )
+
+
+def _check_value_info(
+    info: object, dtype: str, rank: int, last_dim: int | None, where: str
+) -> None:
+    tensor_type = info.type.tensor_type  # type: ignore[attr-defined]
+    name = info.name  # type: ignore[attr-defined]
+    actual_dtype = _ONNX_DTYPE_NAMES.get(tensor_type.elem_type, str(tensor_type.elem_type))
+    if actual_dtype != dtype:
+        raise ModelDirError(
+            f"{where}: {name!r} is {actual_dtype} in the graph, manifest says {dtype}"
+        )
+    dims = list(tensor_type.shape.dim)
+    if len(dims) != rank:
+        raise ModelDirError(f"{where}: {name!r} has rank {len(dims)} in the graph, expected {rank}")
+    for index, dim in enumerate(dims[:2]):
+        if dim.HasField("dim_value"):
+            raise ModelDirError(
+                f"{where}: {name!r} dimension {index} is fixed to {dim.dim_value}; "
+                "batch and sequence must be dynamic"
+            )
+    if last_dim is not None and dims[-1].dim_value != last_dim:
+        raise ModelDirError(
+            f"{where}: {name!r} last dimension is {dims[-1].dim_value or dims[-1].dim_param!r}, "
+            f"the manifest's d_model is {last_dim}"
+        )

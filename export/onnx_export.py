@@ -1,0 +1,236 @@
+"""Export a ``TokenEmbedding`` to a verified model directory.
+
+The export is staged in a sibling temporary directory and moved into place only after
+the ONNX model has been proved against torch, so a failed export never leaves a
+half-written model directory where the server could find it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokembed import __version__
+from tokembed.export.errors import ExportError, ParityError
+from tokembed.export.hashing import sha256_file
+from tokembed.export.manifest import (
+    INPUT_NAME,
+    MANIFEST_NAME,
+    MODEL_NAME,
+    OUTPUT_NAME,
+    FileEntry,
+    Manifest,
+    Parity,
+    TensorSpec,
+)
+from tokembed.export.module import StoredAs, TokenEmbedding
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Tables up to this size are checked on every row; larger ones on a random sample.
+_FULL_PARITY_MAX_BYTES = 256 * 1024 * 1024
+_SAMPLED_PARITY_IDS = 16384
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    out_dir: Path
+    name: str = "tokembed-default"
+    version: str = "1"
+    weight_dtype: str = "float32"
+    force: bool = False
+    seed: int = 0
+    source: dict[str, Any] | None = None
+
+
+def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
+    """Export, verify against torch, write the manifest; return it."""
+    if options.weight_dtype not in _TORCH_DTYPES:
+        raise ExportError(
+            f"--dtype must be one of {sorted(_TORCH_DTYPES)}, got {options.weight_dtype!r}"
+        )
+    out_dir = options.out_dir
+    _check_out_dir(out_dir, options.force)
+    module = module.eval()
+    if options.weight_dtype == "float16":
+        _check_fits_float16(module)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        exported = _export_graph(module, options.weight_dtype, staging / MODEL_NAME)
+        parity = _check_parity(module, staging / MODEL_NAME, options.weight_dtype, options.seed)
+        files = {
+            path.name: FileEntry(sha256=sha256_file(path), size_bytes=path.stat().st_size)
+            for path in sorted(staging.iterdir())
+        }
+        manifest = Manifest(
+            name=options.name,
+            version=options.version,
+            vocab_size=module.vocab_size,
+            d_model=module.d_model,
+            scale=module.scale,
+            padding_idx=module.padding_idx,
+            weight_dtype=options.weight_dtype,
+            input=TensorSpec(INPUT_NAME, "int64", ["batch", "sequence"]),
+            output=TensorSpec(OUTPUT_NAME, "float32", ["batch", "sequence", module.d_model]),
+            opset=exported,
+            files=files,
+            producer=_producer_versions(),
+            parity=parity,
+            source=options.source or {},
+        )
+        manifest.write(staging)
+        _move_into_place(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("exported %s to %s (max abs error %g)", options.name, out_dir, parity.max_abs_error)
+    return manifest
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise ExportError(f"--out {out_dir} exists and is not empty; pass --force to overwrite")
+
+
+def _check_fits_float16(module: TokenEmbedding) -> None:
+    largest = float(module.embedding.weight.detach().abs().max())
+    if largest > float(torch.finfo(torch.float16).max):
+        raise ExportError(
+            f"the table's largest magnitude {largest:g} does not fit float16 "
+            f"(max {torch.finfo(torch.float16).max:g}); export as float32"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_torch_exporter() -> Iterator[None]:
+    """The dynamo exporter logs and warns about its own internals (missing torchvision
+    ops, deprecated pytree classes) on every export; none of it concerns our one-op graph."""
+    onnx_logger = logging.getLogger("torch.onnx")
+    previous = onnx_logger.level
+    onnx_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*")
+            warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\..*")
+            yield
+    finally:
+        onnx_logger.setLevel(previous)
+
+
+def _export_graph(module: TokenEmbedding, weight_dtype: str, model_path: Path) -> int:
+    """Write ``model.onnx`` with its weights as external data; return the opset used."""
+    graph_module: torch.nn.Module = module
+    if weight_dtype != "float32":
+        graph_module = StoredAs(module, _TORCH_DTYPES[weight_dtype]).eval()
+    # B and S >= 2 in the example, so the exporter cannot specialise either to a constant.
+    example = torch.zeros((2, 3), dtype=torch.int64)
+    batch = torch.export.Dim("batch")
+    sequence = torch.export.Dim("sequence")
+    with _quiet_torch_exporter(), torch.no_grad():
+        program = torch.onnx.export(
+            graph_module,
+            (example,),
+            str(model_path),
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_shapes=({0: batch, 1: sequence},),
+            dynamo=True,
+            # Always external: one layout for every size, and tables past protobuf's
+            # 2 GiB limit need it anyway.
+            external_data=True,
+            optimize=True,
+            verbose=False,
+        )
+    if program is None:
+        raise ExportError("torch.onnx.export returned no program; this is a bug")
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    return int(next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx")))
+
+
+def parity_ids(vocab_size: int, d_model: int, padding_idx: int | None, seed: int) -> np.ndarray:
+    """Ids for the export check: every row for small tables, else a random sample; always
+    0, V-1 and the padding id. Shaped ``[B,S]`` with B, S >= 2."""
+    rng = np.random.default_rng(seed)
+    if vocab_size * d_model * 4 <= _FULL_PARITY_MAX_BYTES:
+        ids = rng.permutation(vocab_size)
+    else:
+        ids = rng.integers(0, vocab_size, size=_SAMPLED_PARITY_IDS)
+    edges = [0, vocab_size - 1] + ([padding_idx] if padding_idx is not None else [])
+    ids = np.concatenate([np.asarray(edges, dtype=np.int64), ids.astype(np.int64)])
+    if ids.size % 2:
+        ids = np.append(ids, vocab_size - 1)
+    return ids.reshape(2, -1)
+
+
+def parity_tolerance(module: TokenEmbedding, weight_dtype: str) -> float:
+    """float32 must match exactly: the graph does the same two IEEE operations as torch.
+
+    float16 rounds each weight by at most 2**-11 of its magnitude (2**-25 absolute for
+    subnormals); the float32 scale then adds at most one ulp on each side.
+    """
+    if weight_dtype == "float32":
+        return 0.0
+    largest = float(module.embedding.weight.detach().abs().max())
+    return module.scale * (largest * (2**-11 + 2**-22) + 2**-24)
+
+
+def _check_parity(module: TokenEmbedding, model_path: Path, weight_dtype: str, seed: int) -> Parity:
+    import onnxruntime as ort
+
+    ids = parity_ids(module.vocab_size, module.d_model, module.padding_idx, seed)
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    got = session.run([OUTPUT_NAME], {INPUT_NAME: ids})[0]
+    with torch.no_grad():
+        want = module(torch.from_numpy(ids)).numpy()
+    if got.shape != want.shape or got.dtype != np.float32:
+        raise ParityError(
+            f"ONNX output is {got.dtype}{list(got.shape)}, torch gives float32{list(want.shape)}"
+        )
+    error = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+    tolerance = parity_tolerance(module, weight_dtype)
+    if not error <= tolerance:  # written so that NaN fails too
+        raise ParityError(
+            f"ONNX output differs from torch by {error:g} (tolerance {tolerance:g} for "
+            f"{weight_dtype} weights) over {ids.size} ids"
+        )
+    return Parity(max_abs_error=error, tolerance=tolerance, ids_checked=int(ids.size))
+
+
+def _producer_versions() -> dict[str, str]:
+    versions = {"tokembed": __version__, "python": platform.python_version()}
+    for package in ("torch", "onnx", "onnxscript", "onnxruntime"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return versions
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The manifest goes last and our old files go first: a reader never sees a manifest
+    # that describes files not yet (or no longer) there.
+    old_manifest = out_dir / MANIFEST_NAME
+    if old_manifest.exists():
+        old_manifest.unlink()
+    for stale in out_dir.glob(f"{MODEL_NAME}*"):
+        stale.unlink()
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
+        os.replace(path, out_dir / path.name)

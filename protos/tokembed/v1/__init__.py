@@ -1,0 +1,1 @@
+"""Generated protocol code for tokembed.v1; regenerate with scripts/gen_protos.py."""

@@ -1,0 +1,1 @@
+"""tokembed.server"""
