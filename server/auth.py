@@ -1,0 +1,70 @@
+"""Optional bearer-token authentication, as a server interceptor.
+
+Every RPC but the health service must carry ``authorization: Bearer <token>``; the
+token is compared in constant time. Health checks stay open so orchestrators can probe.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from tokembed.server.errors import ServerConfigError
+from tokembed.server.status import REASON_METADATA_KEY
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def read_token(path: Path) -> bytes:
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ServerConfigError(f"cannot read auth_token_file {path}: {exc}") from exc
+    if not token:
+        raise ServerConfigError(f"auth_token_file {path} is empty")
+    return token.encode("utf-8")
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self, token: bytes, on_reject: Callable[[], None] | None = None) -> None:
+        self._expected = b"Bearer " + token
+        self._on_reject = on_reject
+
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+            if self._on_reject is not None:
+                self._on_reject()
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token (metadata 'authorization: Bearer <token>')",
+                trailing_metadata=((REASON_METADATA_KEY, "unauthenticated"),),
+            )
+
+        # One refusal per call shape: gRPC needs the handler to match the method's.
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(HEALTH_PREFIX):
+            return await continuation(details)
+        presented = b""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value.encode("utf-8") if isinstance(value, str) else value
+                break
+        if hmac.compare_digest(presented, self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return handler
+        return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]

@@ -1,0 +1,231 @@
+"""The dynamic batcher: many requests, one look-up.
+
+A look-up is per token, so requests of any lengths batch without padding: the ids of
+queued requests are concatenated into one flat array, looked up once, and the output
+rows are sliced back per request (views, no copy).
+
+When a batch goes:
+- at once when no batch is computing (a lone request on an idle server never waits);
+- otherwise when the queued tokens reach ``max_batch_tokens``, or the oldest request
+  has waited ``max_delay_s``, whichever comes first, and a compute slot is free.
+A batch takes requests in arrival order up to ``max_batch_tokens`` (a single larger
+request goes alone). Requests whose caller went away or whose deadline passed are
+dropped before compute.
+
+It knows nothing of gRPC or onnxruntime: ``compute`` is any function ids -> rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from tokembed.server.errors import DeadlineExceeded, Internal, Unavailable
+
+logger = logging.getLogger(__name__)
+
+Compute = Callable[[np.ndarray], np.ndarray]
+
+
+class BatchObserver(Protocol):
+    """What the batcher reports (metrics implement it)."""
+
+    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None: ...
+
+    def dropped(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    rows: np.ndarray  # [n, D]: this request's rows, a view into the batch output
+    queue_s: float
+    compute_s: float
+    batch_requests: int
+    batch_tokens: int
+
+
+@dataclass
+class _Pending:
+    ids: np.ndarray
+    future: asyncio.Future[BatchResult]
+    enqueued_at: float
+    deadline: float | None  # time.monotonic() clock
+
+
+class Batcher:
+    def __init__(
+        self,
+        compute: Compute,
+        executor: Executor | None,
+        *,
+        max_batch_tokens: int,
+        max_delay_s: float,
+        max_concurrent_batches: int = 1,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self._compute = compute
+        self._executor = executor
+        self._max_batch_tokens = max_batch_tokens
+        self._max_delay_s = max_delay_s
+        self._max_concurrent = max_concurrent_batches
+        self._observer = observer
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queued_tokens = 0
+        self._computing = 0
+        self._closed = False
+        # Created inside the running loop on first use (not in __init__!), so they
+        # belong to the loop that serves the requests.
+        self._wakeup: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    @property
+    def queued_requests(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, ids: np.ndarray, deadline: float | None = None) -> BatchResult:
+        """Queue ``ids`` (int64 [n]) for the next batch and wait for its rows."""
+        if self._closed:
+            raise Unavailable("the server is shutting down")
+        self._ensure_running()
+        assert self._wakeup is not None
+        future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(ids, future, time.monotonic(), deadline))
+        self._queued_tokens += int(ids.size)
+        self._wakeup.set()
+        # If the caller is cancelled here, the future is cancelled with it and the
+        # dispatcher drops it before compute.
+        return await future
+
+    async def close(self) -> None:
+        """Fail what is still queued, wait for batches computing now, stop the dispatcher."""
+        self._closed = True
+        while self._queue:
+            item = self._queue.popleft()
+            self._queued_tokens -= int(item.ids.size)
+            if not item.future.done():
+                item.future.set_exception(Unavailable("the server is shutting down"))
+        if self._batch_tasks:
+            await asyncio.gather(*self._batch_tasks, return_exceptions=True)
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dispatcher
+
+    # --- inside the loop
+
+    def _ensure_running(self) -> None:
+        if self._dispatcher is None or self._dispatcher.done():
+            self._wakeup = asyncio.Event()
+            self._dispatcher = asyncio.get_running_loop().create_task(
+                self._dispatch_forever(), name="tokembed-batcher"
+            )
+
+    async def _dispatch_forever(self) -> None:
+        assert self._wakeup is not None
+        wakeup = self._wakeup
+        while True:
+            await wakeup.wait()
+            wakeup.clear()
+            while self._queue and self._computing < self._max_concurrent:
+                wait_s = self._time_until_due()
+                if wait_s > 0:
+                    # Busy and not full: give the batch up to max_delay to fill, but
+                    # wake at once when more arrives or a slot frees up.
+                    try:
+                        await asyncio.wait_for(wakeup.wait(), timeout=wait_s)
+                        wakeup.clear()
+                    except TimeoutError:
+                        pass
+                    continue
+                batch = self._take_batch()
+                if batch:
+                    self._computing += 1
+                    task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+                    self._batch_tasks.add(task)
+                    task.add_done_callback(self._batch_tasks.discard)
+
+    def _time_until_due(self) -> float:
+        """0 when the head of the queue should go now; else seconds until it must."""
+        if self._computing == 0 or self._queued_tokens >= self._max_batch_tokens:
+            return 0.0
+        oldest = self._queue[0].enqueued_at
+        return max(0.0, oldest + self._max_delay_s - time.monotonic())
+
+    def _take_batch(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        tokens = 0
+        now = time.monotonic()
+        while self._queue:
+            item = self._queue[0]
+            size = int(item.ids.size)
+            if batch and tokens + size > self._max_batch_tokens:
+                break
+            self._queue.popleft()
+            self._queued_tokens -= size
+            if item.future.done():  # cancelled by its caller while queued
+                self._report_drop("cancelled")
+                continue
+            if item.deadline is not None and item.deadline <= now:
+                item.future.set_exception(
+                    DeadlineExceeded(f"deadline passed after {now - item.enqueued_at:.6f} s queued")
+                )
+                self._report_drop("deadline_exceeded")
+                continue
+            batch.append(item)
+            tokens += size
+        return batch
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        tokens = sum(int(item.ids.size) for item in batch)
+        ids = batch[0].ids if len(batch) == 1 else np.concatenate([item.ids for item in batch])
+        started = time.monotonic()
+        try:
+            loop = asyncio.get_running_loop()
+            rows = await loop.run_in_executor(self._executor, self._compute, ids)
+            compute_s = time.monotonic() - started
+            if rows.shape[0] != tokens:
+                raise RuntimeError(f"compute returned {rows.shape[0]} rows for {tokens} ids")
+        except Exception as exc:
+            logger.exception("look-up failed for a batch of %d requests", len(batch))
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(Internal(f"the look-up failed: {exc}"))
+            return
+        finally:
+            self._computing -= 1
+            if self._wakeup is not None:
+                self._wakeup.set()
+        if self._observer is not None:
+            self._observer.batch_done(len(batch), tokens, compute_s)
+        offset = 0
+        for item in batch:
+            size = int(item.ids.size)
+            if not item.future.done():
+                item.future.set_result(
+                    BatchResult(
+                        rows=rows[offset : offset + size],
+                        queue_s=started - item.enqueued_at,
+                        compute_s=compute_s,
+                        batch_requests=len(batch),
+                        batch_tokens=tokens,
+                    )
+                )
+            offset += size
+
+    def _report_drop(self, reason: str) -> None:
+        if self._observer is not None:
+            self._observer.dropped(reason)

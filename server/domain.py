@@ -1,0 +1,65 @@
+"""Domain objects of one request's journey: what came in, what goes out.
+
+The servicer translates protobuf into ``EmbedInput`` and ``EmbedOutput`` back into
+bytes; everything between works on these and never sees gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PADDED = "padded"
+FLAT = "flat"
+
+
+@dataclass(frozen=True)
+class EmbedInput:
+    """A request as decoded from the wire, not yet validated."""
+
+    ids_dtype: str  # "int64", "int32", or whatever else was sent (rejected later)
+    shape: tuple[int, ...]
+    data: bytes
+    lengths: tuple[int, ...] = ()
+    output_dtype: str = "float32"
+    layout: str = PADDED
+    model_name: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class EmbedJob:
+    """A validated request: flat int64 ids in [0, V), and how to shape the answer."""
+
+    ids: np.ndarray  # int64 [N], contiguous
+    batch: int  # B
+    seq_len: int  # S (rectangular) or S_max (ragged)
+    lengths: tuple[int, ...] | None  # ragged input only
+    output_dtype: np.dtype
+    layout: str
+    output_bytes: int
+    request_id: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.size)
+
+    @property
+    def ragged(self) -> bool:
+        return self.lengths is not None
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float
+    compute_s: float
+    batch_requests: int
+    batch_tokens: int
+
+
+@dataclass(frozen=True)
+class EmbedOutput:
+    hidden_states: np.ndarray  # [B,S,D] or [N,D], C-contiguous, float32 or float16
+    lengths: tuple[int, ...] | None
+    timings: Timings

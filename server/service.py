@@ -1,0 +1,156 @@
+"""The data plane: validate, admit, batch, look up, shape the answer.
+
+One ``EmbeddingService`` serves one loaded model. It knows the domain objects, the
+batcher and the runtime; it knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from tokembed.export.model_dir import ModelDir
+from tokembed.server.admission import Admission, Ticket
+from tokembed.server.batcher import Batcher, BatchObserver, BatchResult, Compute
+from tokembed.server.domain import FLAT, EmbedInput, EmbedJob, EmbedOutput, Timings
+from tokembed.server.errors import Unavailable
+from tokembed.server.settings import Settings
+from tokembed.server.validation import Limits, validate
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Below this, copying or encoding on the event loop is cheaper than a thread hop.
+OFFLOAD_MIN_BYTES = 1 << 20
+
+
+class Offloader:
+    """Runs CPU-heavy steps (casts, copies, encodes) off the event loop when they are big."""
+
+    def __init__(self, executor: Executor, min_bytes: int = OFFLOAD_MIN_BYTES) -> None:
+        self._executor = executor
+        self._min_bytes = min_bytes
+
+    async def run(self, nbytes: int, fn: Callable[..., T], *args: object) -> T:
+        if nbytes < self._min_bytes:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What GetModelInfo reports."""
+
+    model: ModelDir
+    execution_provider: str
+    limits: Limits
+
+
+class EmbeddingService:
+    def __init__(
+        self,
+        model: ModelDir,
+        compute: Compute,
+        execution_provider: str,
+        settings: Settings,
+        *,
+        compute_executor: Executor | None = None,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        manifest = model.manifest
+        self.settings = settings
+        self.info = ServedModel(
+            model=model,
+            execution_provider=execution_provider,
+            limits=Limits(
+                vocab_size=manifest.vocab_size,
+                d_model=manifest.d_model,
+                model_name=manifest.name,
+                max_tokens_per_request=settings.max_tokens_per_request,
+                max_output_bytes_per_request=settings.max_output_bytes_per_request,
+            ),
+        )
+        self._own_executor = compute_executor is None
+        self._compute_executor = compute_executor or ThreadPoolExecutor(
+            max_workers=settings.max_concurrent_batches, thread_name_prefix="tokembed-compute"
+        )
+        self.offloader = Offloader(
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokembed-encode")
+        )
+        self.batcher = Batcher(
+            compute,
+            self._compute_executor,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_delay_s=settings.max_delay_s,
+            max_concurrent_batches=settings.max_concurrent_batches,
+            observer=observer,
+        )
+        self.admission = Admission(
+            max_queued_tokens=settings.max_queued_tokens,
+            max_inflight_output_bytes=settings.max_inflight_output_bytes,
+            queued_tokens=lambda: self.batcher.queued_tokens,
+        )
+        # Padded ragged answers fill with the padding id's row, as the model computes it.
+        pad = manifest.padding_idx
+        self._pad_row = (
+            compute(np.array([pad], dtype=np.int64))[0]
+            if pad is not None
+            else np.zeros(manifest.d_model, dtype=np.float32)
+        )
+        self.draining = False
+
+    async def embed(
+        self, request: EmbedInput, deadline: float | None
+    ) -> tuple[EmbedOutput, Ticket]:
+        """Serve one request. The caller releases the ticket once the answer is sent."""
+        if self.draining:
+            raise Unavailable("the server is draining; retry on another replica")
+        job = validate(request, self.info.limits)
+        ticket = self.admission.admit(job.tokens, job.output_bytes)
+        try:
+            result = await self.batcher.submit(job.ids, deadline)
+            hidden = await self.offloader.run(job.output_bytes, self._shape_answer, job, result)
+        except BaseException:
+            ticket.release()
+            raise
+        timings = Timings(
+            queue_s=result.queue_s,
+            compute_s=result.compute_s,
+            batch_requests=result.batch_requests,
+            batch_tokens=result.batch_tokens,
+        )
+        return EmbedOutput(hidden_states=hidden, lengths=job.lengths, timings=timings), ticket
+
+    def _shape_answer(self, job: EmbedJob, result: BatchResult) -> np.ndarray:
+        rows = result.rows
+        d_model = rows.shape[1]
+        if not job.ragged:
+            return _as_dtype(rows.reshape(job.batch, job.seq_len, d_model), job.output_dtype)
+        if job.layout == FLAT:
+            return _as_dtype(rows, job.output_dtype)
+        assert job.lengths is not None
+        padded = np.empty((job.batch, job.seq_len, d_model), dtype=job.output_dtype)
+        offset = 0
+        for index, length in enumerate(job.lengths):
+            padded[index, :length] = rows[offset : offset + length]
+            padded[index, length:] = self._pad_row
+            offset += length
+        return padded
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        if self._own_executor:
+            self._compute_executor.shutdown(wait=False)
+
+
+def _as_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    # Batch rows are a view into the batch's output; a float32 answer keeps that view
+    # (no copy), a float16 answer is a fresh, contiguous array.
+    return np.ascontiguousarray(array) if array.dtype == dtype else array.astype(dtype)

@@ -1,0 +1,311 @@
+"""The gRPC servicer: translate, call the data plane, translate back. Nothing else.
+
+Responses are returned as pre-encoded bytes (see ``wire.py``), so the method handlers
+are registered by hand with a serializer that passes bytes through; GetModelInfo still
+returns a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, NoReturn
+
+import grpc
+
+from tokembed.server import wire
+from tokembed.server.domain import EmbedOutput
+from tokembed.server.errors import EmbedError, Internal, Unavailable
+from tokembed.server.metrics import Metrics
+from tokembed.server.service import EmbeddingService
+from tokembed.server.status import status_of, trailing_metadata
+from tokembed.v1 import embedding_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "tokembed.v1.EmbeddingService"
+# EmbedStream answers in order but works ahead on up to this many requests at once.
+STREAM_WINDOW = 32
+
+
+class ServingState:
+    """Which service answers (None while the model loads) and whether we are draining."""
+
+    def __init__(self) -> None:
+        self.service: EmbeddingService | None = None
+        self.draining = False
+        self.active_requests = 0
+        self._idle: asyncio.Event | None = None
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count a request as in flight, so draining can wait for it."""
+        self.active_requests += 1
+        try:
+            yield
+        finally:
+            self.active_requests -= 1
+            if self.active_requests == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if ``timeout_s`` passed first."""
+        if self.active_requests == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def ready_service(self) -> EmbeddingService:
+        if self.draining:
+            raise Unavailable("the server is draining; retry on another replica")
+        if self.service is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        return self.service
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class EmbeddingServicer:
+    def __init__(self, state: ServingState, metrics: Metrics | None = None) -> None:
+        self._state = state
+        self._metrics = metrics
+
+    # --- RPCs
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> bytes:
+        started = time.perf_counter()
+        with self._inflight():
+            try:
+                service = self._state.ready_service()
+                output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
+                # The output bytes stay reserved until gRPC has sent them.
+                context.add_done_callback(lambda _: ticket.release())
+                payload = await self._encode(service, output, request.request_id, started)
+            except EmbedError as error:
+                await self._abort(context, "Embed", error, started)
+            except asyncio.CancelledError:
+                self._rejected("Embed", "cancelled", grpc.StatusCode.CANCELLED, started)
+                raise
+            except Exception as exc:
+                logger.exception("Embed failed")
+                await self._abort(context, "Embed", Internal(f"internal error: {exc}"), started)
+            self._succeeded("Embed", output, started)
+            return payload
+
+    async def EmbedStream(
+        self, request_iterator: AsyncIterator[pb.EmbedRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue(STREAM_WINDOW)
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    await answers.put(asyncio.ensure_future(self._stream_item(request, context)))
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.ensure_future(read_requests())
+        try:
+            while (task := await answers.get()) is not None:
+                yield await task
+            await reader  # surfaces a failure of the request stream itself
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                leftover = answers.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
+
+    async def EmbedChunked(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        started = time.perf_counter()
+        with self._inflight():
+            try:
+                service = self._state.ready_service()
+                output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
+            except EmbedError as error:
+                await self._abort(context, "EmbedChunked", error, started)
+            except asyncio.CancelledError:
+                self._rejected("EmbedChunked", "cancelled", grpc.StatusCode.CANCELLED, started)
+                raise
+            try:
+                array = output.hidden_states
+                metadata = self._metadata(service, output, request.request_id, started)
+                yield wire.encode_chunk_header(array, metadata)
+                flat = array.data.cast("B")
+                step = service.settings.stream_chunk_bytes
+                for offset in range(0, array.nbytes, step):
+                    yield wire.encode_chunk_data(flat[offset : offset + step])
+            except asyncio.CancelledError:
+                self._rejected("EmbedChunked", "cancelled", grpc.StatusCode.CANCELLED, started)
+                raise
+            finally:
+                ticket.release()
+            self._succeeded("EmbedChunked", output, started)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        started = time.perf_counter()
+        try:
+            service = self._state.ready_service()
+        except EmbedError as error:
+            await self._abort(context, "GetModelInfo", error, started)
+        info = service.info
+        manifest = info.model.manifest
+        settings = service.settings
+        answer = pb.ModelInfo(
+            name=manifest.name,
+            version=manifest.version,
+            vocab_size=manifest.vocab_size,
+            d_model=manifest.d_model,
+            scale=manifest.scale,
+            weight_dtype=manifest.weight_dtype,
+            input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
+            output_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16],
+            execution_provider=info.execution_provider,
+            limits=pb.Limits(
+                max_tokens_per_request=settings.max_tokens_per_request,
+                max_output_bytes_per_request=settings.max_output_bytes_per_request,
+                max_batch_tokens=settings.max_batch_tokens,
+                max_message_bytes=settings.max_message_bytes,
+                max_delay_seconds=settings.max_delay_s,
+            ),
+            model_sha256=info.model.model_sha256,
+        )
+        if manifest.padding_idx is not None:
+            answer.padding_id = manifest.padding_idx
+        self._count("GetModelInfo", grpc.StatusCode.OK, started)
+        return answer
+
+    # --- helpers
+
+    async def _stream_item(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        started = time.perf_counter()
+        try:
+            service = self._state.ready_service()
+            with self._inflight():
+                output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
+                try:
+                    payload = await self._encode(service, output, request.request_id, started)
+                finally:
+                    ticket.release()
+        except EmbedError as error:
+            code = status_of(error)
+            self._rejected("EmbedStream", error.reason, code, started, str(error))
+            return wire.encode_stream_error(code.value[0], str(error))
+        except asyncio.CancelledError:
+            self._rejected("EmbedStream", "cancelled", grpc.StatusCode.CANCELLED, started)
+            raise
+        except Exception as exc:
+            logger.exception("EmbedStream item failed")
+            code = grpc.StatusCode.INTERNAL
+            self._rejected("EmbedStream", "internal", code, started, str(exc))
+            return wire.encode_stream_error(code.value[0], f"internal error: {exc}")
+        self._succeeded("EmbedStream", output, started)
+        return wire.encode_stream_answer(payload)
+
+    def _metadata(
+        self, service: EmbeddingService, output: EmbedOutput, request_id: str, started: float
+    ) -> pb.EmbedResponse:
+        manifest = service.info.model.manifest
+        return wire.response_metadata(
+            output, manifest.name, manifest.version, request_id, time.perf_counter() - started
+        )
+
+    async def _encode(
+        self, service: EmbeddingService, output: EmbedOutput, request_id: str, started: float
+    ) -> bytes:
+        metadata = self._metadata(service, output, request_id, started)
+        encode_started = time.perf_counter()
+        array = output.hidden_states
+        payload = await service.offloader.run(array.nbytes, wire.encode_response, array, metadata)
+        if self._metrics is not None:
+            self._metrics.encode.observe(time.perf_counter() - encode_started)
+        return payload
+
+    @contextlib.contextmanager
+    def _inflight(self) -> Iterator[None]:
+        gauge = (
+            self._metrics.inflight.track_inprogress()
+            if self._metrics is not None
+            else contextlib.nullcontext()
+        )
+        with self._state.track(), gauge:
+            yield
+
+    def _count(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        if self._metrics is not None:
+            self._metrics.requests.labels(method=method, code=code.name).inc()
+            self._metrics.request_duration.labels(method=method).observe(
+                time.perf_counter() - started
+            )
+
+    def _succeeded(self, method: str, output: EmbedOutput, started: float) -> None:
+        self._count(method, grpc.StatusCode.OK, started)
+        array = output.hidden_states
+        if self._metrics is not None:
+            timings = output.timings
+            self._metrics.queue_wait.observe(timings.queue_s)
+            self._metrics.tokens.inc(
+                sum(output.lengths) if output.lengths else array.size // array.shape[-1]
+            )
+            self._metrics.output_bytes.inc(array.nbytes)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "%s ok shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d total=%.6fs",
+                method, list(array.shape), array.dtype, output.timings.queue_s,
+                output.timings.compute_s, output.timings.batch_requests,
+                output.timings.batch_tokens, time.perf_counter() - started,
+            )  # fmt: skip
+
+    def _rejected(
+        self, method: str, reason: str, code: grpc.StatusCode, started: float, message: str = ""
+    ) -> None:
+        self._count(method, code, started)
+        if self._metrics is not None:
+            self._metrics.rejections.labels(reason=reason).inc()
+        logger.warning("%s rejected (%s, %s): %s", method, reason, code.name, message)
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, method: str, error: EmbedError, started: float
+    ) -> NoReturn:
+        code = status_of(error)
+        self._rejected(method, error.reason, code, started, str(error))
+        await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
+        raise AssertionError("this is a bug: context.abort returned")
+
+
+def _serialize(response: bytes | Any) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed, pb.EmbedRequest.FromString, _serialize
+        ),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(
+            servicer.EmbedStream, pb.EmbedRequest.FromString, _serialize
+        ),
+        "EmbedChunked": grpc.unary_stream_rpc_method_handler(
+            servicer.EmbedChunked, pb.EmbedRequest.FromString, _serialize
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, pb.GetModelInfoRequest.FromString, _serialize
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

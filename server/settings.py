@@ -1,0 +1,196 @@
+"""Server settings: one definition gives the flag, the TOKEMBED_* variable and the help.
+
+Configuration enters here once (``Settings.from_args``) and is passed into the
+constructors; nothing else in the server reads ``os.environ``.
+Precedence: command-line flag, then environment variable, then default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tokembed.server.errors import ServerConfigError
+
+ENV_PREFIX = "TOKEMBED_"
+MiB = 1024 * 1024
+
+
+def _setting(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- model
+    model_dir: Path | None = _setting(
+        None,
+        "model directory to serve (model.onnx + manifest.json). Unset: the built-in default "
+        "model (V=32000, D=512, seed 0) in default_model_dir, exported there on first start",
+    )
+    default_model_dir: Path = _setting(
+        Path("models/default"),
+        "where the built-in default model lives when model_dir is unset",
+    )
+    # --- network
+    host: str = _setting("127.0.0.1", "gRPC bind address (0.0.0.0 exposes it to the network)")
+    port: int = _setting(50051, "gRPC port (0 picks a free one)")
+    metrics_host: str = _setting("127.0.0.1", "Prometheus /metrics bind address")
+    metrics_port: int = _setting(9464, "Prometheus /metrics port (0 picks a free one, -1 disables)")
+    # --- runtime
+    device: str = _setting(
+        "cpu",
+        "execution provider: cpu, cuda, or auto (cuda if it works, else cpu with a warning)",
+        choices=("cpu", "cuda", "auto"),
+    )
+    intra_op_threads: int = _setting(0, "onnxruntime intra-op threads (0: onnxruntime's default)")
+    inter_op_threads: int = _setting(0, "onnxruntime inter-op threads (0: onnxruntime's default)")
+    # --- batching
+    max_batch_tokens: int = _setting(16384, "a batch closes when it holds this many tokens")
+    max_delay_ms: float = _setting(
+        2.0, "while the runtime is busy, a batch waits at most this long for company"
+    )
+    max_concurrent_batches: int = _setting(1, "batches computing at the same time")
+    # --- limits and admission
+    max_tokens_per_request: int = _setting(65536, "tokens one request may carry")
+    max_output_bytes_per_request: int = _setting(
+        128 * MiB, "output bytes one request may ask for (sets the gRPC message limit too)"
+    )
+    max_queued_tokens: int = _setting(
+        262144, "tokens waiting for a batch; past it new requests get RESOURCE_EXHAUSTED at once"
+    )
+    max_inflight_output_bytes: int = _setting(
+        1024 * MiB, "output bytes of all admitted, unfinished requests; past it RESOURCE_EXHAUSTED"
+    )
+    stream_chunk_bytes: int = _setting(MiB, "slice size of EmbedChunked answers")
+    # --- lifecycle and logs
+    grace_s: float = _setting(10.0, "on SIGTERM/SIGINT, time in-flight requests get to finish")
+    log_level: str = _setting(
+        "info", "debug, info, warning or error", choices=("debug", "info", "warning", "error")
+    )
+    log_format: str = _setting(
+        "text", "text or json (one object per line)", choices=("text", "json")
+    )
+    workers: int = _setting(1, "server processes sharing the port through SO_REUSEPORT")
+    # --- security
+    tls_cert: Path | None = _setting(None, "PEM certificate chain: serve TLS on the gRPC port")
+    tls_key: Path | None = _setting(None, "PEM private key for tls_cert")
+    tls_client_ca: Path | None = _setting(
+        None, "PEM CA bundle: require client certificates signed by it (mutual TLS)"
+    )
+    auth_token_file: Path | None = _setting(
+        None, "file holding a bearer token; every RPC but health checks must present it"
+    )
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_delay_ms / 1000.0
+
+    @property
+    def max_message_bytes(self) -> int:
+        """gRPC message limit: the largest output plus room for the envelope."""
+        return self.max_output_bytes_per_request + MiB
+
+    def validate(self) -> Settings:
+        positive = (
+            "max_batch_tokens",
+            "max_tokens_per_request",
+            "max_output_bytes_per_request",
+            "max_queued_tokens",
+            "max_inflight_output_bytes",
+            "stream_chunk_bytes",
+            "max_concurrent_batches",
+            "workers",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ServerConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_delay_ms", "grace_s", "intra_op_threads", "inter_op_threads"):
+            if getattr(self, name) < 0:
+                raise ServerConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ServerConfigError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ServerConfigError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ServerConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.workers > 1 and self.port == 0:
+            raise ServerConfigError("workers > 1 needs a fixed port to share")
+        return self
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes).validate()
+
+    # --- construction from the command line and the environment
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for spec in fields(cls):
+            flag = "--" + spec.name.replace("_", "-")
+            env = ENV_PREFIX + spec.name.upper()
+            kind = _value_type(spec.type)
+            parser.add_argument(
+                flag,
+                dest=spec.name,
+                type=kind,
+                default=None,
+                choices=spec.metadata.get("choices"),
+                metavar=spec.name.upper() if kind is not bool else None,
+                help=f"{spec.metadata['help']} [env {env}; default {spec.default}]",
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            given = getattr(args, spec.name, None)
+            if given is None:
+                raw = environ.get(ENV_PREFIX + spec.name.upper())
+                if raw is None or raw == "":
+                    continue
+                given = _parse_env(
+                    spec.name, raw, _value_type(spec.type), spec.metadata.get("choices")
+                )
+            values[spec.name] = given
+        return cls(**values).validate()
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str]) -> Settings:
+        """For tests and embedding: the same parsing ``tokembed serve`` does."""
+        parser = argparse.ArgumentParser()
+        cls.add_arguments(parser)
+        return cls.from_args(parser.parse_args(list(argv)), os.environ)
+
+    def describe(self) -> dict[str, Any]:
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+
+
+def _value_type(annotation: object) -> type:
+    text = str(annotation)
+    if "Path" in text:
+        return Path
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    if text.startswith("bool"):
+        return bool
+    return str
+
+
+def _parse_env(name: str, raw: str, kind: type, choices: Sequence[str] | None) -> Any:
+    env = ENV_PREFIX + name.upper()
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ServerConfigError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+    if choices is not None and value not in choices:
+        raise ServerConfigError(f"{env}={raw!r} is not one of {list(choices)}")
+    return value

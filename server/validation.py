@@ -1,0 +1,127 @@
+"""Validation before batching: a bad request fails alone, with a message naming the value.
+
+It runs before a request can join a batch, so it never fails its batch-mates. It also
+checks ids against V itself: onnxruntime's CPU Gather silently wraps -1 to the last
+row and its CUDA Gather writes zeros for ids out of range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedJob
+from tokembed.server.errors import InvalidInput, ModelNotFound, TooLarge
+
+_ID_DTYPES: dict[str, np.dtype[Any]] = {"int64": np.dtype("<i8"), "int32": np.dtype("<i4")}
+_OUTPUT_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    d_model: int
+    model_name: str
+    max_tokens_per_request: int
+    max_output_bytes_per_request: int
+
+
+def validate(request: EmbedInput, limits: Limits) -> EmbedJob:
+    if request.model_name and request.model_name != limits.model_name:
+        raise ModelNotFound(
+            f"model {request.model_name!r} is not served here (this server serves "
+            f"{limits.model_name!r})"
+        )
+    id_dtype = _ID_DTYPES.get(request.ids_dtype)
+    if id_dtype is None:
+        raise InvalidInput(
+            f"input_ids dtype {request.ids_dtype} is not supported; send int64 or int32"
+        )
+    output_dtype = _OUTPUT_DTYPES.get(request.output_dtype)
+    if output_dtype is None:
+        raise InvalidInput(
+            f"output_dtype {request.output_dtype} is not supported; ask for float32 or float16"
+        )
+    if request.layout not in (PADDED, FLAT):
+        raise InvalidInput(f"ragged_layout {request.layout} is not supported; use PADDED or FLAT")
+
+    shape = request.shape
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"input_ids shape {list(shape)} has a negative dimension")
+    if request.lengths:
+        batch, seq_len, tokens = _ragged_geometry(shape, request.lengths)
+    else:
+        if len(shape) != 2:
+            raise InvalidInput(
+                f"input_ids shape {list(shape)} must be [B, S] (or [N] with lengths for ragged "
+                "input)"
+            )
+        batch, seq_len = shape
+        tokens = batch * seq_len
+        if tokens == 0:
+            raise InvalidInput(f"input_ids shape {list(shape)} is empty; send at least one id")
+    # Python ints: a huge declared shape cannot overflow into a plausible size.
+    expected_bytes = tokens * id_dtype.itemsize
+    if len(request.data) != expected_bytes:
+        raise InvalidInput(
+            f"input_ids data is {len(request.data)} bytes, but shape {list(shape)} of "
+            f"{request.ids_dtype} needs {expected_bytes}"
+        )
+    if tokens > limits.max_tokens_per_request:
+        raise TooLarge(
+            f"request has {tokens} tokens, over the limit of {limits.max_tokens_per_request} "
+            "per request; split it"
+        )
+    layout = request.layout if request.lengths else PADDED
+    rows = batch * seq_len if layout == PADDED else tokens
+    output_bytes = rows * limits.d_model * output_dtype.itemsize
+    if output_bytes > limits.max_output_bytes_per_request:
+        raise TooLarge(
+            f"response would be {output_bytes} bytes ({rows} rows x {limits.d_model} x "
+            f"{output_dtype.name}), over the limit of {limits.max_output_bytes_per_request} "
+            "bytes per request; split it or ask for float16"
+        )
+
+    ids = np.frombuffer(request.data, dtype=id_dtype)
+    _check_vocabulary(ids, shape, limits.vocab_size)
+    return EmbedJob(
+        ids=np.ascontiguousarray(ids, dtype=np.int64),
+        batch=batch,
+        seq_len=seq_len,
+        lengths=tuple(request.lengths) if request.lengths else None,
+        output_dtype=output_dtype,
+        layout=layout,
+        output_bytes=output_bytes,
+        request_id=request.request_id,
+    )
+
+
+def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, int]:
+    if len(shape) != 1:
+        raise InvalidInput(
+            f"input_ids shape {list(shape)} must be [N] (flat) when lengths are given"
+        )
+    for index, length in enumerate(lengths):
+        if length <= 0:
+            raise InvalidInput(f"lengths[{index}] = {length}; every sequence needs >= 1 id")
+    total = sum(lengths)
+    if total != shape[0]:
+        raise InvalidInput(
+            f"lengths sum to {total}, but input_ids holds {shape[0]} ids (shape {list(shape)})"
+        )
+    return len(lengths), max(lengths), total
+
+
+def _check_vocabulary(ids: np.ndarray, shape: tuple[int, ...], vocab_size: int) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        first = int(bad[0])
+        where = list(np.unravel_index(first, shape)) if len(shape) == 2 else [first]
+        index = ",".join(str(int(i)) for i in where)
+        more = f" ({bad.size} ids in all)" if bad.size > 1 else ""
+        raise InvalidInput(
+            f"input_ids[{index}] = {int(ids[first])} is outside the vocabulary [0, {vocab_size})"
+            f"{more}"
+        )
