@@ -1,0 +1,35 @@
+"""The wire contract with plain generated stubs: any protobuf/gRPC client can call us."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tokembed.v1 import embedding_pb2 as pb
+from tokembed.v1 import embedding_pb2_grpc
+
+from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V
+from support.models import reference_rows
+
+
+def test_design_example_with_generated_stubs(default_model_dir: Path, start_server: Any) -> None:
+    server = start_server(default_model_dir)
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], dtype=np.int64)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        reply = stub.Embed(
+            pb.EmbedRequest(
+                input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 8], data=ids.tobytes())
+            ),
+            timeout=10,
+        )
+    assert list(reply.hidden_states.shape) == [1, 8, 512]
+    assert reply.hidden_states.dtype == pb.DTYPE_FLOAT32
+    got = np.frombuffer(reply.hidden_states.data, dtype="<f4").reshape(1, 8, 512)
+    want = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[ids]
+    np.testing.assert_array_equal(got, want)
+    assert reply.model_name == "tokembed-default"
+    assert reply.timings.batch_tokens >= 8

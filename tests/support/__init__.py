@@ -1,0 +1,1 @@
+"""Shared test support: small models, the real server in a thread or a process."""
