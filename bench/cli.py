@@ -1,0 +1,67 @@
+"""``tokembed bench``: measure the service against its floor and ceiling, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark the service against bare gRPC (floor) and in-process onnxruntime",
+        description=(
+            "Starts the floor (a bare gRPC endpoint answering same-sized payloads), the "
+            "service with and without batching, and an in-process onnxruntime session, and "
+            "measures them side by side. Writes a markdown table and PNG plots."
+        ),
+    )
+    parser.add_argument("--quick", action="store_true", help="a small plan (< 2 minutes)")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"),
+                        help="where the table and plots go (default docs/benchmarks)")  # fmt: skip
+    parser.add_argument("--cache-dir", type=Path, default=Path("models/bench"),
+                        help="where the bench models are exported once and reused")  # fmt: skip
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--duration-s", type=float, default=None, help="seconds per cell")
+    parser.add_argument("--name", default=None, help="file name stem (default bench or quick)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from tokembed.bench import harness, report
+
+    plan = harness.QUICK if args.quick else harness.FULL
+    if args.duration_s is not None:
+        plan = dataclasses.replace(plan, duration_s=args.duration_s)
+    started = time.perf_counter()
+    results = harness.run_plan(plan, args.cache_dir, device=args.device)
+    targets = report.evaluate_targets(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or ("quick" if args.quick else "bench") + (
+        "-cuda" if args.device == "cuda" else ""
+    )
+    command = (
+        "tokembed " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        if len(sys.argv) > 1
+        else "tokembed bench"
+    )
+    command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    table = report.markdown(results, targets, command.strip())
+    (args.out / f"{stem}.md").write_text(table, encoding="utf-8")
+    written = report.plots(results, args.out) if not args.quick else []
+    print()
+    for target in targets:
+        measured = "n/a" if target.measured is None else f"{target.measured:.2f}"
+        print(f"{target.verdict:12s} {measured:>6s} (wanted {target.wanted}) {target.name}")
+    print(f"\nwrote {args.out / f'{stem}.md'}" + "".join(f", {p}" for p in written)
+          + f" in {time.perf_counter() - started:.0f} s")  # fmt: skip
+    errors = sum(c.run.errors for c in results.cells)
+    if errors:
+        print(f"{errors} requests failed during the run (see the errors column)", file=sys.stderr)
+        return 1
+    return 0

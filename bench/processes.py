@@ -1,0 +1,82 @@
+"""Child processes the harness starts: the service (``tokembed serve``) and the floor."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+_SERVICE_PORT = re.compile(r"listening on \S+:(\d+) \(gRPC")
+_FLOOR_PORT = re.compile(r"floor listening on \S+:(\d+)")
+
+
+class Child:
+    """A child process whose port (and readiness) are read from its output."""
+
+    def __init__(self, args: Sequence[str], port_pattern: re.Pattern[str], ready_text: str) -> None:
+        self.args = list(args)
+        self._port_pattern = port_pattern
+        self._ready_text = ready_text
+        self.port = 0
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 180) -> Child:
+        self.process = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout_s):
+            self.stop()
+            raise RuntimeError(f"{self.args[:4]} did not start:\n{''.join(self.lines[-20:])}")
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            if len(self.lines) < 1000:
+                self.lines.append(line)
+            if match := self._port_pattern.search(line):
+                self.port = int(match.group(1))
+            if self._ready_text in line and self.port:
+                self._ready.set()
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def __enter__(self) -> Child:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+
+
+def service(model_dir: str, *extra: str) -> Child:
+    args = [sys.executable, "-m", "tokembed.cli", "serve", "--model-dir", model_dir,
+            "--port", "0", "--metrics-port", "-1", "--log-level", "info", *extra]  # fmt: skip
+    return Child(args, _SERVICE_PORT, "serving model")
+
+
+def floor(d_model: int) -> Child:
+    args = [sys.executable, "-m", "tokembed.bench.floor", "--port", "0", "--d-model", str(d_model)]
+    return Child(args, _FLOOR_PORT, "floor listening")

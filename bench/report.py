@@ -1,0 +1,234 @@
+"""The benchmark's outputs: the targets, a markdown table, PNG plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokembed.bench.harness import Cell, Results
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    wanted: str
+    measured: float | None  # the ratio (or bytes for the RSS bound)
+    threshold: float
+    higher_is_better: bool
+    detail: str
+
+    @property
+    def met(self) -> bool | None:
+        if self.measured is None or math.isnan(self.measured):
+            return None
+        if self.higher_is_better:
+            return self.measured >= self.threshold
+        return self.measured <= self.threshold
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "MISSED", None: "not measured"}[self.met]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) and not math.isnan(a) else float("nan")
+
+
+def evaluate_targets(results: Results) -> list[Target]:
+    d = 512
+    find = results.find
+    targets: list[Target] = []
+
+    floor_tiny_1 = find("floor", "tiny", d, "float32", 1)
+    svc_tiny_1 = find("service-sync", "tiny", d, "float32", 1)
+    targets.append(_target(
+        "tiny [1,8], concurrency 1: service p50 / floor p50", "<= 1.25", 1.25, False,
+        svc_tiny_1, floor_tiny_1, lambda c: c.run.percentile_ms(50), "ms p50",
+    ))  # fmt: skip
+
+    floor_tiny_64 = find("floor", "tiny", d, "float32", 64)
+    best_64 = _best(results, "tiny", d, "float32", 64, ("service-async", "service-sync"))
+    targets.append(_target(
+        "tiny [1,8], concurrency 64: service req/s / floor req/s", ">= 0.85", 0.85, True,
+        best_64, floor_tiny_64, lambda c: c.run.rps, "req/s",
+    ))  # fmt: skip
+
+    large_c = min(c for c in results.plan.concurrencies)
+    floor_large = find("floor", "large", d, "float32", large_c)
+    svc_large = _best(results, "large", d, "float32", large_c, ("service-sync", "service-async"))
+    targets.append(_target(
+        f"large [32,512] float32, concurrency {large_c}: service unary MB/s / floor MB/s",
+        ">= 0.9", 0.9, True, svc_large, floor_large, lambda c: c.mb_per_s, "MB/s",
+    ))  # fmt: skip
+
+    chunked = find("service-chunked", "large", d, "float32", large_c)
+    targets.append(_target(
+        f"large [32,512] float32, concurrency {large_c}: chunked stream MB/s / floor unary MB/s",
+        ">= 1.4", 1.4, True, chunked, floor_large, lambda c: c.mb_per_s, "MB/s",
+    ))  # fmt: skip
+
+    best16 = _best(results, "large", d, "float16", large_c,
+                   ("service-chunked", "service-sync", "service-async"))  # fmt: skip
+    best32 = _best(results, "large", d, "float32", large_c,
+                   ("service-chunked", "service-sync", "service-async"))  # fmt: skip
+    targets.append(_target(
+        f"large [32,512], concurrency {large_c}: float16 tokens/s / float32 tokens/s",
+        ">= 1.8", 1.8, True, best16, best32, lambda c: c.tokens_per_s, "tokens/s",
+    ))  # fmt: skip
+
+    targets.append(_rss_target(results, d))
+    return targets
+
+
+def _best(results: Results, workload: str, d: int, dtype: str, concurrency: int,
+          names: tuple[str, ...]) -> Cell | None:  # fmt: skip
+    cells = [results.find(n, workload, d, dtype, concurrency) for n in names]
+    present = [c for c in cells if c is not None and c.run.requests]
+    return max(present, key=lambda c: c.run.rps) if present else None
+
+
+def _target(
+    name: str,
+    wanted: str,
+    threshold: float,
+    higher: bool,
+    ours: Cell | None,
+    ref: Cell | None,
+    metric: Callable[[Cell], float],
+    unit: str,
+) -> Target:
+    if ours is None or ref is None:
+        return Target(name, wanted, None, threshold, higher, "not in this run's plan")
+    a, b = metric(ours), metric(ref)
+    detail = f"{ours.target} {a:,.3f} vs {ref.target} {b:,.3f} {unit}"
+    return Target(name, wanted, _ratio(a, b), threshold, higher, detail)
+
+
+def _rss_target(results: Results, d: int) -> Target:
+    name = "server peak RSS under load <= weights + 2 x in-flight output + 150 MB"
+    loaded = [
+        c
+        for c in results.cells
+        if c.d_model == d and c.target.startswith("service") and c.server_peak_rss_bytes
+    ]
+    if not loaded or d not in results.weights_bytes:
+        return Target(name, "<= 1.0 of the bound", None, 1.0, False, "not measured")
+    worst = max(loaded, key=lambda c: c.server_peak_rss_bytes / _rss_bound(results, c))
+    bound = _rss_bound(results, worst)
+    detail = (
+        f"worst cell {worst.target} {worst.workload} {worst.dtype} c={worst.concurrency}: "
+        f"{worst.server_peak_rss_bytes / MB:,.0f} MB vs bound {bound / MB:,.0f} MB"
+    )
+    return Target(
+        name, "<= 1.0 of the bound", worst.server_peak_rss_bytes / bound, 1.0, False, detail
+    )
+
+
+def _rss_bound(results: Results, cell: Cell) -> float:
+    # The server holds a whole answer per request in flight: at most `concurrency` of them.
+    inflight = cell.concurrency * cell.bytes_per_request
+    return results.weights_bytes[cell.d_model] + 2 * inflight + 150 * MB
+
+
+def markdown(results: Results, targets: list[Target], command: str) -> str:
+    lines = [
+        "# tokembed benchmark",
+        "",
+        f"Command: `{command}`  ",
+        "Machine: " + ", ".join(f"{k}={v}" for k, v in results.environment.items()) + "  ",
+        "All figures from one run, side by side; ratios are what to read (the machine is "
+        "shared and absolute timings drift).",
+        "",
+        "## Targets",
+        "",
+        "| target | wanted | measured | verdict | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for t in targets:
+        measured = "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
+        lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
+    lines += [
+        "",
+        "## All cells",
+        "",
+        "| target | workload | D | dtype | conc | req/s | tokens/s | MB/s | p50 ms | p99 ms "
+        "| server CPU ms/req | server peak RSS MB | errors | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in results.cells:
+        cpu = (
+            ""
+            if math.isnan(c.server_cpu_s_per_request)
+            else f"{c.server_cpu_s_per_request * 1000:.3f}"
+        )
+        rss = f"{c.server_peak_rss_bytes / MB:,.0f}" if c.server_peak_rss_bytes else ""
+        lines.append(
+            f"| {c.target} | {c.workload} {c.shape} | {c.d_model} | {c.dtype} | {c.concurrency} "
+            f"| {c.run.rps:,.1f} | {c.tokens_per_s:,.0f} | {c.mb_per_s:,.1f} "
+            f"| {c.run.percentile_ms(50):.3f} | {c.run.percentile_ms(99):.3f} | {cpu} | {rss} "
+            f"| {c.run.errors} | {c.notes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: Results, out_dir: Path) -> list[Path]:
+    """Latency against concurrency, throughput against payload size (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written: list[Path] = []
+    d = min(results.weights_bytes) if results.weights_bytes else 512
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for target in ("floor", "service-sync", "service-async", "no-batching"):
+        cells = sorted(
+            (
+                c
+                for c in results.cells
+                if c.target == target
+                and c.workload == "tiny"
+                and c.d_model == d
+                and c.dtype == "float32"
+            ),
+            key=lambda c: c.concurrency,
+        )
+        if cells:
+            ax.plot([c.concurrency for c in cells], [c.run.percentile_ms(50) for c in cells],
+                    marker="o", label=f"{target} p50")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("latency, ms (tiny [1,8])")
+    ax.set_title(f"Latency against concurrency, D={d}")
+    ax.legend()
+    path = out_dir / "latency_vs_concurrency.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for target in ("floor", "service-sync", "service-chunked", "ceiling"):
+        cells = sorted((c for c in results.cells if c.target == target and c.concurrency == 1
+                        and c.dtype == "float32"), key=lambda c: c.bytes_per_request)  # fmt: skip
+        if cells:
+            ax.plot([c.bytes_per_request / MB for c in cells], [c.mb_per_s for c in cells],
+                    marker="o", label=target)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("answer size, MB")
+    ax.set_ylabel("throughput, MB/s (concurrency 1)")
+    ax.set_title("Throughput against payload size")
+    ax.legend()
+    path = out_dir / "throughput_vs_payload.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    return written
