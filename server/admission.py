@@ -34,7 +34,10 @@ class Admission:
     def admit(self, tokens: int, output_bytes: int) -> Ticket:
         """Reserve room for one request or raise ``Overloaded``; release the ticket after."""
         queued = self._queued_tokens()
-        if queued + tokens > self._max_queued_tokens:
+        # Fix: as for bytes below, a request alone in an empty queue is always admitted;
+        # otherwise one larger than max_queued_tokens (but within max_tokens_per_request)
+        # got "overloaded, retry" forever.
+        if queued and queued + tokens > self._max_queued_tokens:
             raise Overloaded(
                 f"server overloaded: {queued} tokens queued, {tokens} more would pass the "
                 f"limit of {self._max_queued_tokens}; retry with backoff"

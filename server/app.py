@@ -29,6 +29,7 @@ from tokembed.export.model_dir import ModelDir, load_model_dir
 from tokembed.server.auth import BearerTokenInterceptor, read_token
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
+from tokembed.server.memory import tune_malloc
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
 from tokembed.server.runtime import EmbeddingRuntime, RuntimeOptions
 from tokembed.server.service import EmbeddingService
@@ -161,7 +162,7 @@ class TokembedServer:
         manifest = loaded.model.manifest
         service = EmbeddingService(
             loaded.model, loaded.runtime.run, loaded.runtime.provider, self.settings,
-            observer=self.metrics,
+            observer=self.metrics, to_float16=loaded.runtime.to_float16,
         )  # fmt: skip
         self.metrics.track_queue(lambda: service.batcher.queued_tokens)
         self.metrics.inflight_output_bytes.set_function(
@@ -239,6 +240,7 @@ class TokembedServer:
 
 async def serve(settings: Settings) -> int:
     """``tokembed serve``: run until SIGTERM/SIGINT, then drain and return 0."""
+    tune_malloc(settings.malloc_mmap_threshold_bytes)
     server = TokembedServer(settings)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()

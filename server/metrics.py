@@ -2,7 +2,7 @@
 
 Prefix ``tokembed_``, base units in the names. Metrics live on a registry that is passed
 in, never the global one, so tests and several servers in one process do not collide.
-The README's metrics table documents each one; keep the two in step.
+docs/metrics.md documents each one (type, labels, meaning); keep the two in step.
 """
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 # Sub-millisecond resolution: a tiny look-up is ~10 µs and a round trip ~0.6 ms here.
 LATENCY_BUCKETS_S = (
@@ -20,6 +28,9 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 BATCH_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 16384, 32768, 65536, 262144)
+
+# The RPCs of tokembed.v1.EmbeddingService, as they appear in the `method` label.
+RPC_METHODS = ("Embed", "EmbedStream", "EmbedChunked", "GetModelInfo")
 
 # Reasons a request is refused or dropped, as they appear in tokembed_rejections_total.
 REJECTION_REASONS = (
@@ -126,9 +137,18 @@ class Metrics:
             registry=registry,
         )
         if process_collector:
+            # CPU seconds, resident memory, open file descriptors (Linux /proc), plus the
+            # interpreter's version and garbage collections, as the global registry has.
             ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        # Series that exist from the start at 0, so that rate() and increase() count the
+        # first events after a (re)start: a series born at 37 shows no increase at all.
+        for method in RPC_METHODS:
+            self.requests.labels(method=method, code="OK")
+            self.request_duration.labels(method=method)
         for reason in REJECTION_REASONS:
-            self.rejections.labels(reason=reason)  # so rate() sees a 0 before the first
+            self.rejections.labels(reason=reason)
 
     # --- the batcher's observer
 

@@ -25,7 +25,7 @@ CUDA = "CUDAExecutionProvider"
 @dataclass(frozen=True)
 class RuntimeOptions:
     device: str = "cpu"
-    intra_op_threads: int = 0
+    intra_op_threads: int = 1
     inter_op_threads: int = 0
 
 
@@ -40,6 +40,13 @@ class EmbeddingRuntime:
         self.d_model = manifest.d_model
         self.session = _create_session(model, options)
         self.provider = self.session.get_providers()[0]
+        self._caster = _float16_caster(options)
+
+    def to_float16(self, rows: np.ndarray) -> np.ndarray:
+        """float32 -> float16, round to nearest even, as numpy's ``astype`` does; onnxruntime's
+        Cast is vectorised (8.5 ms for 33.5 MB here, against 25-44 ms for ``astype``)."""
+        output = self._caster.run(None, {"x": rows})[0]
+        return output  # type: ignore[no-any-return]
 
     def run(self, ids: np.ndarray) -> np.ndarray:
         """``ids``: int64 [N]. Returns float32 [N, D], a fresh array the caller owns."""
@@ -60,10 +67,36 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
-def _create_session(model: ModelDir, options: RuntimeOptions) -> ort.InferenceSession:
+def _session_options(options: RuntimeOptions) -> ort.SessionOptions:
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = options.intra_op_threads
     session_options.inter_op_num_threads = options.inter_op_threads
+    # Idle onnxruntime threads spin by default, burning the cores gRPC needs.
+    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session_options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return session_options
+
+
+def _float16_caster(options: RuntimeOptions) -> ort.InferenceSession:
+    """A one-node graph, Cast(float32 -> float16), for float16 answers (always on CPU:
+    the rows are on the CPU by the time they are cast)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)],
+        "tokembed_float16_cast",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return ort.InferenceSession(
+        model.SerializeToString(), _session_options(options), providers=[CPU]
+    )
+
+
+def _create_session(model: ModelDir, options: RuntimeOptions) -> ort.InferenceSession:
+    session_options = _session_options(options)
     # The graph is one Gather and one Mul; nothing to fuse, and a fixed graph keeps the
     # float32 results bit-identical to the export-time parity check.
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC

@@ -63,6 +63,7 @@ class EmbeddingService:
         *,
         compute_executor: Executor | None = None,
         observer: BatchObserver | None = None,
+        to_float16: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         manifest = model.manifest
         self.settings = settings
@@ -77,6 +78,7 @@ class EmbeddingService:
                 max_output_bytes_per_request=settings.max_output_bytes_per_request,
             ),
         )
+        self._to_float16 = to_float16 or (lambda rows: rows.astype(np.float16))
         self._own_executor = compute_executor is None
         self._compute_executor = compute_executor or ThreadPoolExecutor(
             max_workers=settings.max_concurrent_batches, thread_name_prefix="tokembed-compute"
@@ -90,6 +92,7 @@ class EmbeddingService:
             max_batch_tokens=settings.max_batch_tokens,
             max_delay_s=settings.max_delay_s,
             max_concurrent_batches=settings.max_concurrent_batches,
+            inline_max_tokens=settings.inline_compute_max_tokens,
             observer=observer,
         )
         self.admission = Admission(
@@ -132,25 +135,27 @@ class EmbeddingService:
         rows = result.rows
         d_model = rows.shape[1]
         if not job.ragged:
-            return _as_dtype(rows.reshape(job.batch, job.seq_len, d_model), job.output_dtype)
+            return self._as_dtype(rows, job.output_dtype).reshape(job.batch, job.seq_len, d_model)
         if job.layout == FLAT:
-            return _as_dtype(rows, job.output_dtype)
+            return self._as_dtype(rows, job.output_dtype)
         assert job.lengths is not None
+        rows = self._as_dtype(rows, job.output_dtype)
         padded = np.empty((job.batch, job.seq_len, d_model), dtype=job.output_dtype)
         offset = 0
         for index, length in enumerate(job.lengths):
             padded[index, :length] = rows[offset : offset + length]
-            padded[index, length:] = self._pad_row
+            padded[index, length:] = self._pad_row.astype(job.output_dtype)
             offset += length
         return padded
+
+    def _as_dtype(self, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        # float32 answers keep the view into the batch's output (no copy); float16 ones
+        # are a fresh, contiguous array.
+        if rows.dtype == dtype:
+            return np.ascontiguousarray(rows)
+        return self._to_float16(np.ascontiguousarray(rows))
 
     async def close(self) -> None:
         await self.batcher.close()
         if self._own_executor:
             self._compute_executor.shutdown(wait=False)
-
-
-def _as_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    # Batch rows are a view into the batch's output; a float32 answer keeps that view
-    # (no copy), a float16 answer is a fresh, contiguous array.
-    return np.ascontiguousarray(array) if array.dtype == dtype else array.astype(dtype)

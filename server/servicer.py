@@ -94,7 +94,7 @@ class EmbeddingServicer:
             except EmbedError as error:
                 await self._abort(context, "Embed", error, started)
             except asyncio.CancelledError:
-                self._rejected("Embed", "cancelled", grpc.StatusCode.CANCELLED, started)
+                self._gone(context, "Embed", started)
                 raise
             except Exception as exc:
                 logger.exception("Embed failed")
@@ -137,7 +137,7 @@ class EmbeddingServicer:
             except EmbedError as error:
                 await self._abort(context, "EmbedChunked", error, started)
             except asyncio.CancelledError:
-                self._rejected("EmbedChunked", "cancelled", grpc.StatusCode.CANCELLED, started)
+                self._gone(context, "EmbedChunked", started)
                 raise
             try:
                 array = output.hidden_states
@@ -148,7 +148,7 @@ class EmbeddingServicer:
                 for offset in range(0, array.nbytes, step):
                     yield wire.encode_chunk_data(flat[offset : offset + step])
             except asyncio.CancelledError:
-                self._rejected("EmbedChunked", "cancelled", grpc.StatusCode.CANCELLED, started)
+                self._gone(context, "EmbedChunked", started)
                 raise
             finally:
                 ticket.release()
@@ -208,7 +208,7 @@ class EmbeddingServicer:
             self._rejected("EmbedStream", error.reason, code, started, str(error))
             return wire.encode_stream_error(code.value[0], str(error))
         except asyncio.CancelledError:
-            self._rejected("EmbedStream", "cancelled", grpc.StatusCode.CANCELLED, started)
+            self._gone(context, "EmbedStream", started)
             raise
         except Exception as exc:
             logger.exception("EmbedStream item failed")
@@ -270,6 +270,7 @@ class EmbeddingServicer:
                 method, list(array.shape), array.dtype, output.timings.queue_s,
                 output.timings.compute_s, output.timings.batch_requests,
                 output.timings.batch_tokens, time.perf_counter() - started,
+                extra={"method": method, "code": "OK"},
             )  # fmt: skip
 
     def _rejected(
@@ -278,7 +279,22 @@ class EmbeddingServicer:
         self._count(method, code, started)
         if self._metrics is not None:
             self._metrics.rejections.labels(reason=reason).inc()
-        logger.warning("%s rejected (%s, %s): %s", method, reason, code.name, message)
+        logger.warning(
+            "%s rejected (%s, %s): %s", method, reason, code.name, message,
+            extra={"method": method, "reason": reason, "code": code.name},
+        )  # fmt: skip
+
+    def _gone(self, context: grpc.aio.ServicerContext, method: str, started: float) -> None:
+        """The handler was cancelled: the caller went away, or its deadline passed.
+
+        gRPC cancels the handler in both cases; only the time left tells them apart.
+        """
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            self._rejected(method, "deadline_exceeded", code, started, "deadline passed")
+        else:
+            self._rejected(method, "cancelled", grpc.StatusCode.CANCELLED, started, "caller left")
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, method: str, error: EmbedError, started: float

@@ -78,6 +78,8 @@ class ServerThread:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
 
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+) \(gRPC")
