@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
@@ -48,6 +49,9 @@ class LoadedModel:
     model: ModelDir
     runtime: EmbeddingRuntime
     warm_up_s: float
+    # What padded positions of ragged answers hold: the padding id's row as the model
+    # computes it, zeros when the model has no padding id.
+    pad_row: np.ndarray
 
 
 ModelLoader = Callable[[Settings], LoadedModel]
@@ -70,7 +74,14 @@ def load_model(settings: Settings) -> LoadedModel:
             inter_op_threads=settings.inter_op_threads,
         ),
     )
-    return LoadedModel(model=model, runtime=runtime, warm_up_s=runtime.warm_up())
+    warm_up_s = runtime.warm_up()
+    padding_id = model.manifest.padding_idx
+    pad_row = (
+        runtime.run(np.array([padding_id], dtype=np.int64))[0]
+        if padding_id is not None
+        else np.zeros(model.manifest.d_model, dtype=np.float32)
+    )
+    return LoadedModel(model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row)
 
 
 class TokembedServer:
@@ -162,7 +173,7 @@ class TokembedServer:
         manifest = loaded.model.manifest
         service = EmbeddingService(
             loaded.model, loaded.runtime.run, loaded.runtime.provider, self.settings,
-            observer=self.metrics, to_float16=loaded.runtime.to_float16,
+            observer=self.metrics, to_float16=loaded.runtime.to_float16, pad_row=loaded.pad_row,
         )  # fmt: skip
         self.metrics.track_queue(lambda: service.batcher.queued_tokens)
         self.metrics.inflight_output_bytes.set_function(

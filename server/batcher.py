@@ -129,6 +129,9 @@ class Batcher:
         started = time.monotonic()
         try:
             rows = self._compute(ids)
+            # Fix: the same check as _run_batch; a short answer must not reach the caller.
+            if rows.shape[0] != ids.size:
+                raise RuntimeError(f"compute returned {rows.shape[0]} rows for {ids.size} ids")
         except Exception as exc:
             logger.exception("look-up failed for a batch of 1 request")
             raise Internal(f"the look-up failed: {exc}") from exc

@@ -23,14 +23,19 @@ from prometheus_client import (
 
 # Sub-millisecond resolution: a tiny look-up is ~10 µs and a round trip ~0.6 ms here.
 LATENCY_BUCKETS_S = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 BATCH_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 16384, 32768, 65536, 262144)
 
-# The RPCs of tokembed.v1.EmbeddingService, as they appear in the `method` label.
+# The RPCs of tokembed.v1.EmbeddingService, as they appear in the `method` label, and
+# the gRPC status codes the server answers with (status.py's table, plus OK).
 RPC_METHODS = ("Embed", "EmbedStream", "EmbedChunked", "GetModelInfo")
+RPC_CODES = (
+    "OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE",
+)  # fmt: skip
 
 # Reasons a request is refused or dropped, as they appear in tokembed_rejections_total.
 REJECTION_REASONS = (
@@ -54,7 +59,7 @@ class Metrics:
         self.registry = registry
         self.requests = Counter(
             "tokembed_requests",
-            "RPCs finished, by method and gRPC status code",
+            "RPCs finished, by method and gRPC status code (EmbedStream: one per request)",
             ["method", "code"],
             registry=registry,
         )
@@ -67,7 +72,7 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "tokembed_queue_wait_seconds",
-            "Time a request waited in the batcher before its batch's look-up started",
+            "Time a served request waited in the batcher before its batch's look-up started",
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
@@ -79,7 +84,7 @@ class Metrics:
         )
         self.encode = Histogram(
             "tokembed_encode_seconds",
-            "Time to encode one response's bytes",
+            "Time to encode one response's bytes (Embed and EmbedStream answers)",
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
@@ -143,10 +148,12 @@ class Metrics:
             PlatformCollector(registry=registry)
             GCCollector(registry=registry)
         # Series that exist from the start at 0, so that rate() and increase() count the
-        # first events after a (re)start: a series born at 37 shows no increase at all.
+        # first events after a (re)start: a series born at 3 shows no increase at all.
+        # (go-grpc-prometheus's InitializeMetrics does the same.)
         for method in RPC_METHODS:
-            self.requests.labels(method=method, code="OK")
             self.request_duration.labels(method=method)
+            for code in RPC_CODES:
+                self.requests.labels(method=method, code=code)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
 

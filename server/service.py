@@ -64,6 +64,7 @@ class EmbeddingService:
         compute_executor: Executor | None = None,
         observer: BatchObserver | None = None,
         to_float16: Callable[[np.ndarray], np.ndarray] | None = None,
+        pad_row: np.ndarray | None = None,
     ) -> None:
         manifest = model.manifest
         self.settings = settings
@@ -100,12 +101,9 @@ class EmbeddingService:
             max_inflight_output_bytes=settings.max_inflight_output_bytes,
             queued_tokens=lambda: self.batcher.queued_tokens,
         )
-        # Padded ragged answers fill with the padding id's row, as the model computes it.
-        pad = manifest.padding_idx
+        # Padded positions of ragged answers hold this row (see LoadedModel.pad_row).
         self._pad_row = (
-            compute(np.array([pad], dtype=np.int64))[0]
-            if pad is not None
-            else np.zeros(manifest.d_model, dtype=np.float32)
+            pad_row if pad_row is not None else np.zeros(manifest.d_model, dtype=np.float32)
         )
         self.draining = False
 

@@ -139,6 +139,12 @@ class EmbeddingServicer:
             except asyncio.CancelledError:
                 self._gone(context, "EmbedChunked", started)
                 raise
+            except Exception as exc:
+                # Fix: as in Embed; without this an unexpected failure reached gRPC as
+                # UNKNOWN, uncounted, instead of INTERNAL with the traceback logged.
+                logger.exception("EmbedChunked failed")
+                error = Internal(f"internal error: {exc}")
+                await self._abort(context, "EmbedChunked", error, started)
             try:
                 array = output.hidden_states
                 metadata = self._metadata(service, output, request.request_id, started)

@@ -58,4 +58,9 @@ class GatedLoader:
         self.runtime = GatedRuntime(loaded.runtime, self.look_up_gate)
         if not self.loading_gate.wait(timeout=60):
             raise TimeoutError("test loading gate never opened")
-        return LoadedModel(model=loaded.model, runtime=self.runtime, warm_up_s=loaded.warm_up_s)  # type: ignore[arg-type]
+        return LoadedModel(
+            model=loaded.model,
+            runtime=self.runtime,
+            warm_up_s=loaded.warm_up_s,  # type: ignore[arg-type]
+            pad_row=loaded.pad_row,
+        )

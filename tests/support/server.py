@@ -98,12 +98,14 @@ class ServerProcess:
         self._port_found = threading.Event()
         self._ready = threading.Event()
         self.process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
 
     def start(self, *, wait_ready: bool = True, timeout_s: float = 120) -> ServerProcess:
         self.process = subprocess.Popen(
             self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
         )
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._port_found.wait(timeout_s):
             self.kill()
             raise RuntimeError("server did not start:\n" + self.output)
@@ -138,12 +140,22 @@ class ServerProcess:
 
     def wait(self, timeout_s: float) -> int:
         assert self.process is not None
-        return self.process.wait(timeout_s)
+        code = self.process.wait(timeout_s)
+        self._close_pipe()
+        return code
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        # The reader thread ends at EOF; give it a moment, then close our end.
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> bool:

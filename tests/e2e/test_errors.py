@@ -1,0 +1,235 @@
+"""End to end: bad input fails alone, with its code and a message naming the value."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tokembed.client import (
+    AsyncEmbeddingClient,
+    DeadlineExceededError,
+    EmbeddingClient,
+    InvalidInputError,
+    ModelNotFoundError,
+    OverloadedError,
+    RequestTooLargeError,
+    UnavailableError,
+)  # fmt: skip
+from tokembed.server.settings import Settings
+from tokembed.v1 import embedding_pb2 as pb
+from tokembed.v1 import embedding_pb2_grpc
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.gates import GatedLoader
+from support.models import reference_rows
+from support.server import ServerThread, wait_for
+
+SMALL_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+def _tensor(ids: np.ndarray, dtype: int = pb.DTYPE_INT64, shape: Any = None) -> pb.Tensor:
+    return pb.Tensor(
+        dtype=dtype, shape=list(ids.shape if shape is None else shape), data=ids.tobytes()
+    )
+
+
+BAD_REQUESTS = [
+    ("id -1", pb.EmbedRequest(input_ids=_tensor(np.array([[1, -1]]))),
+     grpc.StatusCode.INVALID_ARGUMENT, "input_ids[0,1] = -1 is outside the vocabulary [0, 1000)"),
+    ("id V", pb.EmbedRequest(input_ids=_tensor(np.array([[1000]]))),
+     grpc.StatusCode.INVALID_ARGUMENT, "input_ids[0,0] = 1000 is outside"),
+    ("float ids", pb.EmbedRequest(input_ids=_tensor(np.array([[1.0]]), pb.DTYPE_FLOAT32)),
+     grpc.StatusCode.INVALID_ARGUMENT, "dtype DTYPE_FLOAT32 is not supported"),
+    ("unknown dtype", pb.EmbedRequest(input_ids=_tensor(np.array([[1]]), 77)),
+     grpc.StatusCode.INVALID_ARGUMENT, "77"),
+    ("length vs shape", pb.EmbedRequest(input_ids=_tensor(np.array([[1, 2]]), shape=[1, 3])),
+     grpc.StatusCode.INVALID_ARGUMENT, "16 bytes, but shape [1, 3]"),
+    ("huge shape", pb.EmbedRequest(input_ids=_tensor(np.array([[1]]), shape=[2**40, 2**40])),
+     grpc.StatusCode.INVALID_ARGUMENT, "needs"),
+    ("ragged sum", pb.EmbedRequest(input_ids=_tensor(np.array([1, 2, 3])), lengths=[2, 2]),
+     grpc.StatusCode.INVALID_ARGUMENT, "lengths sum to 4"),
+    ("zero length", pb.EmbedRequest(input_ids=_tensor(np.array([1, 2])), lengths=[2, 0]),
+     grpc.StatusCode.INVALID_ARGUMENT, "lengths[1] = 0"),
+    ("empty", pb.EmbedRequest(input_ids=_tensor(np.zeros((1, 0), np.int64))),
+     grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("bad output dtype", pb.EmbedRequest(input_ids=_tensor(np.array([[1]])), output_dtype=pb.DTYPE_INT32),
+     grpc.StatusCode.INVALID_ARGUMENT, "output_dtype DTYPE_INT32"),
+    ("unknown model", pb.EmbedRequest(input_ids=_tensor(np.array([[1]])), model_name="bert"),
+     grpc.StatusCode.NOT_FOUND, "model 'bert' is not served here"),
+    ("too many tokens", pb.EmbedRequest(input_ids=_tensor(np.zeros((1, 5001), np.int64))),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "5001 tokens, over the limit of 5000"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_server(small_model_dir: Path) -> Iterator[ServerThread]:
+    """One server for the many bad-input cases (each case checks it still answers)."""
+    settings = Settings(model_dir=small_model_dir, port=0, metrics_port=0,
+                        max_tokens_per_request=5000)  # fmt: skip
+    server = ServerThread(settings.validate()).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(("name", "request_", "code", "message"), BAD_REQUESTS,
+                         ids=[b[0] for b in BAD_REQUESTS])  # fmt: skip
+def test_each_bad_input_gets_its_code_and_message(
+    shared_server: ServerThread, name: str, request_: pb.EmbedRequest,
+    code: grpc.StatusCode, message: str,
+) -> None:  # fmt: skip
+    server = shared_server
+    with grpc.insecure_channel(server.target) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Embed(request_, timeout=10)
+        assert caught.value.code() == code
+        assert message in caught.value.details()
+        # ... and the server answers normally afterwards.
+        ok = stub.Embed(pb.EmbedRequest(input_ids=_tensor(np.array([[7]]))), timeout=10)
+        assert list(ok.hidden_states.shape) == [1, 1, SMALL_D]
+
+
+def test_client_raises_typed_errors(small_model_dir: Path, start_server: Any) -> None:
+    server = start_server(small_model_dir, max_output_bytes_per_request=64 * 1024)
+    with EmbeddingClient(server.target, model_name="") as client:
+        with pytest.raises(InvalidInputError) as invalid:
+            client.embed([[1, 1000]])
+        assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "1000" in str(invalid.value)
+        with pytest.raises(RequestTooLargeError) as large:
+            client.embed(np.zeros((1, 300), np.int64))  # 300 x 64 x 4 > 64 KiB
+        assert large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.embed(np.zeros((1, 300), np.int64), "float16").shape == (1, 300, SMALL_D)
+    with (
+        EmbeddingClient(server.target, model_name="other") as client,
+        pytest.raises(ModelNotFoundError),
+    ):
+        client.embed([[1]])
+
+
+def test_a_bad_request_among_good_ones_fails_alone(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    loader = GatedLoader(open_look_ups=False)
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+    good = [np.array([[i, i + 1, i + 2]]) for i in range(0, 60, 3)]
+
+    async def scenario() -> tuple[list[Any], BaseException | None]:
+        async with AsyncEmbeddingClient(server.target) as client:
+            tasks = [asyncio.ensure_future(client.embed(ids)) for ids in good[:10]]
+            await asyncio.sleep(0.2)
+            bad = asyncio.ensure_future(client.embed([[5, -1, 6]]))
+            tasks += [asyncio.ensure_future(client.embed(ids)) for ids in good[10:]]
+            await asyncio.sleep(0.2)
+            loader.look_up_gate.set()  # now the queued good requests compute together
+            results = await asyncio.gather(*tasks)
+            error = None
+            try:
+                await bad
+            except InvalidInputError as exc:
+                error = exc
+            return results, error
+
+    results, error = asyncio.run(scenario())
+    assert error is not None and "-1" in str(error)
+    for ids, got in zip(good, results, strict=True):
+        np.testing.assert_array_equal(got, SMALL_ROWS[ids])
+    assert loader.runtime is not None
+    assert all(np.all(call >= 0) for call in loader.runtime.calls)  # -1 never reached compute
+
+
+def test_cancelled_and_expired_requests_disturb_nobody(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    loader = GatedLoader(open_look_ups=False)
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+
+    async def scenario() -> list[np.ndarray]:
+        async with AsyncEmbeddingClient(server.target, retries=0) as client:
+            blocker = asyncio.ensure_future(client.embed([[1]]))  # holds the runtime
+            await asyncio.sleep(0.2)
+            cancelled = asyncio.ensure_future(client.embed([[888, 887]]))
+            expiring = asyncio.ensure_future(client.embed([[777, 776]], timeout_s=0.3))
+            others = [asyncio.ensure_future(client.embed([[i]])) for i in range(2, 12)]
+            await asyncio.sleep(0.1)
+            cancelled.cancel()
+            with pytest.raises(DeadlineExceededError):
+                await expiring
+            loader.look_up_gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            return [await blocker, *[await task for task in others]]
+
+    results = asyncio.run(scenario())
+    for index, got in enumerate(results):
+        np.testing.assert_array_equal(got, SMALL_ROWS[[[1 if index == 0 else index + 1]]])
+    assert loader.runtime is not None
+    computed = np.concatenate([call.ravel() for call in loader.runtime.calls])
+    assert 888 not in computed and 777 not in computed  # dropped before compute
+    assert wait_for(
+        lambda: server.metric("tokembed_batcher_dropped_total", {"reason": "cancelled"}) == 1, 5
+    )
+    assert server.metric("tokembed_batcher_dropped_total", {"reason": "deadline_exceeded"}) == 1
+
+
+def test_a_full_queue_answers_resource_exhausted_at_once(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    loader = GatedLoader(open_look_ups=False)
+    server = start_server(
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, max_queued_tokens=10
+    )
+
+    async def scenario() -> float:
+        async with AsyncEmbeddingClient(server.target, retries=0) as client:
+            first = asyncio.ensure_future(client.embed([[1]]))  # computing, at the gate
+            await asyncio.sleep(0.2)
+            queued = asyncio.ensure_future(client.embed([list(range(8))]))  # 8 queued tokens
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            with pytest.raises(OverloadedError):
+                await client.embed([list(range(5))])  # 8 + 5 > 10
+            elapsed = time.monotonic() - started
+            loader.look_up_gate.set()
+            await first
+            await queued
+            return elapsed
+
+    assert asyncio.run(scenario()) < 1.0
+    assert server.metric("tokembed_rejections_total", {"reason": "overloaded"}) == 1
+
+
+def test_a_look_up_failure_fails_its_batch_with_internal_and_the_server_goes_on(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    loader = GatedLoader()
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+    assert loader.runtime is not None
+    loader.runtime.fail_next = True
+    with EmbeddingClient(server.target, retries=0) as client:
+        with pytest.raises(Exception) as failed:
+            client.embed([[1, 2]])
+        assert getattr(failed.value, "code", None) == grpc.StatusCode.INTERNAL
+        np.testing.assert_array_equal(client.embed([[1, 2]]), SMALL_ROWS[[[1, 2]]])
+
+
+def test_client_against_a_stopped_server_raises_unavailable_after_retries(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    server = start_server(small_model_dir)
+    target = server.target
+    server.stop()
+    with EmbeddingClient(target, retries=3, backoff_s=0.01, timeout_s=10) as client:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as caught:
+            client.embed([[1]])
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.attempts == 4  # one try and three retries
+    assert time.monotonic() - started < 10

@@ -1,0 +1,189 @@
+"""End to end: start-up, health, draining on SIGTERM, refusing bad model directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokembed.client import EmbeddingClient, UnavailableError
+
+from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V, SMALL_D
+from support.gates import GatedLoader
+from support.models import reference_rows
+from support.server import ServerProcess, serve_args, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _health(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)
+
+
+def test_health_walks_not_serving_serving_not_serving_while_draining(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    loader = GatedLoader(open_loading=False)
+    server = start_server(
+        small_model_dir, loader=loader, wait_ready=False, inline_compute_max_tokens=0
+    )
+    assert _health(server.target) == NOT_SERVING  # bound, model still loading
+    with EmbeddingClient(server.target, retries=0) as client, pytest.raises(UnavailableError):
+        client.embed([[1]])
+    loader.loading_gate.set()
+    assert wait_for(lambda: _health(server.target) == SERVING, 30)
+
+    # Hold one request in flight, then drain: health turns NOT_SERVING at once, new
+    # requests get UNAVAILABLE, and the held request still completes.
+    loader.look_up_gate.clear()
+    results: list[Any] = []
+    with EmbeddingClient(server.target, retries=0) as client:
+        held = threading.Thread(target=lambda: results.append(client.embed([[3, 4]])))
+        held.start()
+        assert loader.runtime is not None and loader.runtime.entered.wait(10)
+        stopping = server.submit(server.server.stop(10))
+        assert wait_for(lambda: _health(server.target) == NOT_SERVING, 5)
+        with pytest.raises(UnavailableError):
+            client.embed([[5]])
+        loader.look_up_gate.set()
+        held.join(10)
+        stopping.result(15)
+    assert len(results) == 1 and results[0].shape == (1, 2, SMALL_D)
+
+
+def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
+    default_model_dir: Path,
+) -> None:
+    server = ServerProcess(serve_args(default_model_dir, "--grace-s", "20")).start()
+    try:
+        ids = (np.arange(32 * 512) % DEFAULT_V).reshape(32, 512)  # ~34 MB answers: slow
+        want = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[ids]
+        results: list[Any] = []
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                with EmbeddingClient(server.target, retries=0, timeout_s=60) as client:
+                    results.append(client.embed(ids))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        # Wait until the server has accepted all six (in flight or done), then stop it.
+        assert wait_for(lambda: _accepted(server) >= 6, 30)
+        assert _inflight(server) >= 1
+        server.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        assert server.wait(30) == 0
+        assert not errors, errors
+        assert len(results) == 6
+        for got in results:
+            np.testing.assert_array_equal(got, want)
+        assert "signal received: draining" in server.output
+    finally:
+        server.kill()
+
+
+def _scrape(server: ServerProcess) -> dict[str, float]:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
+
+
+def _inflight(server: ServerProcess) -> float:
+    return _scrape(server).get("tokembed_inflight_requests", 0.0)
+
+
+def _accepted(server: ServerProcess) -> float:
+    samples = _scrape(server)
+    done = samples.get('tokembed_requests_total{code="OK",method="Embed"}', 0.0)
+    return done + samples.get("tokembed_inflight_requests", 0.0)
+
+
+def test_serve_refuses_an_invalid_model_directory(small_model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(small_model_dir, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["d_model"] = SMALL_D + 1
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    result = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "serve", *serve_args(broken)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "invalid model directory" in result.stderr
+    assert "d_model" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_without_a_model_creates_the_default_one(tmp_path: Path) -> None:
+    default_dir = tmp_path / "models" / "default"
+    server = ServerProcess(
+        ["--port", "0", "--metrics-port", "-1", "--default-model-dir", str(default_dir)]
+    )
+    try:
+        server.start(timeout_s=180)
+        with EmbeddingClient(server.target) as client:
+            hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
+        np.testing.assert_array_equal(
+            hidden[0], reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[5:13]
+        )
+        assert (default_dir / "manifest.json").is_file()
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0
+
+
+def test_serve_help_documents_every_setting_and_its_variable() -> None:
+    from dataclasses import fields
+
+    from tokembed.server.settings import Settings
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "serve", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for spec in fields(Settings):
+        assert "--" + spec.name.replace("_", "-") in text
+        assert "TOKEMBED_" + spec.name.upper() in text
+
+
+def test_environment_variables_configure_the_server(small_model_dir: Path) -> None:
+    server = ServerProcess(
+        ["--port", "0", "--metrics-port", "-1"],
+        env={"TOKEMBED_MODEL_DIR": str(small_model_dir), "TOKEMBED_MAX_BATCH_TOKENS": "4321"},
+    ).start()
+    try:
+        with EmbeddingClient(server.target) as client:
+            assert client.model_info().limits.max_batch_tokens == 4321
+    finally:
+        server.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert server.wait(30) == 0
+        assert time.monotonic() - started < 15
