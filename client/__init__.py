@@ -1,1 +1,69 @@
-"""tokembed.client"""
+"""tokembed.client: sync and asyncio clients of the tokembed embedding service.
+
+    from tokembed.client import EmbeddingClient
+
+    with EmbeddingClient("127.0.0.1:50051") as client:
+        hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])   # [1, 8, 512] float32
+
+Names are imported on first use, so that ``import tokembed.client`` (and ``tokembed
+--help``, which loads the CLI module of this package) does not pay for grpc and numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-export)
+    from tokembed.client.aio import AsyncEmbeddingClient as AsyncEmbeddingClient
+    from tokembed.client.errors import AuthenticationError as AuthenticationError
+    from tokembed.client.errors import DeadlineExceededError as DeadlineExceededError
+    from tokembed.client.errors import EmbeddingError as EmbeddingError
+    from tokembed.client.errors import InvalidInputError as InvalidInputError
+    from tokembed.client.errors import ModelNotFoundError as ModelNotFoundError
+    from tokembed.client.errors import OverloadedError as OverloadedError
+    from tokembed.client.errors import RequestCancelledError as RequestCancelledError
+    from tokembed.client.errors import RequestTooLargeError as RequestTooLargeError
+    from tokembed.client.errors import ServerError as ServerError
+    from tokembed.client.errors import UnavailableError as UnavailableError
+    from tokembed.client.errors import from_rpc_error as from_rpc_error
+    from tokembed.client.results import EmbedResult as EmbedResult
+    from tokembed.client.results import Limits as Limits
+    from tokembed.client.results import ModelInfo as ModelInfo
+    from tokembed.client.results import Timings as Timings
+    from tokembed.client.sync import EmbeddingClient as EmbeddingClient
+
+_EXPORTS = {
+    "EmbeddingClient": "tokembed.client.sync",
+    "AsyncEmbeddingClient": "tokembed.client.aio",
+    "EmbedResult": "tokembed.client.results",
+    "ModelInfo": "tokembed.client.results",
+    "Limits": "tokembed.client.results",
+    "Timings": "tokembed.client.results",
+    "EmbeddingError": "tokembed.client.errors",
+    "InvalidInputError": "tokembed.client.errors",
+    "RequestTooLargeError": "tokembed.client.errors",
+    "OverloadedError": "tokembed.client.errors",
+    "ModelNotFoundError": "tokembed.client.errors",
+    "UnavailableError": "tokembed.client.errors",
+    "DeadlineExceededError": "tokembed.client.errors",
+    "RequestCancelledError": "tokembed.client.errors",
+    "AuthenticationError": "tokembed.client.errors",
+    "ServerError": "tokembed.client.errors",
+    "from_rpc_error": "tokembed.client.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tokembed.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

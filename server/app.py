@@ -121,6 +121,9 @@ class TokembedServer:
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
                 # Several processes may share one port only when asked (--workers).
                 ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
+                # Clients keep long streams alive with a ping a minute; gRPC's default
+                # server policy (one per 5 minutes) would close them for "too many pings".
+                ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
             ],
         )
         self._server.add_generic_rpc_handlers(

@@ -143,8 +143,8 @@ class EmbeddingServicer:
                 # Fix: as in Embed; without this an unexpected failure reached gRPC as
                 # UNKNOWN, uncounted, instead of INTERNAL with the traceback logged.
                 logger.exception("EmbedChunked failed")
-                error = Internal(f"internal error: {exc}")
-                await self._abort(context, "EmbedChunked", error, started)
+                internal = Internal(f"internal error: {exc}")
+                await self._abort(context, "EmbedChunked", internal, started)
             try:
                 array = output.hidden_states
                 metadata = self._metadata(service, output, request.request_id, started)
@@ -212,7 +212,7 @@ class EmbeddingServicer:
         except EmbedError as error:
             code = status_of(error)
             self._rejected("EmbedStream", error.reason, code, started, str(error))
-            return wire.encode_stream_error(code.value[0], str(error))
+            return wire.encode_stream_error(code.value[0], str(error), error.reason)
         except asyncio.CancelledError:
             self._gone(context, "EmbedStream", started)
             raise
@@ -220,7 +220,7 @@ class EmbeddingServicer:
             logger.exception("EmbedStream item failed")
             code = grpc.StatusCode.INTERNAL
             self._rejected("EmbedStream", "internal", code, started, str(exc))
-            return wire.encode_stream_error(code.value[0], f"internal error: {exc}")
+            return wire.encode_stream_error(code.value[0], f"internal error: {exc}", "internal")
         self._succeeded("EmbedStream", output, started)
         return wire.encode_stream_answer(payload)
 

@@ -126,8 +126,9 @@ def encode_stream_answer(response_bytes: bytes) -> bytes:
     return b"".join([_key(1, _LEN), varint(len(response_bytes)), response_bytes])
 
 
-def encode_stream_error(code: int, message: str) -> bytes:
-    return pb.EmbedStreamResponse(error=pb.Error(code=code, message=message)).SerializeToString()
+def encode_stream_error(code: int, message: str, reason: str) -> bytes:
+    error = pb.Error(code=code, message=message, reason=reason)
+    return pb.EmbedStreamResponse(error=error).SerializeToString()
 
 
 def encode_chunk_header(array: np.ndarray, metadata: pb.EmbedResponse) -> bytes:

@@ -1,0 +1,323 @@
+"""The asyncio client: ``AsyncEmbeddingClient``, the same API as ``EmbeddingClient``.
+
+    async with AsyncEmbeddingClient("127.0.0.1:50051") as client:
+        hidden = await client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
+
+The channel is opened on the first call, inside the running event loop: a grpc.aio
+channel belongs to the loop it was created in, so one created in ``__init__`` outside
+``asyncio.run`` would fail with "attached to a different loop". A client therefore serves
+one event loop at a time (after that loop ends, the next one gets a new channel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Literal, TypeVar, overload
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from tokembed.client import codec
+from tokembed.client._config import (
+    METHOD_EMBED,
+    METHOD_EMBED_CHUNKED,
+    METHOD_EMBED_STREAM,
+    METHOD_GET_MODEL_INFO,
+    ClientBase,
+    Deadline,
+    give_up,
+)
+from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
+from tokembed.client.results import EmbedResult, ModelInfo
+from tokembed.client.sync import _emit, _import_health, _pop_refused, _Slot
+from tokembed.v1 import embedding_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncEmbeddingClient(ClientBase):
+    """asyncio client of a tokembed server (see ``ClientBase.__init__`` for arguments)."""
+
+    _channel: Any = None  # grpc.aio.Channel, opened in the running loop by _ensure_open
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def _ensure_open(self) -> None:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        if self._channel is not None:
+            if loop is self._loop:
+                return
+            if self._loop is not None and not self._loop.is_closed():
+                raise EmbeddingError(
+                    "an AsyncEmbeddingClient serves one event loop at a time, and the loop "
+                    "it was first used in is still open; create one client per event loop"
+                )
+            # Its loop has ended (e.g. a second asyncio.run): that channel is unusable and
+            # cannot be closed any more; open a new one in this loop.
+            self._channel = None
+        s = self._settings
+        if s.credentials is not None:
+            channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
+        else:
+            channel = grpc.aio.insecure_channel(s.target, options=s.options)
+        # Raw bytes out (no response deserializer): decoded by codec, without copies.
+        self._embed = channel.unary_unary(
+            METHOD_EMBED, request_serializer=pb.EmbedRequest.SerializeToString
+        )
+        self._embed_chunked = channel.unary_stream(
+            METHOD_EMBED_CHUNKED, request_serializer=pb.EmbedRequest.SerializeToString
+        )
+        self._embed_stream = channel.stream_stream(
+            METHOD_EMBED_STREAM, request_serializer=pb.EmbedRequest.SerializeToString
+        )
+        self._get_model_info = channel.unary_unary(
+            METHOD_GET_MODEL_INFO,
+            request_serializer=pb.GetModelInfoRequest.SerializeToString,
+            response_deserializer=pb.ModelInfo.FromString,
+        )
+        self._channel, self._loop = channel, loop
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled. Idempotent."""
+        self._closed = True
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncEmbeddingClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ calls
+
+    async def embed(
+        self,
+        ids: Any,
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        layout: codec.Layout = "padded",
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> npt.NDArray[np.floating]:
+        """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
+        result = await self.embed_result(
+            ids, dtype, layout=layout, timeout_s=timeout_s, request_id=request_id
+        )
+        return result.hidden_states
+
+    async def embed_result(
+        self,
+        ids: Any,
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        layout: codec.Layout = "padded",
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> EmbedResult:
+        """See ``EmbeddingClient.embed_result``."""
+        self._ensure_open()
+        layout = codec.check_layout(layout)
+        encoded = codec.encode_ids(ids)
+        request = codec.build_request(
+            encoded,
+            dtype=dtype,
+            layout=layout,
+            model_name=self._settings.model_name,
+            request_id=request_id,
+        )
+        deadline = self._deadline(timeout_s)
+        if self._needs_d_model():
+            await self._fetch_model_info(deadline)
+        rows, itemsize = encoded.output_rows(layout), codec.output_itemsize(dtype)
+        once = self._chunked_once if self._wants_chunked(rows, itemsize) else self._unary_once
+        result = await self._with_retries("Embed", deadline, lambda t: once(request, t))
+        return codec.check_shape(result, codec.leading_shape(encoded, layout))
+
+    async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
+        """What the server serves, and its limits (always asks the server)."""
+        self._ensure_open()
+        return await self._fetch_model_info(self._deadline(timeout_s))
+
+    async def embed_stream(
+        self,
+        inputs: Iterable[Any] | AsyncIterable[Any],
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        layout: codec.Layout = "padded",
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[npt.NDArray[np.floating]]:
+        """See ``EmbeddingClient.embed_stream``; ``inputs`` may also be async."""
+        async for result in self.embed_stream_results(
+            inputs, dtype, layout=layout, timeout_s=timeout_s
+        ):
+            yield result.hidden_states
+
+    @overload
+    def embed_stream_results(
+        self,
+        inputs: Iterable[Any] | AsyncIterable[Any],
+        dtype: codec.OutputDType | str = ...,
+        *,
+        layout: codec.Layout = ...,
+        timeout_s: float | None = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> AsyncIterator[EmbedResult]: ...
+
+    @overload
+    def embed_stream_results(
+        self,
+        inputs: Iterable[Any] | AsyncIterable[Any],
+        dtype: codec.OutputDType | str = ...,
+        *,
+        layout: codec.Layout = ...,
+        timeout_s: float | None = ...,
+        return_exceptions: Literal[True],
+    ) -> AsyncIterator[EmbedResult | EmbeddingError]: ...
+
+    async def embed_stream_results(
+        self,
+        inputs: Iterable[Any] | AsyncIterable[Any],
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        layout: codec.Layout = "padded",
+        timeout_s: float | None = None,
+        return_exceptions: bool = False,
+    ) -> AsyncIterator[EmbedResult | EmbeddingError]:
+        """See ``EmbeddingClient.embed_stream_results``."""
+        self._ensure_open()
+        layout = codec.check_layout(layout)
+        codec.output_dtype_code(dtype)
+        slots: collections.deque[_Slot] = collections.deque()
+        failure: list[BaseException] = []
+
+        async def requests() -> AsyncIterator[pb.EmbedRequest]:
+            try:
+                async for item in _aiter(inputs):
+                    try:
+                        encoded = codec.encode_ids(item)
+                        request = codec.build_request(
+                            encoded,
+                            dtype=dtype,
+                            layout=layout,
+                            model_name=self._settings.model_name,
+                        )
+                    except EmbeddingError as err:
+                        slots.append(err)
+                        if not return_exceptions:
+                            return
+                        continue
+                    slots.append(codec.leading_shape(encoded, layout))
+                    yield request
+            except Exception as exc:
+                failure.append(exc)
+
+        call = self._embed_stream(requests(), timeout=timeout_s, metadata=self._settings.metadata)
+        try:
+            try:
+                async for raw in call:
+                    # Inputs refused before sending have no answer: they come first.
+                    for refused in _pop_refused(slots):
+                        yield _emit(refused, return_exceptions)
+                    if not slots:
+                        raise protocol_error("EmbedStream sent more answers than requests")
+                    leading = slots.popleft()
+                    assert isinstance(leading, tuple), "This is a bug."
+                    outcome = codec.decode_stream_response(raw)
+                    if isinstance(outcome, EmbedResult):
+                        outcome = codec.check_shape(outcome, leading)
+                    yield _emit(outcome, return_exceptions)
+            except grpc.RpcError as exc:
+                if failure:
+                    raise failure[0] from exc
+                raise from_rpc_error(exc) from exc
+            for refused in _pop_refused(slots):
+                yield _emit(refused, return_exceptions)
+            if failure:
+                raise failure[0]
+            if slots:
+                raise protocol_error("EmbedStream ended with requests unanswered")
+        finally:
+            call.cancel()
+
+    async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """See ``EmbeddingClient.health``."""
+        self._ensure_open()
+        health_pb2, health_pb2_grpc = _import_health()
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            response = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=self._deadline(timeout_s).remaining_s(),
+                metadata=self._settings.metadata,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise from_rpc_error(exc) from exc
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    # ------------------------------------------------------------------ internals
+
+    async def _unary_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
+        raw = await self._embed(request, timeout=timeout, metadata=self._settings.metadata)
+        return codec.decode_response(raw)
+
+    async def _chunked_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
+        call = self._embed_chunked(request, timeout=timeout, metadata=self._settings.metadata)
+        try:
+            assembler = codec.ChunkAssembler()
+            async for raw in call:
+                assembler.add(raw)
+            return assembler.result()
+        finally:
+            call.cancel()
+
+    async def _fetch_model_info(self, deadline: Deadline) -> ModelInfo:
+        message = await self._with_retries(
+            "GetModelInfo",
+            deadline,
+            lambda t: self._get_model_info(
+                pb.GetModelInfoRequest(), timeout=t, metadata=self._settings.metadata
+            ),
+        )
+        info = ModelInfo.from_proto(message)
+        self._d_model = info.d_model
+        return info
+
+    async def _with_retries(
+        self, what: str, deadline: Deadline, attempt: Callable[[float | None], Awaitable[T]]
+    ) -> T:
+        policy = self._settings.retry
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return await attempt(deadline.remaining_s())
+            except grpc.RpcError as exc:
+                error, cause = from_rpc_error(exc), exc
+            if not policy.should_retry(error, attempts):
+                raise give_up(error, attempts) from cause
+            delay = policy.delay_s(attempts - 1)
+            if not deadline.allows_sleep(delay):
+                raise give_up(error, attempts) from cause
+            logger.info("%s failed (%s); retry %d in %.3f s", what, error, attempts, delay)
+            await asyncio.sleep(delay)
+
+
+async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(inputs, AsyncIterable):
+        async for item in inputs:
+            yield item
+    else:
+        for item in inputs:
+            yield item

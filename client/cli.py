@@ -1,0 +1,212 @@
+"""``tokembed embed``, ``tokembed info``, ``tokembed health``: the client on the command line.
+
+grpc and numpy are imported inside the run functions, so that ``tokembed --help`` and the
+other subcommands do not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokembed.client.sync import EmbeddingClient
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+TARGET_ENV = "TOKEMBED_TARGET"
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    connection = common.add_argument_group("connection")
+    connection.add_argument(
+        "--target",
+        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+        help=f"server address: HOST:PORT, dns:///HOST:PORT or ipv4:A:P1,B:P2 "
+        f"(env {TARGET_ENV}; default {DEFAULT_TARGET})",
+    )
+    connection.add_argument(
+        "--tls-ca", type=Path, default=None, help="CA certificate (PEM): connect with TLS"
+    )
+    connection.add_argument(
+        "--tls-cert", type=Path, default=None, help="client certificate (PEM), for mutual TLS"
+    )
+    connection.add_argument(
+        "--tls-key", type=Path, default=None, help="client private key (PEM), for mutual TLS"
+    )
+    connection.add_argument(
+        "--tls", action="store_true", help="connect with TLS using the system's CA certificates"
+    )
+    connection.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name to check the server's certificate against, if not the target's host",
+    )
+    connection.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file holding a bearer token, sent as 'authorization: Bearer <token>'",
+    )
+
+    embed = subparsers.add_parser(
+        "embed",
+        parents=[common],
+        help="embed token ids with a running server and print the shape and a preview",
+        description="Call Embed and print the answer's shape, a preview and the server timings.",
+    )
+    embed.add_argument(
+        "--ids",
+        required=True,
+        help='token ids separated by spaces or commas; ";" separates sequences, which may '
+        'differ in length (e.g. "5 6 7 8; 9 10")',
+    )
+    embed.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    embed.add_argument(
+        "--layout",
+        choices=["padded", "flat"],
+        default="padded",
+        help="ragged answers as [B,S_max,D] (padded) or [N,D] (flat)",
+    )
+    embed.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
+    embed.set_defaults(run=run_embed)
+
+    info = subparsers.add_parser(
+        "info",
+        parents=[common],
+        help="print what a running server serves, and its limits",
+        description="Call GetModelInfo and print the model, its execution provider and limits.",
+    )
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.add_argument("--timeout-s", type=float, default=10.0, help="per call (default 10)")
+    info.set_defaults(run=run_info)
+
+    health = subparsers.add_parser(
+        "health",
+        parents=[common],
+        help="exit 0 if the server reports SERVING, 1 otherwise (for container health checks)",
+        description="Ask the standard gRPC health service once, without retries. Exit status: "
+        "0 when SERVING; 1 when not serving, unknown or unreachable (one line says which).",
+    )
+    health.add_argument(
+        "--service", default="", help="service name to ask about (default: the whole server)"
+    )
+    health.add_argument("--timeout-s", type=float, default=5.0, help="per check (default 5)")
+    health.set_defaults(run=run_health)
+
+
+def _client(args: argparse.Namespace, *, retries: int | None = None) -> EmbeddingClient:
+    from tokembed.client._config import DEFAULT_RETRIES
+    from tokembed.client.errors import EmbeddingError
+    from tokembed.client.sync import EmbeddingClient
+
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise EmbeddingError(f"cannot read --token-file {args.token_file}: {exc}") from exc
+    return EmbeddingClient(
+        args.target,
+        timeout_s=args.timeout_s,
+        tls=args.tls,
+        root_certificates=args.tls_ca,
+        client_certificate=args.tls_cert,
+        client_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
+        token=token,
+        retries=DEFAULT_RETRIES if retries is None else retries,
+    )
+
+
+def parse_ids(text: str) -> list[list[int]]:
+    """ "5 6 7; 8,9" -> [[5, 6, 7], [8, 9]]; a bad token raises InvalidInputError."""
+    from tokembed.client.errors import client_invalid_input
+
+    sequences: list[list[int]] = []
+    for i, part in enumerate(text.split(";")):
+        tokens = part.replace(",", " ").split()
+        if not tokens:
+            raise client_invalid_input(f"--ids: sequence {i} is empty")
+        try:
+            sequences.append([int(t) for t in tokens])
+        except ValueError as exc:
+            raise client_invalid_input(f"--ids: {exc}") from exc
+    return sequences
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    ids = parse_ids(args.ids)
+    with _client(args) as client:
+        result = client.embed_result(ids, args.dtype, layout=args.layout)
+    hs = result.hidden_states
+    print(
+        f"hidden_states {list(hs.shape)} {hs.dtype}, "
+        f"model {result.model_name or '?'} {result.model_version}".rstrip()
+    )
+    if result.lengths is not None:
+        print(f"lengths {result.lengths.tolist()}")
+    with np.printoptions(precision=4, suppress=True, threshold=24, edgeitems=2, linewidth=100):
+        print(hs[:2] if hs.ndim == 3 else hs)
+    t = result.timings
+    print(
+        f"server: queue {t.queue_seconds * 1e3:.3f} ms, compute {t.compute_seconds * 1e3:.3f} ms, "
+        f"total {t.server_seconds * 1e3:.3f} ms; batch of {t.batch_requests} request(s), "
+        f"{t.batch_tokens} token(s)"
+    )
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.model_info()
+    if args.json:
+        print(json.dumps(asdict(info), indent=2))
+        return 0
+    lim = info.limits
+    padding = "none" if info.padding_id is None else str(info.padding_id)
+    lines = [
+        f"model              {info.name} {info.version}",
+        f"vocab_size (V)     {info.vocab_size}",
+        f"d_model (D)        {info.d_model}",
+        f"scale              {info.scale:g}",
+        f"padding_id         {padding}",
+        f"weight_dtype       {info.weight_dtype}",
+        f"input_dtypes       {', '.join(info.input_dtypes)}",
+        f"output_dtypes      {', '.join(info.output_dtypes)}",
+        f"provider           {info.execution_provider}",
+        f"model_sha256       {info.model_sha256}",
+        f"max tokens/request {lim.max_tokens_per_request}",
+        f"max output bytes   {lim.max_output_bytes_per_request}",
+        f"max batch tokens   {lim.max_batch_tokens}",
+        f"max message bytes  {lim.max_message_bytes}",
+        f"max delay          {lim.max_delay_seconds * 1e3:g} ms",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    from tokembed.client.errors import EmbeddingError
+
+    # Not retried: a health check reports the present, and the orchestrator asks again.
+    with _client(args, retries=0) as client:
+        try:
+            status = client.health(args.service)
+        except EmbeddingError as exc:
+            if exc.code is None:
+                raise  # not the server's answer (e.g. grpcio-health-checking missing)
+            print(f"{args.target}: unhealthy: {exc}", file=sys.stderr)
+            return 1
+    if status == "SERVING":
+        print(f"{args.target}: SERVING")
+        return 0
+    print(f"{args.target}: {status}", file=sys.stderr)
+    return 1

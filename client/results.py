@@ -1,0 +1,128 @@
+"""What the client returns besides plain arrays: results with metadata, and model info.
+
+Plain frozen dataclasses, free of protobuf and gRPC, so callers never touch generated code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from tokembed.v1 import embedding_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where the server spent the time of one request (seconds), and the batch it was in."""
+
+    queue_seconds: float
+    compute_seconds: float
+    server_seconds: float
+    batch_requests: int
+    batch_tokens: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.Timings) -> Timings:
+        return cls(
+            queue_seconds=msg.queue_seconds,
+            compute_seconds=msg.compute_seconds,
+            server_seconds=msg.server_seconds,
+            batch_requests=msg.batch_requests,
+            batch_tokens=msg.batch_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    """One answer: the hidden states and what the server said about them.
+
+    ``hidden_states`` is ``[B,S,D]`` (rectangular input, or ragged input with the padded
+    layout) or ``[N,D]`` (the flat layout). Arrays decoded from a unary or stream answer
+    are read-only views of the received bytes (no copy); call ``.copy()`` to modify one.
+    ``lengths`` is the sequence lengths for ragged or flat answers, ``None`` otherwise.
+    """
+
+    hidden_states: npt.NDArray[np.floating]
+    lengths: npt.NDArray[np.int64] | None
+    timings: Timings
+    model_name: str
+    model_version: str
+    request_id: str
+
+    def sequences(self) -> list[npt.NDArray[np.floating]]:
+        """The rows of each sequence, ``[len_b, D]`` each, padding removed (views)."""
+        hs = self.hidden_states
+        if self.lengths is None:
+            return list(hs) if hs.ndim == 3 else [hs]
+        if hs.ndim == 3:
+            return [hs[b, : int(n)] for b, n in enumerate(self.lengths)]
+        bounds = np.cumsum(self.lengths)[:-1]
+        return list(np.split(hs, bounds))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's per-request and transport limits (see GetModelInfo)."""
+
+    max_tokens_per_request: int
+    max_output_bytes_per_request: int
+    max_batch_tokens: int
+    max_message_bytes: int
+    max_delay_seconds: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is served: the table's size, scale, dtypes, provider and limits."""
+
+    name: str
+    version: str
+    vocab_size: int
+    d_model: int
+    scale: float
+    padding_id: int | None
+    weight_dtype: str
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    execution_provider: str
+    limits: Limits
+    model_sha256: str
+
+    @classmethod
+    def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
+        lim = msg.limits
+        return cls(
+            name=msg.name,
+            version=msg.version,
+            vocab_size=msg.vocab_size,
+            d_model=msg.d_model,
+            scale=msg.scale,
+            padding_id=msg.padding_id if msg.HasField("padding_id") else None,
+            weight_dtype=msg.weight_dtype,
+            input_dtypes=tuple(dtype_name(d) for d in msg.input_dtypes),
+            output_dtypes=tuple(dtype_name(d) for d in msg.output_dtypes),
+            execution_provider=msg.execution_provider,
+            limits=Limits(
+                max_tokens_per_request=lim.max_tokens_per_request,
+                max_output_bytes_per_request=lim.max_output_bytes_per_request,
+                max_batch_tokens=lim.max_batch_tokens,
+                max_message_bytes=lim.max_message_bytes,
+                max_delay_seconds=lim.max_delay_seconds,
+            ),
+            model_sha256=msg.model_sha256,
+        )
+
+
+_DTYPE_NAMES: dict[int, str] = {
+    pb.DTYPE_INT64: "int64",
+    pb.DTYPE_INT32: "int32",
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_FLOAT16: "float16",
+}
+
+
+def dtype_name(value: int) -> str:
+    """``DType`` enum value to the numpy name ("float32", ...); unknown ones verbatim."""
+    return _DTYPE_NAMES.get(value, f"dtype({value})")

@@ -1,0 +1,190 @@
+"""Replies -> arrays: zero-copy decoding, the protobuf fallback, and broken replies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tokembed.client import (
+    EmbeddingError,
+    EmbedResult,
+    InvalidInputError,
+    OverloadedError,
+    RequestTooLargeError,
+    ServerError,
+)
+from tokembed.client.codec import decode_response, decode_stream_response
+from tokembed.v1 import embedding_pb2 as pb
+
+
+def response(hs: np.ndarray, **kwargs: Any) -> pb.EmbedResponse:
+    wire = pb.DTYPE_FLOAT16 if hs.dtype == np.float16 else pb.DTYPE_FLOAT32
+    return pb.EmbedResponse(
+        hidden_states=pb.Tensor(dtype=wire, shape=hs.shape, data=hs.tobytes()),
+        timings=pb.Timings(queue_seconds=0.5, compute_seconds=0.25, batch_requests=3),
+        model_name="m",
+        model_version="2",
+        request_id="rid",
+        **kwargs,
+    )
+
+
+def owner(arr: np.ndarray) -> Any:
+    """The object at the end of the array's .base chain (what owns the memory)."""
+    base: Any = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base
+
+
+def test_unary_decode_points_into_the_received_bytes() -> None:
+    hs = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    raw = response(hs).SerializeToString()
+    result = decode_response(raw)
+    assert np.array_equal(result.hidden_states, hs)
+    assert result.hidden_states.dtype == np.float32
+    # Zero-copy: the array's memory is the bytes gRPC handed over, not a copy of them.
+    assert owner(result.hidden_states) is raw
+    assert np.shares_memory(result.hidden_states, np.frombuffer(raw, np.uint8))
+    assert not result.hidden_states.flags.writeable  # documented: read-only view
+    assert result.timings.queue_seconds == 0.5
+    assert result.timings.batch_requests == 3
+    assert (result.model_name, result.model_version, result.request_id) == ("m", "2", "rid")
+    assert result.lengths is None
+
+
+def test_float16_and_lengths() -> None:
+    hs = np.linspace(-2, 2, 2 * 3 * 5).astype(np.float16).reshape(2, 3, 5)
+    raw = response(hs, lengths=[3, 1]).SerializeToString()
+    result = decode_response(raw)
+    assert result.hidden_states.dtype == np.float16
+    assert np.array_equal(result.hidden_states, hs)
+    assert result.lengths is not None
+    assert result.lengths.tolist() == [3, 1]
+    assert [s.shape for s in result.sequences()] == [(3, 5), (1, 5)]
+
+
+def test_flat_sequences_split_by_lengths() -> None:
+    hs = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)
+    result = decode_response(response(hs, lengths=[1, 3, 2]).SerializeToString())
+    parts = result.sequences()
+    assert [p.shape for p in parts] == [(1, 2), (3, 2), (2, 2)]
+    assert np.array_equal(np.concatenate(parts), hs)
+
+
+def test_parsed_message_decodes_too() -> None:
+    hs = np.ones((1, 2, 3), np.float32)
+    assert np.array_equal(decode_response(response(hs)).hidden_states, hs)
+
+
+def test_merged_encoding_falls_back_to_protobuf() -> None:
+    # Two serialized halves concatenated are one message to protobuf (fields merge):
+    # hidden_states appears twice on the wire. The splice reader must not guess.
+    hs = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    part1 = pb.EmbedResponse(hidden_states=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2, 3]))
+    part2 = pb.EmbedResponse(hidden_states=pb.Tensor(data=hs.tobytes()), model_name="m")
+    raw = part1.SerializeToString() + part2.SerializeToString()
+    result = decode_response(raw)
+    assert np.array_equal(result.hidden_states, hs)
+    assert result.model_name == "m"
+
+
+def test_unknown_fields_are_ignored() -> None:
+    hs = np.arange(4, dtype=np.float32).reshape(1, 1, 4)
+    # Field 99 (varint) and field 98 (bytes), as a newer server might add.
+    extra = bytes([0x98, 0x06, 0x2A]) + bytes([0x92, 0x06, 0x02]) + b"hi"
+    raw = response(hs).SerializeToString() + extra
+    result = decode_response(raw)
+    assert np.array_equal(result.hidden_states, hs)
+    assert owner(result.hidden_states) is raw
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        # cut inside hidden_states.data
+        (response(np.ones((1, 2, 3), np.float32)).SerializeToString()[:20], "EmbedResponse"),
+        (
+            pb.EmbedResponse(
+                hidden_states=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 3], data=b"\0" * 20)
+            ).SerializeToString(),
+            "needs 24 bytes, got 20",
+        ),
+        (
+            pb.EmbedResponse(
+                hidden_states=pb.Tensor(dtype=99, shape=[1], data=b"\0" * 4)
+            ).SerializeToString(),
+            "not a known dtype",
+        ),
+        (
+            pb.EmbedResponse(
+                hidden_states=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[-1, 1], data=b"")
+            ).SerializeToString(),
+            "negative dimension",
+        ),
+    ],
+)
+def test_broken_replies_raise_protocol_errors(raw: bytes, match: str) -> None:
+    with pytest.raises(ServerError, match=match) as info:
+        decode_response(raw)
+    assert info.value.reason == "protocol"
+    assert info.value.code is None
+
+
+def test_stream_answer_decodes_zero_copy() -> None:
+    hs = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
+    raw = pb.EmbedStreamResponse(response=response(hs)).SerializeToString()
+    outcome = decode_stream_response(raw)
+    assert isinstance(outcome, EmbedResult)
+    assert np.array_equal(outcome.hidden_states, hs)
+    assert owner(outcome.hidden_states) is raw
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidInputError),
+        # Error has no reason field: RESOURCE_EXHAUSTED falls back to "too large".
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, RequestTooLargeError),
+        (grpc.StatusCode.INTERNAL, ServerError),
+    ],
+)
+def test_stream_error_answer_becomes_typed_error(code: grpc.StatusCode, cls: type) -> None:
+    raw = pb.EmbedStreamResponse(
+        error=pb.Error(code=code.value[0], message="id -1 at position 3")
+    ).SerializeToString()
+    outcome = decode_stream_response(raw)
+    assert type(outcome) is cls
+    assert isinstance(outcome, EmbeddingError)
+    assert not isinstance(outcome, OverloadedError)
+    assert outcome.code == code
+    assert "id -1 at position 3" in str(outcome)
+
+
+def test_stream_answer_with_neither_is_a_protocol_error() -> None:
+    with pytest.raises(ServerError, match="neither"):
+        decode_stream_response(b"")
+
+
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    half=st.booleans(),
+    data=st.data(),
+)
+def test_decode_matches_protobuf(shape: list[int], half: bool, data: st.DataObject) -> None:
+    dtype = np.float16 if half else np.float32
+    count = int(np.prod(shape))
+    values = data.draw(st.lists(st.integers(-1000, 1000), min_size=count, max_size=count))
+    hs = np.array(values, dtype=dtype).reshape(shape)
+    msg = response(hs, lengths=data.draw(st.lists(st.integers(1, 9), max_size=3)))
+    raw = msg.SerializeToString()
+    ours = decode_response(raw)
+    reference = np.frombuffer(msg.hidden_states.data, dtype).reshape(shape)
+    assert np.array_equal(ours.hidden_states, reference)
+    assert ours.hidden_states.shape == tuple(shape)
+    assert (ours.lengths.tolist() if ours.lengths is not None else []) == list(msg.lengths)
