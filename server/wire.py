@@ -59,6 +59,12 @@ def to_domain(request: pb.EmbedRequest) -> EmbedInput:
 
 
 def varint(value: int) -> bytes:
+    if value < _SMALL_VARINTS_LIMIT:
+        return _SMALL_VARINTS[value]
+    return _encode_varint(value)
+
+
+def _encode_varint(value: int) -> bytes:
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -68,6 +74,12 @@ def varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+# Shapes, tags and small lengths are almost always below 2**14: look them up, don't build
+# them (about 11 varints per response; building each costs ~1.5 us in Python).
+_SMALL_VARINTS_LIMIT = 1 << 14
+_SMALL_VARINTS = tuple(_encode_varint(value) for value in range(_SMALL_VARINTS_LIMIT))
 
 
 def _key(field_number: int, wire_type: int) -> bytes:

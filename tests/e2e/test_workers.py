@@ -1,0 +1,87 @@
+"""``--workers N``: several server processes share one port through SO_REUSEPORT."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from tokembed.client import EmbeddingClient
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import reference_rows
+from support.server import wait_for
+
+
+def _free_ports(count: int) -> int:
+    """A base port with ``count`` consecutive free ports above it (re-checked by the OS
+    when the server binds; a clash fails the test loudly rather than silently)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for offset in range(count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def _sample(metrics_port: int, prefix: str) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(prefix):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _served_by(metrics_port: int) -> float:
+    return _sample(metrics_port, 'tokembed_requests_total{code="OK",method="Embed"}')
+
+
+def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> None:
+    port = _free_ports(1)
+    metrics_base = _free_ports(2)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokembed.cli", "serve", "--model-dir", str(small_model_dir),
+         "--port", str(port), "--metrics-port", str(metrics_base), "--workers", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    rows = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+    try:
+
+        def both_ready() -> bool:
+            try:
+                return all(_sample(metrics_base + i, "tokembed_ready ") == 1 for i in range(2))
+            except OSError:
+                return False
+
+        assert wait_for(both_ready, 60, 0.2)
+        # Each client opens its own connection; the kernel spreads connections.
+        for index in range(40):
+            options = (("grpc.use_local_subchannel_pool", 1),)
+            with EmbeddingClient(f"127.0.0.1:{port}", channel_options=options) as client:
+                np.testing.assert_array_equal(client.embed([[index]]), rows[[[index]]])
+        served = [_served_by(metrics_base + i) for i in range(2)]
+        assert sum(served) == 40
+        assert min(served) > 0, f"one worker took every connection: {served}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
