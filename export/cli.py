@@ -78,17 +78,30 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     """Export; a bad input is reported as one line (by the caller) via ExportError."""
+    # Flags that need no checkpoint are checked before torch is imported: a mistyped
+    # command then answers at once instead of after a second of imports.
+    if args.key is not None and args.weights is None:
+        raise ExportError("--key needs --weights")
+    if args.weights is not None and args.key is None:
+        raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
+    # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
+    # ValueError deep inside the export, which would surface as a traceback.
+    if not 0 <= args.seed < 2**64:
+        raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.weights is None:
+        vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
+        d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
+        _check_positive("--vocab-size", vocab_size)
+        _check_positive("--d-model", d_model)
+        _check_padding(args.padding_idx, vocab_size)
+
     # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
     from tokembed.export.module import TokenEmbedding, random_table
     from tokembed.export.onnx_export import ExportOptions, export_model
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
-    if args.key is not None and args.weights is None:
-        raise ExportError("--key needs --weights")
     source: dict[str, object]
     if args.weights is not None:
-        if args.key is None:
-            raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
         from tokembed.export.hashing import sha256_file
         from tokembed.export.weights import load_matrix
 
@@ -107,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
             "sha256": sha256_file(args.weights, label=f"hashing {args.weights.name}"),
         }
     else:
-        vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
-        d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
-        _check_positive("--vocab-size", vocab_size)
-        _check_positive("--d-model", d_model)
-        _check_padding(args.padding_idx, vocab_size)
-        table = random_table(vocab_size, d_model, args.seed, args.padding_idx)
+        try:
+            table = random_table(vocab_size, d_model, args.seed, args.padding_idx)
+        except (RuntimeError, MemoryError) as exc:
+            # An impossible V x D fails here, in torch's allocator: a bad input, not a bug.
+            raise ExportError(
+                f"cannot allocate a [{vocab_size}, {d_model}] float32 table "
+                f"({vocab_size * d_model * 4 / 2**30:,.1f} GiB): out of memory"
+            ) from exc
         source = {"kind": "random", "seed": args.seed, "init": "normal(0,1)"}
     _check_padding(args.padding_idx, vocab_size)
     module = TokenEmbedding(

@@ -1,8 +1,9 @@
 """The model-directory loader: the only way the server opens a model.
 
 It trusts nothing in ``manifest.json`` until it has checked it: every listed file is
-present with the recorded size and sha256, the graph's input, output and embedding
-table agree with the manifest, and any external data the graph points to is listed.
+present with the recorded size and sha256, the graph's input, output, embedding
+table, opset and scale agree with the manifest, and any external data the graph points
+to is listed.
 Every failure is a ``ModelDirError`` whose message names the file and the field.
 
 Importable without torch: it needs only the ``onnx`` package, and reads the graph
@@ -14,6 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
 
 from tokembed.export.errors import ModelDirError
 from tokembed.export.hashing import sha256_file
@@ -79,6 +83,20 @@ def _check_manifest_values(manifest: Manifest, directory: Path) -> None:
         raise ModelDirError(f"{where}: padding_idx {padding} is outside [0, {manifest.vocab_size})")
     if MODEL_NAME not in manifest.files:
         raise ModelDirError(f"{where}: files does not list {MODEL_NAME}")
+    # The declared shapes are part of the contract too: clients read them.
+    if len(manifest.input.shape) != 2 or not all(isinstance(d, str) for d in manifest.input.shape):
+        raise ModelDirError(
+            f"{where}: input.shape is {manifest.input.shape}, expected two dynamic dimensions"
+        )
+    output_shape = manifest.output.shape
+    if len(output_shape) != 3 or not all(isinstance(d, str) for d in output_shape[:2]):
+        raise ModelDirError(
+            f"{where}: output.shape is {output_shape}, expected two dynamic dimensions and D"
+        )
+    if output_shape[2] != manifest.d_model:
+        raise ModelDirError(
+            f"{where}: output.shape ends in {output_shape[2]!r}, but d_model is {manifest.d_model}"
+        )
 
 
 def _safe_member(directory: Path, name: str) -> Path:
@@ -117,22 +135,24 @@ def _check_graph(manifest: Manifest, directory: Path) -> None:
         raise ModelDirError(f"{model_path}: not a readable ONNX model ({exc})") from exc
     graph = model.graph
     where = f"{model_path}"
+    # Messages name the graph file and the manifest field that disagree with it.
+    field_of = f"{directory / 'manifest.json'}"
 
     initializer_names = {init.name for init in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializer_names]
     if len(inputs) != 1 or inputs[0].name != manifest.input.name:
         raise ModelDirError(
             f"{where}: graph inputs are {[i.name for i in inputs]}, "
-            f"the manifest names {manifest.input.name!r}"
+            f"but {field_of} input.name is {manifest.input.name!r}"
         )
-    _check_value_info(inputs[0], manifest.input.dtype, 2, None, where)
+    _check_value_info(inputs[0], manifest.input.dtype, "input.dtype", 2, None, where)
     outputs = list(graph.output)
     if len(outputs) != 1 or outputs[0].name != manifest.output.name:
         raise ModelDirError(
             f"{where}: graph outputs are {[o.name for o in outputs]}, "
-            f"the manifest names {manifest.output.name!r}"
+            f"but {field_of} output.name is {manifest.output.name!r}"
         )
-    _check_value_info(outputs[0], manifest.output.dtype, 3, manifest.d_model, where)
+    _check_value_info(outputs[0], manifest.output.dtype, "output.dtype", 3, manifest.d_model, where)
 
     tables = [init for init in graph.initializer if len(init.dims) == 2]
     if len(tables) != 1:
@@ -144,13 +164,14 @@ def _check_graph(manifest: Manifest, directory: Path) -> None:
     shape = [int(d) for d in table.dims]
     if shape != [manifest.vocab_size, manifest.d_model]:
         raise ModelDirError(
-            f"{where}: embedding table {table.name!r} is {shape}, the manifest says "
-            f"[{manifest.vocab_size}, {manifest.d_model}]"
+            f"{where}: embedding table {table.name!r} is {shape}, but {field_of} "
+            f"[vocab_size, d_model] is [{manifest.vocab_size}, {manifest.d_model}]"
         )
     table_dtype = _ONNX_DTYPE_NAMES.get(table.data_type, str(table.data_type))
     if table_dtype != manifest.weight_dtype:
         raise ModelDirError(
-            f"{where}: embedding table is {table_dtype}, the manifest says {manifest.weight_dtype}"
+            f"{where}: embedding table is {table_dtype}, "
+            f"but {field_of} weight_dtype is {manifest.weight_dtype}"
         )
     for init in graph.initializer:
         for item in init.external_data:
@@ -165,19 +186,58 @@ def _check_graph(manifest: Manifest, directory: Path) -> None:
     if opsets.get("", opsets.get("ai.onnx")) != manifest.opset:
         raise ModelDirError(
             f"{where}: graph opset is {opsets.get('', opsets.get('ai.onnx'))}, "
-            f"the manifest says {manifest.opset}"
+            f"but {field_of} opset is {manifest.opset}"
+        )
+    graph_scale = _graph_scale(graph, where)
+    # The graph multiplies in float32: compare the manifest's scale at that precision.
+    if graph_scale != float(np.float32(manifest.scale)):
+        raise ModelDirError(
+            f"{where}: graph scales rows by {graph_scale!r}, but {field_of} scale is "
+            f"{manifest.scale!r}"
         )
 
 
+def _graph_scale(graph: object, where: str) -> float:
+    """The factor the graph multiplies looked-up rows by: the one scalar operand of its one
+    Mul, or 1 when there is no Mul (the exporter folds a scale of 1 away)."""
+    from onnx import helper, numpy_helper
+
+    nodes = list(graph.node)  # type: ignore[attr-defined]
+    muls = [node for node in nodes if node.op_type == "Mul"]
+    if not muls:
+        return 1.0
+    scalars: dict[str, Any] = {
+        init.name: init
+        for init in graph.initializer  # type: ignore[attr-defined]
+        if not init.dims and not init.external_data
+    }
+    for node in nodes:
+        constant = node.op_type == "Constant" and len(node.attribute) == 1
+        if constant and node.attribute[0].name in ("value", "value_float"):
+            scalars[node.output[0]] = helper.get_attribute_value(node.attribute[0])
+    operands = [scalars[name] for name in muls[0].input if name in scalars]
+    if len(muls) != 1 or len(operands) != 1:
+        raise ModelDirError(
+            f"{where}: cannot read the scale: expected one Mul by a scalar constant, "
+            f"found {len(muls)} Mul node(s)"
+        )
+    operand = operands[0]
+    values = np.asarray(operand if isinstance(operand, float) else numpy_helper.to_array(operand))
+    if values.size != 1:
+        raise ModelDirError(f"{where}: cannot read the scale: the Mul's constant is not a scalar")
+    return float(values.reshape(()))
+
+
 def _check_value_info(
-    info: object, dtype: str, rank: int, last_dim: int | None, where: str
+    info: object, dtype: str, field: str, rank: int, last_dim: int | None, where: str
 ) -> None:
     tensor_type = info.type.tensor_type  # type: ignore[attr-defined]
     name = info.name  # type: ignore[attr-defined]
     actual_dtype = _ONNX_DTYPE_NAMES.get(tensor_type.elem_type, str(tensor_type.elem_type))
     if actual_dtype != dtype:
         raise ModelDirError(
-            f"{where}: {name!r} is {actual_dtype} in the graph, manifest says {dtype}"
+            f"{where}: {name!r} is {actual_dtype} in the graph, but manifest.json {field} "
+            f"is {dtype}"
         )
     dims = list(tensor_type.shape.dim)
     if len(dims) != rank:
@@ -191,5 +251,5 @@ def _check_value_info(
     if last_dim is not None and dims[-1].dim_value != last_dim:
         raise ModelDirError(
             f"{where}: {name!r} last dimension is {dims[-1].dim_value or dims[-1].dim_param!r}, "
-            f"the manifest's d_model is {last_dim}"
+            f"but manifest.json d_model is {last_dim}"
         )

@@ -35,7 +35,10 @@ class TokenEmbedding(nn.Module):
     """The input-embedding layer of a Transformer.
 
     ``scale`` defaults to sqrt(d_model). ``padding_idx`` behaves as in ``nn.Embedding``:
-    its row starts as zeros (and receives no gradient).
+    its row starts as zeros (and receives no gradient). A given ``weight`` is adopted, not
+    copied (the module shares its storage when it is already float32), and kept as it
+    is: its padding row is not zeroed, since the module must compute what the checkpoint
+    computes.
     """
 
     def __init__(
@@ -57,14 +60,24 @@ class TokenEmbedding(nn.Module):
         self.d_model = d_model
         self.scale = resolve_scale(scale, d_model)
         self.padding_idx = padding_idx
-        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
-        if weight is not None:
+        if weight is None:
+            self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
+        else:
             if tuple(weight.shape) != (vocab_size, d_model):
                 raise ExportError(
                     f"weight is {list(weight.shape)}, expected [{vocab_size}, {d_model}]"
                 )
-            with torch.no_grad():
-                self.embedding.weight.copy_(weight.to(torch.float32))
+            # Adopt the table instead of initialising a random one and copying over it:
+            # for a multi-GB table that saves one full copy in memory and seconds of
+            # random init. The given rows are kept as they are, padding row included.
+            # ``_weight`` is what ``nn.Embedding.from_pretrained`` passes (that method is
+            # untyped, so mypy --strict refuses the call); it does not zero the padding row.
+            self.embedding = nn.Embedding(
+                vocab_size,
+                d_model,
+                padding_idx=padding_idx,
+                _weight=weight.detach().to(torch.float32),
+            )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         scaled: torch.Tensor = self.embedding(input_ids) * self.scale

@@ -68,8 +68,13 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
     module = module.eval()
     if options.weight_dtype == "float16":
         _check_fits_float16(module)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    except OSError as exc:
+        # e.g. a parent of --out is a file, or not writable: a bad input, not a bug.
+        reason = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc
+        raise ExportError(f"--out {out_dir}: cannot create it ({reason})") from exc
     try:
         exported = _export_graph(module, options.weight_dtype, staging / MODEL_NAME)
         parity = _check_parity(module, staging / MODEL_NAME, options.weight_dtype, options.seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,14 +19,13 @@ def load_matrix(path: Path, key: str) -> torch.Tensor:
     """The 2-D float tensor stored under ``key`` in a state_dict or safetensors file."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
-    tensors = _read_tensors(path)
-    if key not in tensors:
-        matrices = sorted(name for name, t in tensors.items() if t.dim() == 2)
+    shapes, tensor = _read(path, key)
+    if tensor is None:
+        matrices = sorted(name for name, shape in shapes.items() if len(shape) == 2)
         raise CheckpointError(
             f"key {key!r} not found in {path.name}; keys holding 2-D matrices: "
             + (", ".join(matrices) if matrices else "(none)")
         )
-    tensor = tensors[key]
     if tensor.dim() != 2:
         raise CheckpointError(
             f"{key!r} in {path.name} has shape {list(tensor.shape)}, expected a 2-D [V, D] matrix"
@@ -37,23 +37,41 @@ def load_matrix(path: Path, key: str) -> torch.Tensor:
     return tensor.detach().to(torch.float32).clone()
 
 
-def _read_tensors(path: Path) -> Mapping[str, torch.Tensor]:
+def _read(path: Path, key: str) -> tuple[dict[str, list[int]], torch.Tensor | None]:
+    """The shape of every tensor in the file, and the tensor at ``key`` (None if absent)."""
     suffix = path.suffix.lower()
+    if suffix not in (*_TORCH_SUFFIXES, _SAFETENSORS_SUFFIX):
+        raise CheckpointError(
+            f"{path.name}: unknown checkpoint type {suffix!r}; "
+            f"expected one of {[*_TORCH_SUFFIXES, _SAFETENSORS_SUFFIX]}"
+        )
     progress = Progress(f"loading {path.name}", path.stat().st_size)
     progress.update(0)
     try:
         if suffix == _SAFETENSORS_SUFFIX:
-            from safetensors.torch import load_file
+            # safe_open reads the header, then only the one tensor asked for:
+            # safetensors.torch.load_file would read the whole checkpoint (the full
+            # model, often many times the embedding table) into memory.
+            from safetensors import safe_open
 
-            loaded: object = load_file(str(path))
-        elif suffix in _TORCH_SUFFIXES:
-            # weights_only: a checkpoint is data; never run the pickled code it may carry.
-            loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            with safe_open(str(path), framework="pt") as handle:
+                names = handle.keys()  # a safe_open handle is not iterable
+                shapes = {name: list(handle.get_slice(name).get_shape()) for name in names}
+                tensor = handle.get_tensor(key) if key in shapes else None
         else:
-            raise CheckpointError(
-                f"{path.name}: unknown checkpoint type {suffix!r}; "
-                f"expected one of {[*_TORCH_SUFFIXES, _SAFETENSORS_SUFFIX]}"
+            # weights_only: a checkpoint is data; never run the pickled code it may carry.
+            # mmap: only the pages of the chosen tensor are read. torch can mmap only its
+            # zip format (torch >= 1.6); older checkpoints (many early Hugging Face
+            # .bin files) are read whole rather than refused.
+            loaded = torch.load(
+                str(path),
+                map_location="cpu",
+                weights_only=True,
+                mmap=zipfile.is_zipfile(path),
             )
+            tensors = _flatten(loaded, path)
+            shapes = {name: list(t.shape) for name, t in tensors.items()}
+            tensor = tensors.get(key)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -61,7 +79,7 @@ def _read_tensors(path: Path) -> Mapping[str, torch.Tensor]:
         raise CheckpointError(f"cannot read checkpoint {path.name}: {first_line}") from exc
     progress.update(path.stat().st_size)
     progress.close()
-    return _flatten(loaded, path)
+    return shapes, tensor
 
 
 def _flatten(loaded: object, path: Path) -> dict[str, torch.Tensor]:
