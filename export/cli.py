@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from tokembed.export.errors import ExportError
+from tokembed.export.out_dir import check_out_dir
 
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_D_MODEL = 512
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     # ValueError deep inside the export, which would surface as a traceback.
     if not 0 <= args.seed < 2**64:
         raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
+    # Before loading and hashing a checkpoint that may be many GB, not after.
+    check_out_dir(args.out, args.force)
     if args.weights is None:
         vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
         d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL

@@ -37,6 +37,7 @@ from tokembed.export.manifest import (
     TensorSpec,
 )
 from tokembed.export.module import StoredAs, TokenEmbedding
+from tokembed.export.out_dir import check_out_dir
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
             f"--dtype must be one of {sorted(_TORCH_DTYPES)}, got {options.weight_dtype!r}"
         )
     out_dir = options.out_dir
-    _check_out_dir(out_dir, options.force)
+    check_out_dir(out_dir, options.force)
     module = module.eval()
     if options.weight_dtype == "float16":
         _check_fits_float16(module)
@@ -104,13 +105,6 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("exported %s to %s (max abs error %g)", options.name, out_dir, parity.max_abs_error)
     return manifest
-
-
-def _check_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise ExportError(f"--out {out_dir} exists and is not empty; pass --force to overwrite")
 
 
 def _check_fits_float16(module: TokenEmbedding) -> None:

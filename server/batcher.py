@@ -136,8 +136,7 @@ class Batcher:
             logger.exception("look-up failed for a batch of 1 request")
             raise Internal(f"the look-up failed: {exc}") from exc
         compute_s = time.monotonic() - started
-        if self._observer is not None:
-            self._observer.batch_done(1, int(ids.size), compute_s)
+        self._report_batch(1, int(ids.size), compute_s)
         return BatchResult(rows, 0.0, compute_s, 1, int(ids.size))
 
     async def close(self) -> None:
@@ -243,8 +242,7 @@ class Batcher:
             self._computing -= 1
             if self._wakeup is not None:
                 self._wakeup.set()
-        if self._observer is not None:
-            self._observer.batch_done(len(batch), tokens, compute_s)
+        self._report_batch(len(batch), tokens, compute_s)
         offset = 0
         for item in batch:
             size = int(item.ids.size)
@@ -259,6 +257,14 @@ class Batcher:
                     )
                 )
             offset += size
+
+    def _report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
+        # An observer (metrics) that fails must not leave a batch's callers hanging.
+        if self._observer is not None:
+            try:
+                self._observer.batch_done(requests, tokens, compute_s)
+            except Exception:
+                logger.exception("batch observer failed; this is a bug")
 
     def _report_drop(self, reason: str) -> None:
         if self._observer is not None:

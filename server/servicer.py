@@ -26,6 +26,8 @@ from tokembed.v1 import embedding_pb2 as pb
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "tokembed.v1.EmbeddingService"
+# A call cancelled less than this before its deadline counts as deadline exceeded.
+DEADLINE_SLACK_S = 0.05
 # EmbedStream answers in order but works ahead on up to this many requests at once.
 STREAM_WINDOW = 32
 
@@ -292,9 +294,12 @@ class EmbeddingServicer:
         """The handler was cancelled: the caller went away, or its deadline passed.
 
         gRPC cancels the handler in both cases; only the time left tells them apart.
+        The caller's own timer fires a moment before ours (its grpc-timeout was measured
+        before the request travelled), so its cancel can arrive first, just before our
+        deadline: a call cancelled that close to its deadline ran out of time.
         """
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
             code = grpc.StatusCode.DEADLINE_EXCEEDED
             self._rejected(method, "deadline_exceeded", code, started, "deadline passed")
         else:

@@ -44,7 +44,8 @@ def validate(request: EmbedInput, limits: Limits) -> EmbedJob:
         raise InvalidInput(
             f"output_dtype {request.output_dtype} is not supported; ask for float32 or float16"
         )
-    if request.layout not in (PADDED, FLAT):
+    # The layout only shapes ragged answers (the proto says so); ignore it otherwise.
+    if request.lengths and request.layout not in (PADDED, FLAT):
         raise InvalidInput(f"ragged_layout {request.layout} is not supported; use PADDED or FLAT")
 
     shape = request.shape

@@ -59,6 +59,8 @@ def to_domain(request: pb.EmbedRequest) -> EmbedInput:
 
 
 def varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"this is a bug: varint of negative {value}")
     if value < _SMALL_VARINTS_LIMIT:
         return _SMALL_VARINTS[value]
     return _encode_varint(value)

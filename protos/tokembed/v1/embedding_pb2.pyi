@@ -133,7 +133,8 @@ class EmbedRequest(_message.Message):
     """Optional: echoed back in the response and the server's logs."""
     @_builtins.property
     def input_ids(self) -> Global___Tensor:
-        """Token ids, int64 or int32, each in [0, V).
+        """Token ids, int64 or int32 (dtype must be set: DTYPE_UNSPECIFIED is refused), each
+        in [0, V).
           Rectangular input: shape [B, S], and `lengths` empty.
           Ragged input:      shape [N] (all sequences concatenated) and `lengths` [B]
                              with sum(lengths) == N and every length >= 1.

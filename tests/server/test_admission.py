@@ -1,0 +1,86 @@
+"""Admission control: refuse at once what the server cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokembed.server.admission import Admission
+from tokembed.server.errors import Overloaded
+
+
+class Queue:
+    """Stands in for the batcher's queued-token count."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+
+def admission(queue: Queue, *, max_queued_tokens: int = 100, max_bytes: int = 1000) -> Admission:
+    return Admission(
+        max_queued_tokens=max_queued_tokens,
+        max_inflight_output_bytes=max_bytes,
+        queued_tokens=lambda: queue.tokens,
+    )
+
+
+def test_queued_tokens_limit_refuses_at_once_and_names_the_numbers() -> None:
+    queue = Queue()
+    gate = admission(queue)
+    queue.tokens = 90
+    gate.admit(10, 1).release()  # exactly at the limit is fine
+    with pytest.raises(Overloaded) as error:
+        gate.admit(11, 1)
+    message = str(error.value)
+    assert "90 tokens queued" in message and "11 more" in message and "limit of 100" in message
+    assert "retry" in message
+    assert gate.inflight_output_bytes == 0  # a refusal reserves nothing
+    queue.tokens = 0
+    gate.admit(11, 1).release()  # the queue drained: admitted again
+
+
+def test_inflight_output_bytes_are_reserved_until_released() -> None:
+    gate = admission(Queue(), max_bytes=1000)
+    first = gate.admit(1, 600)
+    second = gate.admit(1, 400)
+    assert gate.inflight_output_bytes == 1000
+    with pytest.raises(Overloaded, match=r"1000 output bytes in flight, 1 more .* limit of 1000"):
+        gate.admit(1, 1)
+    first.release()
+    assert gate.inflight_output_bytes == 400
+    third = gate.admit(1, 600)
+    assert gate.inflight_output_bytes == 1000
+    second.release()
+    third.release()
+    assert gate.inflight_output_bytes == 0
+
+
+def test_release_is_idempotent() -> None:
+    gate = admission(Queue())
+    keep = gate.admit(1, 300)
+    ticket = gate.admit(1, 200)
+    ticket.release()
+    ticket.release()
+    assert gate.inflight_output_bytes == 300
+    keep.release()
+    assert gate.inflight_output_bytes == 0
+
+
+def test_one_request_alone_is_admitted_even_over_the_byte_limit() -> None:
+    gate = admission(Queue(), max_bytes=1000)
+    big = gate.admit(1, 5000)
+    assert gate.inflight_output_bytes == 5000
+    with pytest.raises(Overloaded):
+        gate.admit(1, 1)
+    big.release()
+    gate.admit(1, 5000).release()
+
+
+def test_one_request_alone_is_admitted_even_over_the_queued_token_limit() -> None:
+    # A request within the per-request limits but larger than max_queued_tokens must
+    # not be refused as "overloaded, retry" forever when nothing is queued.
+    queue = Queue()
+    gate = admission(queue, max_queued_tokens=100)
+    gate.admit(500, 1).release()
+    queue.tokens = 1
+    with pytest.raises(Overloaded):
+        gate.admit(500, 1)

@@ -1,0 +1,526 @@
+"""The dynamic batcher with a fake compute whose output rows reveal their ids.
+
+The fake compute maps ids -> rows where every value of row i equals ids[i], so a
+request's rows prove that it got exactly its own ids back, in order. It can block on
+a ``threading.Event`` (a busy runtime) and it records every id array it sees, so a
+test can prove what was (and was not) computed, and in which batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from tokembed.server.batcher import Batcher, BatchResult
+from tokembed.server.errors import DeadlineExceeded, Internal, Unavailable
+
+T = TypeVar("T")
+D = 4
+BLOCK = 999  # a batch holding this id blocks in compute until the gate opens
+FAIL = 666  # a batch holding this id makes compute raise
+
+
+def rows_of(ids: np.ndarray) -> np.ndarray:
+    return np.repeat(ids[:, None].astype(np.float32), D, axis=1)
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+class FakeCompute:
+    """ids -> rows_of(ids); records calls; blocks on BLOCK, raises on FAIL."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self.threads: list[int] = []  # the thread of each call, in order
+        self.gate = threading.Event()
+        self.blocked = threading.Event()  # set once a blocking call has started
+        self._lock = threading.Lock()
+
+    def __call__(self, batch_ids: np.ndarray) -> np.ndarray:
+        with self._lock:
+            self.calls.append([int(i) for i in batch_ids])
+            self.threads.append(threading.get_ident())
+        if BLOCK in batch_ids:
+            self.blocked.set()
+            if not self.gate.wait(10):
+                raise RuntimeError("test gate never opened")
+        if FAIL in batch_ids:
+            raise ValueError("the fake runtime broke")
+        return rows_of(batch_ids)
+
+    def seen(self) -> set[int]:
+        return {i for call in self.calls for i in call}
+
+
+class Recorder:
+    """A BatchObserver that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []
+        self.drops: list[str] = []
+
+    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
+        assert compute_s >= 0
+        self.batches.append((requests, tokens))
+
+    def dropped(self, reason: str) -> None:
+        self.drops.append(reason)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float = 10) -> T:
+    """Run one test coroutine on a fresh loop, bounded in time."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.001)
+
+
+async def wait_event(event: threading.Event, timeout_s: float = 5) -> None:
+    assert await asyncio.to_thread(event.wait, timeout_s), "event not set in time"
+
+
+@contextmanager
+def fake_batcher(
+    *,
+    max_batch_tokens: int = 1000,
+    max_delay_s: float = 1.0,
+    max_concurrent_batches: int = 1,
+    inline_max_tokens: int = 0,
+) -> Iterator[tuple[Batcher, FakeCompute, Recorder]]:
+    compute = FakeCompute()
+    observer = Recorder()
+    executor = ThreadPoolExecutor(max_workers=4)
+    batcher = Batcher(
+        compute,
+        executor,
+        max_batch_tokens=max_batch_tokens,
+        max_delay_s=max_delay_s,
+        max_concurrent_batches=max_concurrent_batches,
+        inline_max_tokens=inline_max_tokens,
+        observer=observer,
+    )
+    try:
+        yield batcher, compute, observer
+    finally:
+        compute.gate.set()  # never leave a worker thread blocked
+        executor.shutdown(wait=True)
+
+
+def assert_own_rows(result: BatchResult, sent: np.ndarray) -> None:
+    np.testing.assert_array_equal(result.rows, rows_of(sent))
+
+
+async def closing(batcher: Batcher, body: Awaitable[T]) -> T:
+    try:
+        return await body
+    finally:
+        await batcher.close()
+
+
+def test_lone_request_on_idle_batcher_does_not_wait_for_max_delay() -> None:
+    with fake_batcher(max_delay_s=2.0) as (batcher, compute, observer):
+
+        async def body() -> tuple[BatchResult, float]:
+            started = time.monotonic()
+            result = await batcher.submit(ids(3, 1, 4))
+            return result, time.monotonic() - started
+
+        result, elapsed = run(closing(batcher, body()))
+    assert elapsed < 0.5, f"a lone request waited {elapsed:.3f} s (max_delay is 2 s)"
+    assert_own_rows(result, ids(3, 1, 4))
+    assert (result.batch_requests, result.batch_tokens) == (1, 3)
+    assert result.queue_s < 0.5
+    assert compute.calls == [[3, 1, 4]]
+    assert observer.batches == [(1, 3)]
+    assert batcher.queued_tokens == 0
+
+
+def test_requests_arriving_during_a_batch_go_together_as_one_batch() -> None:
+    with fake_batcher(max_delay_s=2.0) as (batcher, compute, observer):
+        sent = [ids(10, 11), ids(20), ids(30, 31, 32, 33), ids(40, 41, 42)]
+
+        async def body() -> tuple[list[BatchResult], float]:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            tasks = [asyncio.ensure_future(batcher.submit(s)) for s in sent]
+            await until(lambda: batcher.queued_requests == len(sent))
+            assert batcher.queued_tokens == sum(s.size for s in sent)
+            await asyncio.sleep(0.05)
+            assert not any(t.done() for t in tasks), "queued requests ran while busy"
+            released = time.monotonic()
+            compute.gate.set()
+            results = await asyncio.gather(*tasks)
+            elapsed = time.monotonic() - released
+            await first
+            return results, elapsed
+
+        results, elapsed = run(closing(batcher, body()))
+    total = sum(s.size for s in sent)
+    assert compute.calls == [[BLOCK], [int(i) for s in sent for i in s]]
+    for result, s in zip(results, sent, strict=True):
+        assert_own_rows(result, s)
+        assert (result.batch_requests, result.batch_tokens) == (len(sent), total)
+        assert result.queue_s >= 0.05  # they really waited for the busy runtime
+    # Once the runtime is free the waiting batch goes at once, not after max_delay.
+    assert elapsed < 1.0, elapsed
+    assert observer.batches == [(1, 1), (len(sent), total)]
+    assert batcher.queued_tokens == 0
+
+
+def test_token_budget_splits_batches_and_an_oversized_request_goes_alone() -> None:
+    with fake_batcher(max_batch_tokens=10, max_delay_s=1.0) as (batcher, compute, observer):
+        sent = [
+            ids(1, 1, 1, 1),
+            ids(2, 2, 2, 2),
+            ids(3, 3, 3, 3),  # 12 > 10: starts the next batch
+            ids(*([4] * 25)),  # bigger than the budget: alone
+            ids(5, 5, 5),
+        ]
+
+        async def body() -> list[BatchResult]:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            tasks = [asyncio.ensure_future(batcher.submit(s)) for s in sent]
+            await until(lambda: batcher.queued_requests == len(sent))
+            compute.gate.set()
+            results = await asyncio.gather(*tasks)
+            await first
+            return results
+
+        results = run(closing(batcher, body()))
+    assert compute.calls == [
+        [BLOCK],
+        [1, 1, 1, 1, 2, 2, 2, 2],
+        [3, 3, 3, 3],
+        [4] * 25,
+        [5, 5, 5],
+    ]
+    assert observer.batches == [(1, 1), (2, 8), (1, 4), (1, 25), (1, 3)]
+    for result, s in zip(results, sent, strict=True):
+        assert_own_rows(result, s)
+    assert batcher.queued_tokens == 0
+
+
+def test_max_delay_bounds_the_wait_while_another_batch_computes() -> None:
+    max_delay = 0.2
+    with fake_batcher(max_delay_s=max_delay, max_concurrent_batches=2) as (
+        batcher,
+        compute,
+        observer,
+    ):
+
+        async def body() -> tuple[BatchResult, float, bool]:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            started = time.monotonic()
+            result = await batcher.submit(ids(7, 8))
+            elapsed = time.monotonic() - started
+            first_still_busy = not first.done()
+            compute.gate.set()
+            await first
+            return result, elapsed, first_still_busy
+
+        result, elapsed, first_still_busy = run(closing(batcher, body()))
+    assert first_still_busy, "the second request should run beside the busy batch"
+    # It waited for company (the runtime was busy) but no longer than max_delay.
+    assert elapsed >= max_delay * 0.9, elapsed
+    assert elapsed < max_delay + 0.5, elapsed
+    assert result.queue_s >= max_delay * 0.9
+    assert_own_rows(result, ids(7, 8))
+    assert compute.calls == [[BLOCK], [7, 8]]
+    assert observer.batches == [(1, 2), (1, 1)]  # the second finished first
+
+
+def test_full_token_budget_goes_before_max_delay_while_busy() -> None:
+    with fake_batcher(max_batch_tokens=6, max_delay_s=2.0, max_concurrent_batches=2) as (
+        batcher,
+        compute,
+        observer,
+    ):
+
+        async def body() -> float:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            started = time.monotonic()
+            results = await asyncio.gather(
+                batcher.submit(ids(1, 2, 3)), batcher.submit(ids(4, 5, 6))
+            )
+            elapsed = time.monotonic() - started
+            assert_own_rows(results[0], ids(1, 2, 3))
+            assert_own_rows(results[1], ids(4, 5, 6))
+            compute.gate.set()
+            await first
+            return elapsed
+
+        elapsed = run(closing(batcher, body()))
+    assert elapsed < 1.0, f"a full batch waited {elapsed:.3f} s for max_delay (2 s)"
+    assert compute.calls == [[BLOCK], [1, 2, 3, 4, 5, 6]]
+    assert observer.batches == [(2, 6), (1, 1)]
+
+
+def test_cancelled_caller_is_dropped_before_compute() -> None:
+    with fake_batcher() as (batcher, compute, observer):
+
+        async def body() -> BatchResult:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            doomed = asyncio.ensure_future(batcher.submit(ids(777, 778)))
+            kept = asyncio.ensure_future(batcher.submit(ids(5)))
+            await until(lambda: batcher.queued_requests == 2)
+            doomed.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+            compute.gate.set()
+            result = await kept
+            await first
+            return result
+
+        result = run(closing(batcher, body()))
+    assert 777 not in compute.seen() and 778 not in compute.seen()
+    assert compute.calls == [[BLOCK], [5]]
+    assert_own_rows(result, ids(5))
+    assert result.batch_requests == 1
+    assert observer.drops == ["cancelled"]
+    assert batcher.queued_tokens == 0
+
+
+def test_expired_deadline_raises_and_is_never_computed() -> None:
+    with fake_batcher() as (batcher, compute, observer):
+
+        async def body() -> None:
+            # Already expired on arrival, on an idle batcher.
+            with pytest.raises(DeadlineExceeded, match="deadline passed"):
+                await batcher.submit(ids(501), deadline=time.monotonic() - 0.001)
+            # Expires while it waits behind a busy batch.
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            late = asyncio.ensure_future(batcher.submit(ids(502), time.monotonic() + 0.05))
+            on_time = asyncio.ensure_future(batcher.submit(ids(503), time.monotonic() + 5))
+            await asyncio.sleep(0.1)
+            compute.gate.set()
+            with pytest.raises(DeadlineExceeded):
+                await late
+            assert_own_rows(await on_time, ids(503))
+            await first
+
+        run(closing(batcher, body()))
+    assert 501 not in compute.seen() and 502 not in compute.seen()
+    assert compute.calls == [[BLOCK], [503]]
+    assert observer.drops == ["deadline_exceeded", "deadline_exceeded"]
+    assert batcher.queued_tokens == 0
+
+
+def test_compute_failure_fails_every_caller_of_the_batch_and_the_next_batch_works() -> None:
+    with fake_batcher() as (batcher, compute, observer):
+
+        async def body() -> BatchResult:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            await wait_event(compute.blocked)
+            mates = [
+                asyncio.ensure_future(batcher.submit(ids(1, 2))),
+                asyncio.ensure_future(batcher.submit(ids(FAIL))),
+                asyncio.ensure_future(batcher.submit(ids(3))),
+            ]
+            await until(lambda: batcher.queued_requests == 3)
+            compute.gate.set()
+            outcomes = await asyncio.gather(*mates, return_exceptions=True)
+            for outcome in outcomes:
+                assert isinstance(outcome, Internal), outcome
+                assert "the fake runtime broke" in str(outcome)
+            await first
+            return await batcher.submit(ids(4, 5))
+
+        result = run(closing(batcher, body()))
+    assert compute.calls == [[BLOCK], [1, 2, FAIL, 3], [4, 5]]
+    assert observer.batches == [(1, 1), (1, 2)]  # a failed batch is not a done one
+    assert_own_rows(result, ids(4, 5))
+    assert batcher.queued_tokens == 0
+
+
+def test_close_fails_queued_requests_with_unavailable_and_lets_running_batches_finish() -> None:
+    with fake_batcher() as (batcher, compute, observer):
+
+        async def body() -> None:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK, 9)))
+            await wait_event(compute.blocked)
+            queued = [
+                asyncio.ensure_future(batcher.submit(ids(11))),
+                asyncio.ensure_future(batcher.submit(ids(12, 13))),
+            ]
+            await until(lambda: batcher.queued_requests == 2)
+            closer = asyncio.ensure_future(batcher.close())
+            # Queued requests fail at once, while the running batch is still busy.
+            outcomes = await asyncio.gather(*queued, return_exceptions=True)
+            assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
+            assert not first.done()
+            assert batcher.queued_tokens == 0
+            compute.gate.set()
+            assert_own_rows(await first, ids(BLOCK, 9))
+            await closer
+            with pytest.raises(Unavailable):
+                await batcher.submit(ids(1))
+
+        run(body())
+    assert compute.calls == [[BLOCK, 9]]
+    assert observer.batches == [(1, 2)]
+    assert batcher.queued_tokens == 0
+
+
+def test_queued_tokens_return_to_zero_after_a_mixed_load() -> None:
+    with fake_batcher(max_batch_tokens=16, max_delay_s=0.005, max_concurrent_batches=2) as (
+        batcher,
+        compute,
+        observer,
+    ):
+        rng = np.random.default_rng(0)
+        sent = [rng.integers(0, 500, size=int(rng.integers(1, 12))) for _ in range(200)]
+
+        async def body() -> list[BatchResult | BaseException]:
+            tasks = [
+                asyncio.ensure_future(
+                    batcher.submit(s, time.monotonic() - 1 if n % 17 == 0 else None)
+                )
+                for n, s in enumerate(sent)
+            ]
+            await asyncio.sleep(0)
+            for task in tasks[5::23]:
+                task.cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        outcomes = run(closing(batcher, body()))
+    assert batcher.queued_tokens == 0
+    assert batcher.queued_requests == 0
+    cancelled = {n for n in range(len(sent)) if n % 23 == 5}
+    expired = {n for n in range(len(sent)) if n % 17 == 0} - cancelled
+    for n, (outcome, s) in enumerate(zip(outcomes, sent, strict=True)):
+        if n in cancelled:
+            assert isinstance(outcome, asyncio.CancelledError), (n, outcome)
+        elif n in expired:
+            assert isinstance(outcome, DeadlineExceeded), (n, outcome)
+        else:
+            assert isinstance(outcome, BatchResult), (n, outcome)
+            assert_own_rows(outcome, s)
+    # Cancelled before the dispatcher ran, so every one was dropped, never computed; one
+    # both cancelled and expired counts as expired.
+    expired_all = {n for n in range(len(sent)) if n % 17 == 0}
+    assert sorted(observer.drops) == sorted(
+        ["cancelled"] * len(cancelled - expired_all) + ["deadline_exceeded"] * len(expired_all)
+    )
+    served_tokens = sum(sent[n].size for n in range(len(sent)) if n not in cancelled | expired)
+    assert sum(tokens for _, tokens in observer.batches) == served_tokens
+    assert sum(len(call) for call in compute.calls) == served_tokens
+    # The load did form multi-request batches, none over budget unless a lone request.
+    assert max(requests for requests, _ in observer.batches) > 1
+    assert all(tokens <= 16 or requests == 1 for requests, tokens in observer.batches)
+
+
+# --- the inline fast path: tiny batches looked up on the event loop itself
+
+
+def test_lone_small_request_is_computed_inline_on_the_event_loop() -> None:
+    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
+
+        async def body() -> tuple[BatchResult, BatchResult, int]:
+            small = await batcher.submit(ids(1, 2, 3, 4))
+            large = await batcher.submit(ids(5, 6, 7, 8, 9))
+            return small, large, threading.get_ident()
+
+        small, large, loop_thread = run(closing(batcher, body()))
+    assert_own_rows(small, ids(1, 2, 3, 4))
+    assert_own_rows(large, ids(5, 6, 7, 8, 9))
+    assert compute.calls == [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert compute.threads[0] == loop_thread  # inline: no thread hop
+    assert compute.threads[1] != loop_thread  # over the limit: on the executor
+    assert (small.batch_requests, small.batch_tokens, small.queue_s) == (1, 4, 0.0)
+    assert observer.batches == [(1, 4), (1, 5)]
+    assert batcher.queued_tokens == 0
+
+
+def test_inline_path_is_not_taken_while_a_batch_computes() -> None:
+    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
+
+        async def body() -> tuple[list[BatchResult], int]:
+            first = asyncio.ensure_future(batcher.submit(ids(BLOCK, 1, 2, 3, 4)))
+            await wait_event(compute.blocked)
+            tasks = [asyncio.ensure_future(batcher.submit(ids(n))) for n in (11, 12, 13)]
+            await until(lambda: batcher.queued_requests == 3)
+            assert len(compute.calls) == 1  # none of them ran inline beside the busy batch
+            compute.gate.set()
+            results = await asyncio.gather(*tasks)
+            await first
+            return results, threading.get_ident()
+
+        results, loop_thread = run(closing(batcher, body()))
+    assert compute.calls == [[BLOCK, 1, 2, 3, 4], [11, 12, 13]]
+    assert observer.batches == [(1, 5), (3, 3)]
+    # The queued three formed one batch, small enough to be looked up on the loop.
+    assert compute.threads[1] == loop_thread
+    for result, n in zip(results, (11, 12, 13), strict=True):
+        assert_own_rows(result, ids(n))
+        assert result.batch_requests == 3
+
+
+def test_inline_expired_deadline_is_never_computed() -> None:
+    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
+
+        async def body() -> None:
+            with pytest.raises(DeadlineExceeded):
+                await batcher.submit(ids(1), deadline=time.monotonic() - 0.001)
+
+        run(closing(batcher, body()))
+    assert compute.calls == []
+    assert observer.drops == ["deadline_exceeded"]
+
+
+def test_inline_compute_failure_is_internal_and_the_next_request_works() -> None:
+    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
+
+        async def body() -> BatchResult:
+            with pytest.raises(Internal, match="the fake runtime broke"):
+                await batcher.submit(ids(FAIL))
+            return await batcher.submit(ids(2))
+
+        result = run(closing(batcher, body()))
+    assert_own_rows(result, ids(2))
+    assert compute.calls == [[FAIL], [2]]
+    assert observer.batches == [(1, 1)]
+
+
+@pytest.mark.parametrize("inline_max_tokens", [0, 8], ids=["executor", "inline"])
+def test_compute_returning_the_wrong_number_of_rows_is_internal_either_way(
+    inline_max_tokens: int,
+) -> None:
+    async def body() -> None:
+        batcher = Batcher(
+            lambda batch_ids: rows_of(batch_ids[:-1]),
+            None,
+            max_batch_tokens=100,
+            max_delay_s=0.01,
+            inline_max_tokens=inline_max_tokens,
+        )
+        try:
+            with pytest.raises(Internal, match="2 rows for 3 ids"):
+                await batcher.submit(ids(1, 2, 3))
+        finally:
+            await batcher.close()
+
+    run(body())

@@ -1,0 +1,159 @@
+"""The onnxruntime session on a small exported model: E[id] * scale, and the providers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tokembed.export.model_dir import load_model_dir
+from tokembed.server import runtime as runtime_module
+from tokembed.server.errors import ServerConfigError
+from tokembed.server.runtime import CPU, CUDA, EmbeddingRuntime, RuntimeOptions
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import reference_rows
+
+HAS_CUDA = CUDA in ort.get_available_providers()
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+@pytest.fixture(scope="module")
+def cpu_runtime(small_model_dir: Path) -> EmbeddingRuntime:
+    return EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cpu"))
+
+
+@pytest.fixture
+def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a CUDA machine look like one without (a no-op where there is none)."""
+    if HAS_CUDA:
+        monkeypatch.setattr(runtime_module, "available_providers", lambda: [CPU])
+
+
+def test_rows_are_exactly_the_scaled_table_rows(
+    cpu_runtime: EmbeddingRuntime, reference: np.ndarray
+) -> None:
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([[0, 1, SMALL_V - 1, SMALL_PAD, 5, 5], rng.integers(0, SMALL_V, 500)])
+    rows = cpu_runtime.run(ids.astype(np.int64))
+    assert rows.shape == (ids.size, SMALL_D) and rows.dtype == np.float32
+    np.testing.assert_array_equal(rows, reference[ids])
+    assert not rows[3].any()  # the padding id's row is zero
+    assert cpu_runtime.provider == CPU
+    assert cpu_runtime.d_model == SMALL_D
+
+
+def test_a_single_id_and_the_whole_vocabulary(
+    cpu_runtime: EmbeddingRuntime, reference: np.ndarray
+) -> None:
+    np.testing.assert_array_equal(cpu_runtime.run(np.array([7], dtype=np.int64)), reference[[7]])
+    everything = np.arange(SMALL_V, dtype=np.int64)
+    np.testing.assert_array_equal(cpu_runtime.run(everything), reference)
+
+
+def test_each_run_returns_a_fresh_array_the_caller_owns(cpu_runtime: EmbeddingRuntime) -> None:
+    ids = np.array([1, 2, 3], dtype=np.int64)
+    first = cpu_runtime.run(ids)
+    second = cpu_runtime.run(ids)
+    first[:] = 0  # writable, and shared with nobody
+    assert second.any()
+    np.testing.assert_array_equal(cpu_runtime.run(ids), second)
+
+
+def test_float16_cast_rounds_exactly_as_numpy_does(cpu_runtime: EmbeddingRuntime) -> None:
+    rng = np.random.default_rng(2)
+    rows = (rng.standard_normal((300, SMALL_D)) * 8).astype(np.float32)
+    # Edges: ties, the largest half, overflow to inf, subnormals, signed zeros.
+    rows[0, :10] = [
+        65504.0,
+        65520.0,
+        1e6,
+        -1e6,
+        6e-8,
+        3e-8,
+        -0.0,
+        0.0,
+        1.0 + 2**-11,
+        1.0 + 3 * 2**-11,
+    ]
+    got = cpu_runtime.to_float16(rows)
+    with np.errstate(over="ignore"):  # 1e6 overflowing to inf is the point here
+        want = rows.astype(np.float16)
+    assert got.dtype == np.float16 and got.shape == rows.shape
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_warm_up_runs_and_thread_counts_are_accepted(
+    small_model_dir: Path, reference: np.ndarray
+) -> None:
+    runtime = EmbeddingRuntime(
+        load_model_dir(small_model_dir),
+        RuntimeOptions(device="cpu", intra_op_threads=1, inter_op_threads=1),
+    )
+    assert runtime.warm_up() > 0
+    np.testing.assert_array_equal(runtime.run(np.array([9], dtype=np.int64)), reference[[9]])
+
+
+def test_cuda_without_cuda_is_a_clear_config_error(
+    small_model_dir: Path, without_cuda: None
+) -> None:
+    with pytest.raises(ServerConfigError) as error:
+        EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cuda"))
+    message = str(error.value)
+    assert "CUDA execution provider not available" in message
+    assert CPU in message  # says what onnxruntime does offer
+    assert "tokembed[gpu]" in message  # and how to get CUDA
+
+
+def test_auto_without_cuda_falls_back_to_cpu_with_a_warning(
+    small_model_dir: Path,
+    without_cuda: None,
+    reference: np.ndarray,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tokembed.server.runtime"):
+        runtime = EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="auto"))
+    assert runtime.provider == CPU
+    assert runtime.session.get_providers()[0] == CPU
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("falling back to CPU" in r.getMessage() for r in warnings), caplog.text
+    np.testing.assert_array_equal(runtime.run(np.array([4, 2], dtype=np.int64)), reference[[4, 2]])
+
+
+def test_cpu_device_logs_no_warning(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tokembed.server.runtime"):
+        EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cpu"))
+    assert not caplog.records
+
+
+def test_unknown_device_is_refused(small_model_dir: Path) -> None:
+    with pytest.raises(ServerConfigError, match="device must be cpu, cuda or auto, got 'tpu'"):
+        EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="tpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_cuda_provider_runs_the_look_up(
+    small_model_dir: Path, reference: np.ndarray, device: str
+) -> None:
+    if not HAS_CUDA:
+        pytest.skip(
+            f"needs onnxruntime-gpu and a GPU: onnxruntime {ort.__version__} offers "
+            f"{ort.get_available_providers()}"
+        )
+    runtime = EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device=device))
+    assert runtime.provider == CUDA
+    runtime.warm_up()
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, SMALL_V, 4096).astype(np.int64)
+    # One Gather and one float32 multiply: exact on the GPU too.
+    np.testing.assert_array_equal(runtime.run(ids), reference[ids])

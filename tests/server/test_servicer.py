@@ -1,0 +1,93 @@
+"""The gRPC edge: an unexpected failure is INTERNAL on every RPC, never UNKNOWN or a hang.
+
+The server runs for real (127.0.0.1:0) on the small model; only the float16 cast of its
+runtime is broken, through the server's public ``loader=`` injection point, so float16
+requests hit a failure that is not a domain error while float32 ones still work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.settings import Settings
+from tokembed.server.status import REASON_METADATA_KEY
+from tokembed.v1 import embedding_pb2 as pb
+from tokembed.v1 import embedding_pb2_grpc
+
+from support.fixtures import SMALL_D
+from support.server import ServerThread
+
+TIMEOUT_S = 10
+
+
+class BrokenCastRuntime:
+    """The real runtime, except that its float16 cast raises a non-domain error."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.provider = inner.provider
+        self.run = inner.run
+
+    def to_float16(self, rows: np.ndarray) -> np.ndarray:
+        raise RuntimeError("cast exploded")
+
+
+def broken_cast_loader(settings: Settings) -> LoadedModel:
+    loaded = load_model(settings)
+    return dataclasses.replace(loaded, runtime=BrokenCastRuntime(loaded.runtime))
+
+
+@pytest.fixture
+def stub(
+    small_model_dir: Path, start_server: Callable[..., ServerThread]
+) -> Iterator[embedding_pb2_grpc.EmbeddingServiceStub]:
+    server = start_server(small_model_dir, loader=broken_cast_loader)
+    with grpc.insecure_channel(server.target) as channel:
+        yield embedding_pb2_grpc.EmbeddingServiceStub(channel)
+
+
+def request(output_dtype: int) -> pb.EmbedRequest:
+    ids = np.array([[1, 2, 3]], dtype="<i8")
+    return pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 3], data=ids.tobytes()),
+        output_dtype=output_dtype,  # type: ignore[arg-type]
+    )
+
+
+def assert_internal(error: grpc.RpcError) -> None:
+    assert error.code() == grpc.StatusCode.INTERNAL, (error.code(), error.details())
+    assert "cast exploded" in error.details()
+    assert (REASON_METADATA_KEY, "internal") in tuple(error.trailing_metadata() or ())
+
+
+def test_unexpected_failure_is_internal_on_embed(stub: Any) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Embed(request(pb.DTYPE_FLOAT16), timeout=TIMEOUT_S)
+    assert_internal(error.value)
+    reply = stub.Embed(request(pb.DTYPE_FLOAT32), timeout=TIMEOUT_S)
+    assert list(reply.hidden_states.shape) == [1, 3, SMALL_D]
+
+
+def test_unexpected_failure_is_internal_on_embed_chunked(stub: Any) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.EmbedChunked(request(pb.DTYPE_FLOAT16), timeout=TIMEOUT_S))
+    assert_internal(error.value)
+    chunks = list(stub.EmbedChunked(request(pb.DTYPE_FLOAT32), timeout=TIMEOUT_S))
+    assert list(chunks[0].header.hidden_states.shape) == [1, 3, SMALL_D]
+    assert sum(len(chunk.data) for chunk in chunks[1:]) == 3 * SMALL_D * 4
+
+
+def test_unexpected_failure_is_an_internal_answer_inside_embed_stream(stub: Any) -> None:
+    requests = [request(pb.DTYPE_FLOAT32), request(pb.DTYPE_FLOAT16), request(pb.DTYPE_FLOAT32)]
+    answers = list(stub.EmbedStream(iter(requests), timeout=TIMEOUT_S))
+    assert [a.WhichOneof("result") for a in answers] == ["response", "error", "response"]
+    assert answers[1].error.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "cast exploded" in answers[1].error.message

@@ -1,0 +1,71 @@
+"""The one table from domain errors to gRPC status codes, and the reason metadata."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tokembed.server import errors
+from tokembed.server.metrics import REJECTION_REASONS
+from tokembed.server.status import (
+    REASON_METADATA_KEY,
+    STATUS_BY_ERROR,
+    status_of,
+    trailing_metadata,
+)
+
+EXPECTED = {
+    errors.InvalidInput: (grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"),
+    errors.TooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large"),
+    errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
+    errors.ModelNotFound: (grpc.StatusCode.NOT_FOUND, "not_found"),
+    errors.Unavailable: (grpc.StatusCode.UNAVAILABLE, "unavailable"),
+    errors.DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"),
+    errors.Cancelled: (grpc.StatusCode.CANCELLED, "cancelled"),
+    errors.Internal: (grpc.StatusCode.INTERNAL, "internal"),
+}
+
+
+def test_every_domain_error_class_is_in_the_table() -> None:
+    declared = set(errors.EmbedError.__subclasses__())
+    assert declared == set(EXPECTED), "a new error class needs a row here and in status.py"
+    assert set(STATUS_BY_ERROR) == declared
+
+
+@pytest.mark.parametrize("cls", list(EXPECTED), ids=lambda cls: cls.__name__)
+def test_status_code_and_reason_metadata(cls: type[errors.EmbedError]) -> None:
+    code, reason = EXPECTED[cls]
+    error = cls("some message")
+    assert status_of(error) == code
+    assert error.reason == reason
+    assert trailing_metadata(error) == ((REASON_METADATA_KEY, error.reason),)
+    # Metrics pre-create a rejections series for every reason the edge can report.
+    assert error.reason in REJECTION_REASONS
+
+
+def test_reason_metadata_key_is_a_valid_ascii_header() -> None:
+    assert REASON_METADATA_KEY.lower() == REASON_METADATA_KEY
+    assert not REASON_METADATA_KEY.endswith("-bin")
+
+
+def test_too_large_and_overloaded_share_a_code_but_not_a_reason() -> None:
+    too_large, overloaded = errors.TooLarge("x"), errors.Overloaded("y")
+    assert status_of(too_large) == status_of(overloaded)
+    assert trailing_metadata(too_large) != trailing_metadata(overloaded)
+
+
+def test_subclasses_inherit_their_parents_code_and_unknown_errors_are_internal() -> None:
+    class Ragged(errors.InvalidInput):
+        pass
+
+    assert status_of(Ragged("x")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert trailing_metadata(Ragged("x")) == ((REASON_METADATA_KEY, "invalid_input"),)
+    assert status_of(errors.EmbedError("x")) == grpc.StatusCode.INTERNAL
+
+
+def test_every_status_code_of_the_table_has_a_requests_series_from_the_start() -> None:
+    from tokembed.server.metrics import RPC_CODES
+
+    assert "OK" in RPC_CODES
+    for code in set(STATUS_BY_ERROR.values()):
+        assert code.name in RPC_CODES, code
