@@ -32,7 +32,7 @@ from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
 from tokembed.server.memory import tune_malloc
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
-from tokembed.server.runtime import EmbeddingRuntime, RuntimeOptions
+from tokembed.server.runtime import CPU, EmbeddingRuntime, RuntimeOptions
 from tokembed.server.service import EmbeddingService
 from tokembed.server.servicer import SERVICE_NAME, EmbeddingServicer, ServingState, generic_handler
 from tokembed.server.settings import Settings
@@ -52,6 +52,8 @@ class LoadedModel:
     # What padded positions of ragged answers hold: the padding id's row as the model
     # computes it, zeros when the model has no padding id.
     pad_row: np.ndarray
+    # float16 answers come from this [V, D] table when present (see settings).
+    float16_table: np.ndarray | None = None
 
 
 ModelLoader = Callable[[Settings], LoadedModel]
@@ -81,7 +83,15 @@ def load_model(settings: Settings) -> LoadedModel:
         if padding_id is not None
         else np.zeros(model.manifest.d_model, dtype=np.float32)
     )
-    return LoadedModel(model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row)
+    manifest = model.manifest
+    float16_table = None
+    table_bytes = manifest.vocab_size * manifest.d_model * 2
+    if runtime.provider == CPU and table_bytes <= settings.float16_table_max_bytes:
+        float16_table = runtime.float16_table()
+    return LoadedModel(
+        model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row,
+        float16_table=float16_table,
+    )  # fmt: skip
 
 
 class TokembedServer:
@@ -177,6 +187,7 @@ class TokembedServer:
         service = EmbeddingService(
             loaded.model, loaded.runtime.run, loaded.runtime.provider, self.settings,
             observer=self.metrics, to_float16=loaded.runtime.to_float16, pad_row=loaded.pad_row,
+            float16_table=loaded.float16_table,
         )  # fmt: skip
         self.metrics.track_queue(lambda: service.batcher.queued_tokens)
         self.metrics.inflight_output_bytes.set_function(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class EmbeddingService:
         observer: BatchObserver | None = None,
         to_float16: Callable[[np.ndarray], np.ndarray] | None = None,
         pad_row: np.ndarray | None = None,
+        float16_table: np.ndarray | None = None,
     ) -> None:
         manifest = model.manifest
         self.settings = settings
@@ -105,6 +107,8 @@ class EmbeddingService:
         self._pad_row = (
             pad_row if pad_row is not None else np.zeros(manifest.d_model, dtype=np.float32)
         )
+        # E * scale for every id, rounded to float16 once at load (see LoadedModel).
+        self._float16_table = float16_table
         self.draining = False
 
     async def embed(
@@ -116,7 +120,10 @@ class EmbeddingService:
         job = validate(request, self.info.limits)
         ticket = self.admission.admit(job.tokens, job.output_bytes)
         try:
-            result = await self.batcher.submit(job.ids, deadline)
+            if self._float16_table is not None and job.output_dtype == np.float16:
+                result = await self.offloader.run(job.output_bytes, self._float16_rows, job)
+            else:
+                result = await self.batcher.submit(job.ids, deadline)
             hidden = await self.offloader.run(job.output_bytes, self._shape_answer, job, result)
         except BaseException:
             ticket.release()
@@ -128,6 +135,15 @@ class EmbeddingService:
             batch_tokens=result.batch_tokens,
         )
         return EmbedOutput(hidden_states=hidden, lengths=job.lengths, timings=timings), ticket
+
+    def _float16_rows(self, job: EmbedJob) -> BatchResult:
+        """float16 answers come straight from the float16 table: half the bytes to gather
+        and no cast per request, bit-identical to casting the look-up's float32 rows.
+        No batch: a gather from memory gains nothing from company."""
+        assert self._float16_table is not None
+        started = time.monotonic()
+        rows = np.take(self._float16_table, job.ids, axis=0)
+        return BatchResult(rows, 0.0, time.monotonic() - started, 1, job.tokens)
 
     def _shape_answer(self, job: EmbedJob, result: BatchResult) -> np.ndarray:
         rows = result.rows

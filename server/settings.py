@@ -79,6 +79,11 @@ class Settings:
         1024 * MiB, "output bytes of all admitted, unfinished requests; past it RESOURCE_EXHAUSTED"
     )
     stream_chunk_bytes: int = _setting(MiB, "slice size of EmbedChunked answers")
+    float16_table_max_bytes: int = _setting(
+        512 * MiB,
+        "on CPU, keep a float16 copy of the scaled table (V x D x 2 bytes) for float16 "
+        "answers if it is at most this big; 0 disables it",
+    )
     malloc_mmap_threshold_bytes: int = _setting(
         1024 * MiB,
         "glibc malloc serves blocks below this from its heap and reuses freed ones, instead "

@@ -162,3 +162,18 @@ def test_a_64_mib_response_works_with_default_settings(
     np.testing.assert_array_equal(got, want)
     with EmbeddingClient(server.target) as chunked:  # default: large answers stream in chunks
         np.testing.assert_array_equal(chunked.embed(ids), want)
+
+
+@pytest.mark.parametrize("table_bytes", [0, 512 * 2**20], ids=["cast-per-request", "float16-table"])
+def test_float16_answers_are_the_same_with_and_without_the_float16_table(
+    small_model_dir: Path, start_server: Any, table_bytes: int
+) -> None:
+    server = start_server(small_model_dir, float16_table_max_bytes=table_bytes)
+    ragged = [[1, 2, 3], [999], [0, 5]]
+    with EmbeddingClient(server.target) as client:
+        padded = client.embed(ragged, "float16")
+        flat = client.embed(ragged, "float16", layout="flat")
+        rect = client.embed(np.arange(SMALL_V).reshape(4, -1), "float16")
+    np.testing.assert_array_equal(padded, _expected(ragged).astype(np.float16))
+    np.testing.assert_array_equal(flat, SMALL_ROWS[[1, 2, 3, 999, 0, 5]].astype(np.float16))
+    np.testing.assert_array_equal(rect, SMALL_ROWS.reshape(4, -1, SMALL_D).astype(np.float16))

@@ -42,7 +42,10 @@ class BrokenCastRuntime:
 
 def broken_cast_loader(settings: Settings) -> LoadedModel:
     loaded = load_model(settings)
-    return dataclasses.replace(loaded, runtime=BrokenCastRuntime(loaded.runtime))
+    # Without the float16 table, so float16 answers take the (broken) cast.
+    return dataclasses.replace(
+        loaded, runtime=BrokenCastRuntime(loaded.runtime), float16_table=None
+    )
 
 
 @pytest.fixture
