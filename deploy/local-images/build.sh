@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Build the local stand-ins for the public base images that the compose stack uses,
+# for machines where no container registry can be reached (see docs/deployment.md,
+# "Testing the stack without a registry"). Each image is built only when its tag is
+# missing; `--rebuild` rebuilds all three.
+#
+#   localhost/tokembed-local/debian:bookworm      debootstrap of Debian bookworm from the
+#                                                 mirror apt on this machine already uses,
+#                                                 plus this machine's local CA certificates
+#   localhost/tokembed-local/python:3.11-bookworm stand-in for python:3.11-slim-bookworm
+#   localhost/tokembed-local/prometheus:bookworm  stand-in for prom/prometheus (Debian's
+#                                                 prometheus package)
+#
+# Needs root (debootstrap, chroot) and podman. Honours CONTAINERS_CONF; when it is unset,
+# writes and uses the podman settings this machine needs ($WORK/containers.conf).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+WORK="${TOKEMBED_WORK:-$ROOT/.work}"
+PREFIX="localhost/tokembed-local"
+DEBIAN_IMAGE="$PREFIX/debian:bookworm"
+PYTHON_IMAGE="$PREFIX/python:3.11-bookworm"
+PROMETHEUS_IMAGE="$PREFIX/prometheus:bookworm"
+# Debian's local CA directory (update-ca-certificates(8)): public certificates only.
+LOCAL_CA_DIR="/usr/local/share/ca-certificates"
+
+rebuild=0
+[ "${1:-}" = "--rebuild" ] && rebuild=1
+
+mkdir -p "$WORK"
+if [ -z "${CONTAINERS_CONF:-}" ]; then
+    # runc, and no default ulimits: crun fails on this machine's cgroups and runc fails
+    # setting the default rlimits (see the shared CONTAINERS.md).
+    printf '[containers]\ndefault_ulimits = []\n[engine]\nruntime = "runc"\n' \
+        >"$WORK/containers.conf"
+    export CONTAINERS_CONF="$WORK/containers.conf"
+fi
+
+log() { printf '[local-images %s] %s\n' "$(date +%T)" "$*" >&2; }
+have() { [ "$rebuild" = 0 ] && podman image exists "$1"; }
+
+# The first Debian mirror apt uses for bookworm main, and its security mirror.
+mirror_for() {
+    apt-get indextargets --format '$(SITE) $(RELEASE) $(COMPONENT)' 2>/dev/null \
+        | awk -v rel="$1" '$2 == rel && $3 == "main" { print $1; exit }'
+}
+
+build_debian() {
+    local mirror security rootfs
+    mirror="$(mirror_for bookworm)"
+    mirror="${mirror:-http://deb.debian.org/debian}"
+    security="$(mirror_for bookworm-security)"
+    rootfs="$WORK/rootfs-bookworm"
+    log "debootstrap bookworm from $mirror (takes a few minutes)"
+    rm -rf "$rootfs"
+    debootstrap --variant=minbase --include=ca-certificates bookworm "$rootfs" "$mirror" \
+        >"$WORK/debootstrap.log" 2>&1 || { tail -20 "$WORK/debootstrap.log" >&2; exit 1; }
+    {
+        echo "deb $mirror bookworm main"
+        echo "deb $mirror bookworm-updates main"
+        [ -n "$security" ] && echo "deb $security bookworm-security main"
+    } >"$rootfs/etc/apt/sources.list"
+    # Like the official slim images: no caches, no docs, no apt recommends.
+    printf 'APT::Install-Recommends "false";\nAPT::Install-Suggests "false";\n' \
+        >"$rootfs/etc/apt/apt.conf.d/90-no-recommends"
+    shopt -s nullglob
+    local certs=("$LOCAL_CA_DIR"/*.crt)
+    shopt -u nullglob
+    if [ ${#certs[@]} -gt 0 ]; then
+        log "adding ${#certs[@]} local CA certificate(s) from $LOCAL_CA_DIR"
+        cp "${certs[@]}" "$rootfs/usr/local/share/ca-certificates/"
+    fi
+    chroot "$rootfs" update-ca-certificates >/dev/null 2>&1
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
+    log "importing $DEBIAN_IMAGE"
+    tar -C "$rootfs" -c . | podman import \
+        --change 'CMD ["/bin/bash"]' \
+        --change 'ENV LANG=C.UTF-8' \
+        --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
+        --change 'ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
+        - "$DEBIAN_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+}
+
+build_from() {
+    local image="$1" dockerfile="$2"
+    log "building $image"
+    podman build --quiet --build-arg "BASE_IMAGE=$DEBIAN_IMAGE" -t "$image" \
+        -f "$HERE/$dockerfile" "$HERE" >/dev/null
+}
+
+have "$DEBIAN_IMAGE" || build_debian
+have "$PYTHON_IMAGE" || build_from "$PYTHON_IMAGE" python.Dockerfile
+have "$PROMETHEUS_IMAGE" || build_from "$PROMETHEUS_IMAGE" prometheus.Dockerfile
+log "ready: $DEBIAN_IMAGE $PYTHON_IMAGE $PROMETHEUS_IMAGE"
