@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tokembed.client import EmbeddingClient
+
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
 from support.server import ServerProcess, serve_args
