@@ -68,15 +68,26 @@ def load_model(settings: Settings) -> LoadedModel:
         model = load_model_dir(directory)
     except ModelDirError as exc:
         raise ServerConfigError(f"invalid model directory: {exc}") from exc
-    runtime = EmbeddingRuntime(
-        model,
-        RuntimeOptions(
-            device=settings.device,
-            intra_op_threads=settings.intra_op_threads,
-            inter_op_threads=settings.inter_op_threads,
-        ),
-    )
-    warm_up_s = runtime.warm_up()
+    try:
+        runtime = EmbeddingRuntime(
+            model,
+            RuntimeOptions(
+                device=settings.device,
+                intra_op_threads=settings.intra_op_threads,
+                inter_op_threads=settings.inter_op_threads,
+            ),
+        )
+        warm_up_s = runtime.warm_up()
+    except ServerConfigError:
+        raise
+    except Exception as exc:
+        # Fix: onnxruntime can still refuse a directory the checks above accept (external
+        # weights cut short before the manifest was written): say so in one line, not
+        # with a traceback.
+        message = " ".join(str(exc).split())
+        raise ServerConfigError(
+            f"onnxruntime cannot load the model in {directory}: {message}"
+        ) from exc
     padding_id = model.manifest.padding_idx
     pad_row = (
         runtime.run(np.array([padding_id], dtype=np.int64))[0]
@@ -124,11 +135,19 @@ class TokembedServer:
             token = read_token(settings.auth_token_file)
             rejected = self.metrics.rejections.labels(reason="unauthenticated")
             interceptors.append(BearerTokenInterceptor(token, on_reject=rejected.inc))
+        options: list[tuple[str, int]] = []
+        if settings.max_connection_age_s > 0:
+            # GOAWAY after this age; calls in flight get the grace period to finish.
+            options.append(
+                ("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000))
+            )
+            options.append(("grpc.max_connection_age_grace_ms", int(settings.grace_s * 1000)))
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[
+                *options,
                 ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_receive_message_length", settings.max_request_bytes),
                 # Several processes may share one port only when asked (--workers).
                 ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
                 # Clients keep long streams alive with a ping a minute; gRPC's default

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import grpc
 
 from tokembed.server import wire
+from tokembed.server.admission import Ticket
 from tokembed.server.domain import EmbedOutput
 from tokembed.server.errors import EmbedError, Internal, Unavailable
 from tokembed.server.metrics import Metrics
@@ -30,6 +31,8 @@ SERVICE_NAME = "tokembed.v1.EmbeddingService"
 DEADLINE_SLACK_S = 0.05
 # EmbedStream answers in order but works ahead on up to this many requests at once.
 STREAM_WINDOW = 32
+# One EmbedStream answer: its bytes, and the room it holds until they are sent.
+_StreamAnswer = tuple[bytes, Ticket | None]
 
 
 class ServingState:
@@ -82,7 +85,7 @@ class EmbeddingServicer:
 
     # --- RPCs
 
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> bytes:
+    async def Embed(self, request: wire.ParsedRequest, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
         with self._inflight():
             try:
@@ -103,9 +106,11 @@ class EmbeddingServicer:
             return payload
 
     async def EmbedStream(
-        self, request_iterator: AsyncIterator[pb.EmbedRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[wire.ParsedRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
-        answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue(STREAM_WINDOW)
+        answers: asyncio.Queue[asyncio.Task[_StreamAnswer] | None] = asyncio.Queue(STREAM_WINDOW)
 
         async def read_requests() -> None:
             try:
@@ -117,7 +122,15 @@ class EmbeddingServicer:
         reader = asyncio.ensure_future(read_requests())
         try:
             while (task := await answers.get()) is not None:
-                yield await task
+                payload, ticket = await task
+                # Fix: the answer's bytes stay reserved until gRPC has taken them. Released
+                # at encode time, a stream whose caller did not read pinned up to
+                # STREAM_WINDOW answers that admission no longer counted.
+                try:
+                    yield payload
+                finally:
+                    if ticket is not None:
+                        ticket.release()
             await reader  # surfaces a failure of the request stream itself
         finally:
             reader.cancel()
@@ -125,9 +138,10 @@ class EmbeddingServicer:
                 leftover = answers.get_nowait()
                 if leftover is not None:
                     leftover.cancel()
+                    leftover.add_done_callback(_release_unsent)
 
     async def EmbedChunked(
-        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+        self, request: wire.ParsedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         started = time.perf_counter()
         with self._inflight():
@@ -198,8 +212,9 @@ class EmbeddingServicer:
     # --- helpers
 
     async def _stream_item(
-        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
-    ) -> bytes:
+        self, request: wire.ParsedRequest, context: grpc.aio.ServicerContext
+    ) -> _StreamAnswer:
+        """One answer of EmbedStream, with the ticket to release once it is sent."""
         started = time.perf_counter()
         try:
             service = self._state.ready_service()
@@ -207,12 +222,13 @@ class EmbeddingServicer:
                 output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
                 try:
                     payload = await self._encode(service, output, request.request_id, started)
-                finally:
+                except BaseException:
                     ticket.release()
+                    raise
         except EmbedError as error:
             code = status_of(error)
             self._rejected("EmbedStream", error.reason, code, started, str(error))
-            return wire.encode_stream_error(code.value[0], str(error), error.reason)
+            return wire.encode_stream_error(code.value[0], str(error), error.reason), None
         except asyncio.CancelledError:
             self._gone(context, "EmbedStream", started)
             raise
@@ -220,9 +236,10 @@ class EmbeddingServicer:
             logger.exception("EmbedStream item failed")
             code = grpc.StatusCode.INTERNAL
             self._rejected("EmbedStream", "internal", code, started, str(exc))
-            return wire.encode_stream_error(code.value[0], f"internal error: {exc}", "internal")
+            answer = wire.encode_stream_error(code.value[0], f"internal error: {exc}", "internal")
+            return answer, None
         self._succeeded("EmbedStream", output, started)
-        return wire.encode_stream_answer(payload)
+        return wire.encode_stream_answer(payload), ticket
 
     def _metadata(
         self, service: EmbeddingService, output: EmbedOutput, request_id: str, started: float
@@ -314,6 +331,14 @@ class EmbeddingServicer:
         raise AssertionError("this is a bug: context.abort returned")
 
 
+def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:
+    """An answer computed for a stream that ended before sending it: free its room."""
+    if not task.cancelled() and task.exception() is None:
+        ticket = task.result()[1]
+        if ticket is not None:
+            ticket.release()
+
+
 def _serialize(response: bytes | Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
@@ -321,13 +346,13 @@ def _serialize(response: bytes | Any) -> bytes:
 def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
     handlers: dict[str, grpc.RpcMethodHandler] = {
         "Embed": grpc.unary_unary_rpc_method_handler(
-            servicer.Embed, pb.EmbedRequest.FromString, _serialize
+            servicer.Embed, wire.parse_request, _serialize
         ),
         "EmbedStream": grpc.stream_stream_rpc_method_handler(
-            servicer.EmbedStream, pb.EmbedRequest.FromString, _serialize
+            servicer.EmbedStream, wire.parse_request, _serialize
         ),
         "EmbedChunked": grpc.unary_stream_rpc_method_handler(
-            servicer.EmbedChunked, pb.EmbedRequest.FromString, _serialize
+            servicer.EmbedChunked, wire.parse_request, _serialize
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, pb.GetModelInfoRequest.FromString, _serialize

@@ -90,6 +90,11 @@ class Settings:
         "of fresh zero-filled pages per response (0: glibc's default)",
     )
     # --- lifecycle and logs
+    max_connection_age_s: float = _setting(
+        0.0,
+        "close client connections after this long (0: never), so clients balancing over "
+        "DNS re-resolve and find new replicas",
+    )
     grace_s: float = _setting(10.0, "on SIGTERM/SIGINT, time in-flight requests get to finish")
     log_level: str = _setting(
         "info", "debug, info, warning or error", choices=("debug", "info", "warning", "error")
@@ -117,6 +122,17 @@ class Settings:
         """gRPC message limit: the largest output plus room for the envelope."""
         return self.max_output_bytes_per_request + MiB
 
+    @property
+    def max_request_bytes(self) -> int:
+        """gRPC receive limit: the largest valid request plus room for the envelope.
+
+        Fix: a request needs at most 8 bytes per id and a <= 10-byte varint per length
+        (every sequence holds >= 1 id), so it is far smaller than an answer. Received up
+        to max_message_bytes, 100 MiB of one-byte lengths decoded into ~3 GB (8-byte
+        integers twice over) before validation could refuse it.
+        """
+        return self.max_tokens_per_request * (8 + 10) + MiB
+
     def validate(self) -> Settings:
         positive = (
             "max_batch_tokens",
@@ -138,12 +154,14 @@ class Settings:
             "inter_op_threads",
             "inline_compute_max_tokens",
             "malloc_mmap_threshold_bytes",
+            "float16_table_max_bytes",
+            "max_connection_age_s",
         ):
             if getattr(self, name) < 0:
                 raise ServerConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         # Fix: float("nan") parses from a flag or a variable and passes every "< 0" test
         # (a NaN max_delay made the batcher never wait); inf is no duration either.
-        for name in ("max_delay_ms", "grace_s"):
+        for name in ("max_delay_ms", "grace_s", "max_connection_age_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ServerConfigError(
                     f"{name} must be a finite number, got {getattr(self, name)}"

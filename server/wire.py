@@ -9,9 +9,13 @@ against the generated classes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedOutput
+from tokembed.server.errors import InvalidInput
 from tokembed.v1 import embedding_pb2 as pb
 
 _ID_DTYPE_NAMES = {pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int32"}
@@ -38,7 +42,33 @@ def _enum_name(enum: object, value: int) -> str:
         return f"{value} (unknown {enum.DESCRIPTOR.name} value)"  # type: ignore[attr-defined]
 
 
-def to_domain(request: pb.EmbedRequest) -> EmbedInput:
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Request bytes that are not an ``EmbedRequest``.
+
+    A deserializer that raises makes gRPC answer UNKNOWN on its own, past our status
+    table and metrics; parsing never fails here instead, and ``to_domain`` turns this
+    into INVALID_ARGUMENT like any other bad input (inside a stream: one error answer).
+    """
+
+    error: str
+    request_id: str = ""
+
+
+ParsedRequest = pb.EmbedRequest | MalformedRequest
+
+
+def parse_request(data: bytes) -> ParsedRequest:
+    """The deserializer of the Embed methods."""
+    try:
+        return pb.EmbedRequest.FromString(data)
+    except DecodeError as exc:
+        return MalformedRequest(str(exc))
+
+
+def to_domain(request: ParsedRequest) -> EmbedInput:
+    if isinstance(request, MalformedRequest):
+        raise InvalidInput(f"the request is not a valid tokembed.v1.EmbedRequest: {request.error}")
     tensor = request.input_ids
     return EmbedInput(
         ids_dtype=_ID_DTYPE_NAMES.get(tensor.dtype) or _enum_name(pb.DType, tensor.dtype),

@@ -187,3 +187,18 @@ def test_environment_variables_configure_the_server(small_model_dir: Path) -> No
         started = time.monotonic()
         assert server.wait(30) == 0
         assert time.monotonic() - started < 15
+
+
+def test_max_connection_age_recycles_connections_without_failing_calls(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    # Connections are closed (GOAWAY) after 0.5 s; the client reconnects transparently.
+    server = start_server(small_model_dir, max_connection_age_s=0.5, grace_s=2)
+    with EmbeddingClient(server.target, retries=3) as client:
+        deadline = time.monotonic() + 2.5
+        calls = 0
+        while time.monotonic() < deadline:
+            assert client.embed([[calls % 100]]).shape == (1, 1, SMALL_D)
+            calls += 1
+            time.sleep(0.01)
+    assert calls > 20
