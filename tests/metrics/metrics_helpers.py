@@ -1,0 +1,134 @@
+"""Helpers of the metrics tests: requests through the plain generated stubs, a valve that
+holds the runtime's look-ups so a test can fill the queue behind a batch, and a reader
+for the Prometheus text format.
+
+The tests talk to the server with the raw stubs any gRPC client has, so what they count
+is what arrives on the wire, independent of our client library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokembed.server.app import LoadedModel, ModelLoader, load_model
+from tokembed.server.settings import Settings
+from tokembed.v1 import embedding_pb2 as pb
+from tokembed.v1 import embedding_pb2_grpc
+
+STEP_S = 0.01
+
+
+def embed_request(ids: Any, *, dtype: str = "int64", **fields: Any) -> pb.EmbedRequest:
+    """An EmbedRequest for ``ids`` [B,S] (or [N] with ``lengths=``), int64 unless asked."""
+    array = np.asarray(ids, dtype=dtype)
+    proto_dtype = pb.DTYPE_INT64 if dtype == "int64" else pb.DTYPE_INT32
+    return pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=proto_dtype, shape=list(array.shape), data=array.tobytes()),
+        **fields,
+    )
+
+
+def ids_of(n_tokens: int, start: int = 1, batch: int = 1) -> np.ndarray:
+    """Valid ids (V is 1000 in the small model) shaped [batch, n_tokens]."""
+    return (np.arange(batch * n_tokens, dtype=np.int64) + start).reshape(batch, n_tokens) % 1000
+
+
+@contextmanager
+def stub_for(target: str) -> Iterator[embedding_pb2_grpc.EmbeddingServiceStub]:
+    with grpc.insecure_channel(target) as channel:
+        yield embedding_pb2_grpc.EmbeddingServiceStub(channel)
+
+
+def error_reason(error: grpc.RpcError) -> str:
+    """The server's ``tokembed-error-reason`` trailer (why, beyond the status code)."""
+    call: Any = error
+    for key, value in call.trailing_metadata() or ():
+        if key == "tokembed-error-reason":
+            return str(value)
+    return ""
+
+
+def scrape(metrics_port: int) -> str:
+    """GET /metrics as Prometheus would."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        return str(response.read().decode("utf-8"))
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+class Valve:
+    """Holds every look-up of the runtime while closed.
+
+    ``close()``, then send a request: its batch starts computing and stops inside the
+    runtime (``held`` is set), so whatever is sent next waits in the batcher's queue,
+    deterministically, until ``open()``.
+    """
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self.held = threading.Event()
+
+    def close(self) -> None:
+        self.held.clear()
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def pass_through(self) -> None:
+        if not self._open.is_set():
+            self.held.set()
+            if not self._open.wait(30):
+                raise RuntimeError("the valve was left closed for 30 s")
+
+
+class ValvedRuntime:
+    """The real runtime with a valve in front of ``run``; everything else passes through."""
+
+    def __init__(self, runtime: Any, valve: Valve) -> None:
+        self._runtime = runtime
+        self._valve = valve
+
+    def run(self, ids: np.ndarray) -> np.ndarray:
+        self._valve.pass_through()
+        result: np.ndarray = self._runtime.run(ids)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+
+def valved_loader(valve: Valve) -> ModelLoader:
+    """``app.load_model`` (validate, open, warm up), then the valve in front of the runtime."""
+
+    def load(settings: Settings) -> LoadedModel:
+        loaded = load_model(settings)
+        runtime: Any = ValvedRuntime(loaded.runtime, valve)
+        return dataclasses.replace(loaded, runtime=runtime)
+
+    return load
+
+
+# Settings for a server whose batches go through the valve: every look-up leaves the event
+# loop (a look-up inline on the loop, as small ones are by default, would hold the loop
+# itself while the valve is closed).
+VALVED = {"inline_compute_max_tokens": 0}

@@ -1,0 +1,118 @@
+"""Logs: a debug line per served request, a warning per rejection with its reason, JSON
+lines for log pipelines, and a start-up line that says what is served and under which
+limits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from metrics_helpers import embed_request, ids_of, stub_for
+
+from support.server import ServerProcess, ServerThread, serve_args, wait_for
+
+SERVICER_LOGGER = "tokembed.server.servicer"
+MiB = 1024 * 1024
+
+
+def test_one_debug_line_per_request_and_one_warning_per_rejection(
+    caplog: pytest.LogCaptureFixture,
+    small_model_dir: Path,
+    start_server: Callable[..., ServerThread],
+) -> None:
+    server = start_server(small_model_dir, max_tokens_per_request=64)
+    caplog.set_level(logging.DEBUG, logger=SERVICER_LOGGER)
+    with stub_for(server.target) as stub:
+        for k in range(3):
+            stub.Embed(embed_request(ids_of(8, start=k)), timeout=10)
+        for bad in (embed_request([[1000]]), embed_request([[-1]]), embed_request(ids_of(65))):
+            with pytest.raises(grpc.RpcError):
+                stub.Embed(bad, timeout=10)
+        records = [r for r in caplog.records if r.name == SERVICER_LOGGER]
+
+        served = [r for r in records if r.levelno == logging.DEBUG]
+        assert len(served) == 3
+        for record in served:
+            assert record.getMessage().startswith("Embed ok shape=[1, 8, 64] dtype=float32")
+            assert (record.method, record.code) == ("Embed", "OK")  # type: ignore[attr-defined]
+        refused = [r for r in records if r.levelno == logging.WARNING]
+        reasons = [r.reason for r in refused]  # type: ignore[attr-defined]
+        assert reasons == ["invalid_input", "invalid_input", "too_large"]
+        for record, reason in zip(refused, reasons, strict=True):
+            assert reason in record.getMessage()
+        assert len(records) == 6  # one line per request, nothing more
+
+        # Per-request lines are debug only: at info a served request writes nothing.
+        caplog.set_level(logging.INFO, logger=SERVICER_LOGGER)
+        caplog.clear()
+        stub.Embed(embed_request(ids_of(8)), timeout=10)
+        assert [r for r in caplog.records if r.name == SERVICER_LOGGER] == []
+
+
+def test_json_logs_are_one_object_per_line_and_start_up_says_what_is_served(
+    small_model_dir: Path,
+) -> None:
+    limits = {
+        "--max-tokens-per-request": "4000",
+        "--max-output-bytes-per-request": str(3 * MiB),
+        "--max-batch-tokens": "2048",
+        "--max-delay-ms": "3.5",
+        "--max-queued-tokens": "50000",
+        "--max-inflight-output-bytes": str(100 * MiB),
+    }
+    flags = [part for pair in limits.items() for part in pair]
+    process = ServerProcess(
+        serve_args(small_model_dir, "--log-format", "json", "--log-level", "debug", *flags)
+    )
+    try:
+        process.start()
+        with stub_for(process.target) as stub:
+            for k in range(2):
+                stub.Embed(embed_request(ids_of(8, start=k)), timeout=10)
+            with pytest.raises(grpc.RpcError):
+                stub.Embed(embed_request([[5, 1000]]), timeout=10)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert wait_for(lambda: '"stopped"' in process.output, 10), process.output
+    finally:
+        process.kill()
+
+    lines = [line for line in process.lines if line.strip()]
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            pytest.fail(f"not a JSON line: {line!r}")
+        assert isinstance(entry, dict), line
+        assert {"ts", "level", "logger", "message"} <= set(entry), line
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", entry["ts"]), line
+        entries.append(entry)
+
+    served = [e for e in entries if e["logger"] == SERVICER_LOGGER and e["level"] == "debug"]
+    assert [(e["method"], e["code"]) for e in served] == [("Embed", "OK")] * 2
+    refused = [e for e in entries if e["logger"] == SERVICER_LOGGER and e["level"] == "warning"]
+    assert [(e["reason"], e["code"]) for e in refused] == [("invalid_input", "INVALID_ARGUMENT")]
+    assert "input_ids[0,1] = 1000" in refused[0]["message"]
+
+    (start_up,) = [e for e in entries if e["message"].startswith("serving model")]
+    assert start_up["level"] == "info"
+    manifest = json.loads((small_model_dir / "manifest.json").read_text())
+    message = start_up["message"]
+    assert f"serving model small v{manifest['version']}" in message
+    assert manifest["files"]["model.onnx"]["sha256"] in message
+    assert "V=1000 D=64" in message
+    assert "CPUExecutionProvider" in message
+    for effective in (
+        "4000 tokens and 3145728 output bytes per request",
+        "batches of 2048 tokens after at most 3.5 ms",
+        "50000 queued tokens",
+        "104857600 in-flight output bytes",
+    ):
+        assert effective in message, f"{effective!r} not in {message!r}"
