@@ -292,10 +292,22 @@ def _result(header: pb.EmbedResponse, hidden_states: npt.NDArray[Any]) -> EmbedR
     )
 
 
+# Below this, protobuf's C parser (which copies the payload) beats finding the payload in
+# Python: 7.5 us against 17 us for a 16 KiB answer, even at 256 KiB; far above it the copy
+# dominates (0.4 ms at 2 MiB, 38 ms at 32 MiB, against 18 us zero-copy at any size).
+ZERO_COPY_MIN_BYTES = 256 * 1024
+
+
 def decode_response(raw: bytes | pb.EmbedResponse) -> EmbedResult:
-    """An EmbedResponse, as raw wire bytes (zero-copy) or a parsed message."""
+    """An EmbedResponse, as raw wire bytes (zero-copy when large) or a parsed message."""
     if isinstance(raw, pb.EmbedResponse):
         return _result(raw, decode_tensor(raw.hidden_states))
+    if len(raw) < ZERO_COPY_MIN_BYTES:
+        try:
+            message = pb.EmbedResponse.FromString(raw)
+        except Exception as exc:
+            raise protocol_error(f"cannot parse EmbedResponse: {exc}") from exc
+        return decode_response(message)
     return _decode_response_span(raw, 0, len(raw))
 
 

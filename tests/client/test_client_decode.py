@@ -18,7 +18,7 @@ from tokembed.client import (
     RequestTooLargeError,
     ServerError,
 )
-from tokembed.client.codec import decode_response, decode_stream_response
+from tokembed.client.codec import ZERO_COPY_MIN_BYTES, decode_response, decode_stream_response
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -43,7 +43,9 @@ def owner(arr: np.ndarray) -> Any:
 
 
 def test_unary_decode_points_into_the_received_bytes() -> None:
-    hs = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    # Large enough for the zero-copy path (small answers are parsed by protobuf).
+    hs = np.arange(2 * 3 * 16384, dtype=np.float32).reshape(2, 3, 16384)
+    assert hs.nbytes >= ZERO_COPY_MIN_BYTES
     raw = response(hs).SerializeToString()
     result = decode_response(raw)
     assert np.array_equal(result.hidden_states, hs)
@@ -94,14 +96,15 @@ def test_merged_encoding_falls_back_to_protobuf() -> None:
     assert result.model_name == "m"
 
 
-def test_unknown_fields_are_ignored() -> None:
-    hs = np.arange(4, dtype=np.float32).reshape(1, 1, 4)
+@pytest.mark.parametrize("width", [4, 65536], ids=["protobuf-path", "zero-copy-path"])
+def test_unknown_fields_are_ignored(width: int) -> None:
+    hs = np.arange(width, dtype=np.float32).reshape(1, 1, width)
     # Field 99 (varint) and field 98 (bytes), as a newer server might add.
     extra = bytes([0x98, 0x06, 0x2A]) + bytes([0x92, 0x06, 0x02]) + b"hi"
     raw = response(hs).SerializeToString() + extra
     result = decode_response(raw)
     assert np.array_equal(result.hidden_states, hs)
-    assert owner(result.hidden_states) is raw
+    assert (owner(result.hidden_states) is raw) == (len(raw) >= ZERO_COPY_MIN_BYTES)
 
 
 @pytest.mark.parametrize(
@@ -134,6 +137,16 @@ def test_broken_replies_raise_protocol_errors(raw: bytes, match: str) -> None:
         decode_response(raw)
     assert info.value.reason == "protocol"
     assert info.value.code is None
+
+
+def test_small_answers_are_parsed_by_protobuf_and_stay_read_only() -> None:
+    hs = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    raw = response(hs).SerializeToString()
+    result = decode_response(raw)
+    assert np.array_equal(result.hidden_states, hs)
+    assert owner(result.hidden_states) is not raw
+    assert not result.hidden_states.flags.writeable
+    assert result.timings.batch_requests == 3
 
 
 def test_stream_answer_decodes_zero_copy() -> None:
