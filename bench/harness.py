@@ -327,7 +327,9 @@ def _measure_cell(
     else:
 
         def stream_one(ids: Any) -> object:
-            return next(iter(unary.embed_stream([ids], dtype)))
+            # Read the stream to its end, so it closes (an abandoned stream stays open
+            # on the server until garbage collection and slows every later cell).
+            return list(unary.embed_stream([ids], dtype))[0]
 
         with _ServerMeter(service_proc.pid) as meter:
             run = run_threads(stream_one, requests, **budget)

@@ -30,7 +30,7 @@ from tokembed.export.model_dir import ModelDir, load_model_dir
 from tokembed.server.auth import BearerTokenInterceptor, read_token
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
-from tokembed.server.memory import tune_malloc
+from tokembed.server.memory import release_free_memory, tune_malloc
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
 from tokembed.server.runtime import CPU, EmbeddingRuntime, RuntimeOptions
 from tokembed.server.service import EmbeddingService
@@ -220,6 +220,7 @@ class TokembedServer:
             )
         )  # fmt: skip
         self.state.service = service
+        release_free_memory()  # what loading allocated and dropped, before serving
         if self.state.draining:
             return
         await self._set_health(SERVING)

@@ -85,9 +85,10 @@ class Settings:
         "answers if it is at most this big; 0 disables it",
     )
     malloc_mmap_threshold_bytes: int = _setting(
-        1024 * MiB,
-        "glibc malloc serves blocks below this from its heap and reuses freed ones, instead "
-        "of fresh zero-filled pages per response (0: glibc's default)",
+        0,
+        "if > 0, glibc malloc serves blocks below this from its heap and reuses freed ones "
+        "instead of fresh zero-filled pages: large unary answers get ~30% faster, but resident "
+        "memory grows to several times the in-flight answers (0: glibc's default)",
     )
     # --- lifecycle and logs
     max_connection_age_s: float = _setting(
@@ -196,7 +197,10 @@ class Settings:
                 default=None,
                 choices=spec.metadata.get("choices"),
                 metavar=spec.name.upper() if kind is not bool else None,
-                help=f"{spec.metadata['help']} [env {env}; default {spec.default}]",
+                # argparse formats help with %: a literal percent sign must be doubled.
+                help=f"{spec.metadata['help']} [env {env}; default {spec.default}]".replace(
+                    "%", "%%"
+                ),
             )
 
     @classmethod
