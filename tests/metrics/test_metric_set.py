@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import prometheus_client
+import pytest
 from metrics_helpers import embed_request, ids_of, scrape, stub_for
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -153,16 +154,17 @@ def test_nothing_is_registered_globally(
         Metrics(CollectorRegistry())
 
 
-def test_the_docs_describe_every_metric_with_its_type_and_labels() -> None:
-    """docs/metrics.md has a table row for each metric the server registers."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+@pytest.mark.parametrize("document", ["docs/metrics.md", "README.md"])
+def test_the_docs_describe_every_metric_with_its_type_and_labels(document: str) -> None:
+    """docs/metrics.md and the README have a table row for each metric the server registers."""
+    doc = (Path(__file__).resolve().parents[2] / document).read_text()
     rows = [line.split(" | ") for line in doc.splitlines() if line.startswith("| `")]
     registry = CollectorRegistry()
     Metrics(registry)
     for family in registry.collect():
         name = f"{family.name}_total" if family.type == "counter" else family.name
         (row,) = [row for row in rows if f"`{name}`" in row[0]] or [None]
-        assert row is not None, f"docs/metrics.md does not describe {name}"
+        assert row is not None, f"{document} does not describe {name}"
         assert row[1] == family.type, f"{name}: documented as {row[1]}"
         labels = set()
         for sample in family.samples:

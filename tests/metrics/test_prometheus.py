@@ -293,9 +293,9 @@ def test_prometheus_scrapes_the_server_with_the_repository_config(
     assert prometheus.value(f'tokembed_model_info{{job="{JOB}",name="small"}}') == 1
 
     # The documented queries give the traffic's figures.
-    doc = METRICS_DOC.read_text()
-    for promql in (P99_LATENCY, TOKENS_PER_SECOND, ERROR_RATIO):
-        assert promql in doc, f"docs/metrics.md no longer shows {promql}"
+    for document in (METRICS_DOC, ROOT / "README.md"):
+        for promql in (P99_LATENCY, TOKENS_PER_SECOND, ERROR_RATIO):
+            assert promql in document.read_text(), f"{document.name} no longer shows {promql}"
     p99 = prometheus.value(P99_LATENCY, at=last_scrape)
     assert p99 is not None and 0 < p99 < 1, p99
     assert prometheus.value(TOKENS_PER_SECOND, at=last_scrape) == pytest.approx(296 / 300)
