@@ -173,8 +173,10 @@ def run_plan(
     }
     for d_model in plan.d_models:
         model_dir = ensure_model(cache_dir, d_model)
-        results.weights_bytes[d_model] = sum(
-            p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx")
+        # The served tables: the model's files, plus the float16 copy the server keeps.
+        results.weights_bytes[d_model] = (
+            sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
+            + VOCAB_SIZE * d_model * 2
         )
         server_args = [*_server_args(plan, d_model), "--device", device]
         with (
@@ -329,7 +331,8 @@ def _measure_cell(
         def stream_one(ids: Any) -> object:
             # Read the stream to its end, so it closes (an abandoned stream stays open
             # on the server until garbage collection and slows every later cell).
-            return list(unary.embed_stream([ids], dtype))[0]
+            (answer,) = unary.embed_stream([ids], dtype)
+            return answer
 
         with _ServerMeter(service_proc.pid) as meter:
             run = run_threads(stream_one, requests, **budget)

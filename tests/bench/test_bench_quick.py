@@ -1,0 +1,29 @@
+"""`tokembed bench --quick` as a smoke test: it runs end to end and writes its report.
+
+No thresholds here: CI machines are shared and noisy; the targets are read as ratios in
+docs/benchmarks/, from runs made for that purpose.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_quick_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "bench", "--quick", "--out", str(out),
+         "--cache-dir", str(tmp_path / "models"), "--duration-s", "0.3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = (out / "quick.md").read_text()
+    for target in ("floor", "service-sync", "service-async", "service-chunked", "no-batching",
+                   "ceiling"):  # fmt: skip
+        assert f"| {target} |" in table, f"no {target} cells"
+    assert "## Targets" in table
+    # Every target line got a verdict from figures of this run.
+    assert table.count("| met |") + table.count("| MISSED |") == 6
+    assert "tiny [1,8], concurrency 1: service p50 / floor p50" in result.stdout
