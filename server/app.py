@@ -41,6 +41,8 @@ from tokembed.v1 import embedding_pb2
 logger = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+DRAIN_QUIET_S = 0.1
+DRAIN_SETTLE_MAX_S = 1.0
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -256,7 +258,8 @@ class TokembedServer:
         if self._stopped.is_set():
             return
         grace = self.settings.grace_s if grace_s is None else grace_s
-        deadline = time.monotonic() + grace
+        drain_started = time.monotonic()
+        deadline = drain_started + grace
         self.state.draining = True
         self.metrics.ready.set(0)
         await self._set_health(NOT_SERVING)
@@ -270,6 +273,13 @@ class TokembedServer:
                 "grace period of %.1fs over with %d requests in flight; cancelling them",
                 grace, self.state.active_requests,
             )  # fmt: skip
+        # Fix: calls gRPC has taken in but not yet handed to a handler (the event loop was
+        # busy) are CANCELLED by server.stop() (grpc/grpc#41785), where a drain should
+        # answer UNAVAILABLE. Keep refusing until no call has come for DRAIN_QUIET_S since
+        # the drain began (at most DRAIN_SETTLE_MAX_S, within the grace), so that few are
+        # left waiting inside gRPC when it stops.
+        settle_until = min(deadline, time.monotonic() + DRAIN_SETTLE_MAX_S)
+        await self.state.wait_quiet(DRAIN_QUIET_S, drain_started, settle_until)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
         if self.state.service is not None:

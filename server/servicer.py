@@ -42,6 +42,7 @@ class ServingState:
         self.service: EmbeddingService | None = None
         self.draining = False
         self.active_requests = 0
+        self.last_call_at = 0.0  # time.monotonic() of the latest call to reach a handler
         self._idle: asyncio.Event | None = None
 
     def enter(self) -> None:
@@ -64,7 +65,17 @@ class ServingState:
             return False
         return True
 
+    async def wait_quiet(self, quiet_s: float, since: float, until: float) -> None:
+        """Wait until no call has reached a handler for ``quiet_s`` (counting from
+        ``since`` at the earliest), or until ``until``."""
+        while (now := time.monotonic()) < until:
+            idle = now - max(self.last_call_at, since)
+            if idle >= quiet_s:
+                return
+            await asyncio.sleep(min(quiet_s - idle, until - now))
+
     def ready_service(self) -> EmbeddingService:
+        self.last_call_at = time.monotonic()
         if self.draining:
             raise Unavailable("the server is draining; retry on another replica")
         if self.service is None:
@@ -111,18 +122,29 @@ class EmbeddingServicer:
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
         answers: asyncio.Queue[asyncio.Task[_StreamAnswer] | None] = asyncio.Queue(STREAM_WINDOW)
+        unsent: set[asyncio.Task[_StreamAnswer]] = set()  # started, not yet handed to gRPC
 
         async def read_requests() -> None:
             try:
                 async for request in request_iterator:
-                    await answers.put(asyncio.ensure_future(self._stream_item(request, context)))
-            finally:
+                    task = asyncio.ensure_future(self._stream_item(request, context))
+                    unsent.add(task)
+                    await answers.put(task)
+            except asyncio.CancelledError:
+                # Fix: the stream is over and nobody reads the queue; waiting there to
+                # put the end marker (a full queue: the caller sent more than the window
+                # and left) hung this task until the garbage collector destroyed it.
+                raise
+            except BaseException:
                 await answers.put(None)
+                raise
+            await answers.put(None)
 
         reader = asyncio.ensure_future(read_requests())
         try:
             while (task := await answers.get()) is not None:
                 payload, ticket = await task
+                unsent.discard(task)
                 # Fix: the answer's bytes stay reserved until gRPC has taken them. Released
                 # at encode time, a stream whose caller did not read pinned up to
                 # STREAM_WINDOW answers that admission no longer counted.
@@ -134,11 +156,11 @@ class EmbeddingServicer:
             await reader  # surfaces a failure of the request stream itself
         finally:
             reader.cancel()
-            while not answers.empty():
-                leftover = answers.get_nowait()
-                if leftover is not None:
-                    leftover.cancel()
-                    leftover.add_done_callback(_release_unsent)
+            # The stream ended (or its caller left) with answers computing or computed:
+            # cancel them, and give back the room of those already done.
+            for leftover in unsent:
+                leftover.cancel()
+                leftover.add_done_callback(_release_unsent)
 
     async def EmbedChunked(
         self, request: wire.ParsedRequest, context: grpc.aio.ServicerContext
