@@ -126,6 +126,7 @@ class TokembedServer:
         self._server: grpc.aio.Server | None = None
         self._stop_metrics: Callable[[], None] | None = None
         self._loading: asyncio.Task[None] | None = None
+        self._trimmer: asyncio.Future[None] | None = None
         self._stopped = asyncio.Event()
 
     # --- start
@@ -223,6 +224,8 @@ class TokembedServer:
         )  # fmt: skip
         self.state.service = service
         release_free_memory()  # what loading allocated and dropped, before serving
+        if self.settings.memory_trim_interval_s > 0:
+            self._trimmer = asyncio.ensure_future(self._trim_forever())
         if self.state.draining:
             return
         await self._set_health(SERVING)
@@ -240,6 +243,15 @@ class TokembedServer:
             settings.max_batch_tokens, settings.max_delay_ms, settings.max_queued_tokens,
             settings.max_inflight_output_bytes,
         )  # fmt: skip
+
+    async def _trim_forever(self) -> None:
+        """Give freed heap memory back every few seconds (off the event loop: malloc_trim
+        walks the heap). Without it, resident memory stays at the highest peak of answers
+        in flight ever seen, which is bounded by admission but hides what is live."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.settings.memory_trim_interval_s)
+            await loop.run_in_executor(None, release_free_memory)
 
     async def wait_ready(self) -> None:
         """Return once SERVING; raise ``ServerConfigError`` if the model failed to load."""
@@ -267,6 +279,8 @@ class TokembedServer:
             self.state.service.draining = True
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
+        if self._trimmer is not None:
+            self._trimmer.cancel()
         finished = await self.state.wait_idle(max(0.0, deadline - time.monotonic()))
         if not finished:
             logger.warning(

@@ -84,6 +84,11 @@ class Settings:
         "on CPU, keep a float16 copy of the scaled table (V x D x 2 bytes) for float16 "
         "answers if it is at most this big; 0 disables it",
     )
+    memory_trim_interval_s: float = _setting(
+        5.0,
+        "hand free heap memory back to the OS this often, so resident memory follows what "
+        "is live rather than the highest peak seen (0: never)",
+    )
     malloc_mmap_threshold_bytes: int = _setting(
         0,
         "if > 0, glibc malloc serves blocks below this from its heap and reuses freed ones "
@@ -157,12 +162,13 @@ class Settings:
             "malloc_mmap_threshold_bytes",
             "float16_table_max_bytes",
             "max_connection_age_s",
+            "memory_trim_interval_s",
         ):
             if getattr(self, name) < 0:
                 raise ServerConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         # Fix: float("nan") parses from a flag or a variable and passes every "< 0" test
         # (a NaN max_delay made the batcher never wait); inf is no duration either.
-        for name in ("max_delay_ms", "grace_s", "max_connection_age_s"):
+        for name in ("max_delay_ms", "grace_s", "max_connection_age_s", "memory_trim_interval_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ServerConfigError(
                     f"{name} must be a finite number, got {getattr(self, name)}"
