@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tokembed.server import wire
 from tokembed.server.admission import Ticket
 from tokembed.server.domain import EmbedOutput
-from tokembed.server.errors import EmbedError, Internal, Unavailable
+from tokembed.server.errors import EmbedError, Internal, InvalidInput, Unavailable
 from tokembed.server.metrics import Metrics
 from tokembed.server.service import EmbeddingService
 from tokembed.server.status import status_of, trailing_metadata
@@ -183,6 +184,11 @@ class EmbeddingServicer:
                 await self._abort(context, "EmbedChunked", internal, started)
             try:
                 array = output.hidden_states
+                if output.timings.batch_requests > 1 and array.base is not None:
+                    # A view into a shared batch output would keep the whole batch alive
+                    # for as long as this (possibly slow) reader takes, while admission
+                    # counts only this answer: own a copy instead.
+                    array = array.copy()
                 metadata = self._metadata(service, output, request.request_id, started)
                 yield wire.encode_chunk_header(array, metadata)
                 flat = array.data.cast("B")
@@ -197,10 +203,12 @@ class EmbeddingServicer:
             self._succeeded("EmbedChunked", output, started)
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest | None, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         started = time.perf_counter()
         try:
+            if request is None:
+                raise InvalidInput("the request is not a valid tokembed.v1.GetModelInfoRequest")
             service = self._state.ready_service()
         except EmbedError as error:
             await self._abort(context, "GetModelInfo", error, started)
@@ -361,6 +369,15 @@ def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:
             ticket.release()
 
 
+def _parse_model_info_request(data: bytes) -> pb.GetModelInfoRequest | None:
+    """None for bytes that do not parse: answered INVALID_ARGUMENT (a raising deserializer
+    would make gRPC answer UNKNOWN, past our status table)."""
+    try:
+        return pb.GetModelInfoRequest.FromString(data)
+    except DecodeError:
+        return None
+
+
 def _serialize(response: bytes | Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
@@ -377,7 +394,7 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
             servicer.EmbedChunked, wire.parse_request, _serialize
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, pb.GetModelInfoRequest.FromString, _serialize
+            servicer.GetModelInfo, _parse_model_info_request, _serialize
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -234,3 +234,35 @@ def test_client_against_a_stopped_server_raises_unavailable_after_retries(
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
     assert caught.value.attempts == 4  # one try and three retries
     assert time.monotonic() - started < 10
+
+
+def test_malformed_model_info_request_is_invalid_argument(shared_server: ServerThread) -> None:
+    with grpc.insecure_channel(shared_server.target) as channel:
+        raw = channel.unary_unary("/tokembed.v1.EmbeddingService/GetModelInfo")
+        with pytest.raises(grpc.RpcError) as caught:
+            raw(b"\xff\xff\xff", timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GetModelInfoRequest" in caught.value.details()
+
+
+def test_chunked_answer_from_a_shared_batch_owns_its_rows(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    """A chunked answer computed in a batch with others is correct and independent."""
+    loader = GatedLoader(open_look_ups=False)
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+
+    async def scenario() -> list[np.ndarray]:
+        async with AsyncEmbeddingClient(server.target, chunked_threshold_bytes=1) as client:
+            first = asyncio.ensure_future(client.embed([[1]]))  # holds the runtime
+            await asyncio.sleep(0.2)
+            batched = [asyncio.ensure_future(client.embed([[i, i + 1]])) for i in range(2, 8)]
+            await asyncio.sleep(0.2)
+            loader.look_up_gate.set()
+            return [await first, *[await task for task in batched]]
+
+    results = asyncio.run(scenario())
+    np.testing.assert_array_equal(results[0], SMALL_ROWS[[[1]]])
+    for i, got in zip(range(2, 8), results[1:], strict=True):
+        np.testing.assert_array_equal(got, SMALL_ROWS[[[i, i + 1]]])
+    assert server.metric("tokembed_requests_total", {"method": "EmbedChunked", "code": "OK"}) == 7
