@@ -176,7 +176,9 @@ class Timings(_message.Message):
     compute_seconds: _builtins.float
     """The onnxruntime run of the batch this request was part of."""
     server_seconds: _builtins.float
-    """From decoding the request to handing the response to gRPC."""
+    """From decoding the request until its answer is ready to encode (the encode itself,
+    which happens after this field is written, is in tokembed_encode_seconds).
+    """
     batch_requests: _builtins.int
     """Requests and tokens in the batch this request was part of."""
     batch_tokens: _builtins.int
