@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from tokembed.client import codec
+from tokembed.client import codec, decode
 from tokembed.client._config import (
     METHOD_EMBED,
     METHOD_EMBED_CHUNKED,
@@ -141,7 +141,7 @@ class AsyncEmbeddingClient(ClientBase):
         rows, itemsize = encoded.output_rows(layout), codec.output_itemsize(dtype)
         once = self._chunked_once if self._wants_chunked(rows, itemsize) else self._unary_once
         result = await self._with_retries("Embed", deadline, lambda t: once(request, t))
-        return codec.check_shape(result, codec.leading_shape(encoded, layout))
+        return decode.check_shape(result, decode.leading_shape(encoded, layout))
 
     async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
         """What the server serves, and its limits (always asks the server)."""
@@ -216,7 +216,7 @@ class AsyncEmbeddingClient(ClientBase):
                         if not return_exceptions:
                             return
                         continue
-                    slots.append(codec.leading_shape(encoded, layout))
+                    slots.append(decode.leading_shape(encoded, layout))
                     yield request
             except Exception as exc:
                 failure.append(exc)
@@ -232,9 +232,9 @@ class AsyncEmbeddingClient(ClientBase):
                         raise protocol_error("EmbedStream sent more answers than requests")
                     leading = slots.popleft()
                     assert isinstance(leading, tuple), "This is a bug."
-                    outcome = codec.decode_stream_response(raw)
+                    outcome = decode.decode_stream_response(raw)
                     if isinstance(outcome, EmbedResult):
-                        outcome = codec.check_shape(outcome, leading)
+                        outcome = decode.check_shape(outcome, leading)
                     yield _emit(outcome, return_exceptions)
             except grpc.RpcError as exc:
                 if failure:
@@ -270,12 +270,12 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def _unary_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
         raw = await self._embed(request, timeout=timeout, metadata=self._settings.metadata)
-        return codec.decode_response(raw)
+        return decode.decode_response(raw)
 
     async def _chunked_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
         call = self._embed_chunked(request, timeout=timeout, metadata=self._settings.metadata)
         try:
-            assembler = codec.ChunkAssembler()
+            assembler = decode.ChunkAssembler()
             async for raw in call:
                 assembler.add(raw)
             return assembler.result()

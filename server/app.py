@@ -34,7 +34,8 @@ from tokembed.server.memory import release_free_memory, tune_malloc
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
 from tokembed.server.runtime import CPU, EmbeddingRuntime, RuntimeOptions
 from tokembed.server.service import EmbeddingService
-from tokembed.server.servicer import SERVICE_NAME, EmbeddingServicer, ServingState, generic_handler
+from tokembed.server.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
+from tokembed.server.serving_state import ServingState
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2
 

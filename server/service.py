@@ -155,10 +155,11 @@ class EmbeddingService:
         assert job.lengths is not None
         rows = self._as_dtype(rows, job.output_dtype)
         padded = np.empty((job.batch, job.seq_len, d_model), dtype=job.output_dtype)
+        pad_row = self._pad_row.astype(job.output_dtype)
         offset = 0
         for index, length in enumerate(job.lengths):
             padded[index, :length] = rows[offset : offset + length]
-            padded[index, length:] = self._pad_row.astype(job.output_dtype)
+            padded[index, length:] = pad_row
             offset += length
         return padded
 

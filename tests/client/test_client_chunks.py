@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokembed.client import ServerError
-from tokembed.client.codec import ChunkAssembler
+from tokembed.client.decode import ChunkAssembler
 from tokembed.v1 import embedding_pb2 as pb
 
 

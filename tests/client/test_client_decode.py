@@ -18,7 +18,7 @@ from tokembed.client import (
     RequestTooLargeError,
     ServerError,
 )
-from tokembed.client.codec import ZERO_COPY_MIN_BYTES, decode_response, decode_stream_response
+from tokembed.client.decode import ZERO_COPY_MIN_BYTES, decode_response, decode_stream_response
 from tokembed.v1 import embedding_pb2 as pb
 
 

@@ -1,0 +1,242 @@
+"""Replies to numpy arrays, and the shape check against what was sent.
+
+Large unary and stream replies are never copied: the array is a read-only
+``np.frombuffer`` view of the bytes gRPC received (see ``_wire``); small ones are parsed
+by protobuf's C parser, which is faster there. Chunked replies are assembled into one
+preallocated array, each chunk copied into it once; that array is writable.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokembed.client import _wire
+from tokembed.client.codec import EncodedIds, Layout
+from tokembed.client.errors import (
+    EmbeddingError,
+    from_status,
+    protocol_error,
+    status_code_from_number,
+)
+from tokembed.client.results import EmbedResult, Timings, dtype_name
+from tokembed.v1 import embedding_pb2 as pb
+
+_NUMPY_DTYPES: dict[int, np.dtype[Any]] = {
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+}
+
+
+def frombuffer(
+    buf: bytes | memoryview, dtype: int, shape: Sequence[int], offset: int = 0, nbytes: int = -1
+) -> npt.NDArray[Any]:
+    """A view of ``buf[offset:offset+nbytes]`` as a tensor, checking that sizes agree."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        raise protocol_error(f"tensor dtype {dtype_name(dtype)} is not a known dtype")
+    dims = [int(d) for d in shape]
+    if any(d < 0 for d in dims):
+        raise protocol_error(f"tensor shape {dims} has a negative dimension")
+    count = math.prod(dims)
+    if nbytes < 0:
+        nbytes = len(buf) - offset
+    if count * np_dtype.itemsize != nbytes:
+        raise protocol_error(
+            f"tensor of shape {dims} and dtype {np_dtype.name} needs "
+            f"{count * np_dtype.itemsize} bytes, got {nbytes}"
+        )
+    arr = np.frombuffer(buf, dtype=np_dtype, count=count, offset=offset).reshape(dims)
+    if sys.byteorder != "little":  # the wire is little-endian; give native arrays
+        arr = arr.astype(np_dtype.newbyteorder("="))
+    return arr
+
+
+def decode_tensor(tensor: pb.Tensor) -> npt.NDArray[Any]:
+    """A parsed Tensor message to an array (reads ``tensor.data`` once)."""
+    return frombuffer(tensor.data, tensor.dtype, tensor.shape)
+
+
+def _result(header: pb.EmbedResponse, hidden_states: npt.NDArray[Any]) -> EmbedResult:
+    return EmbedResult(
+        hidden_states=hidden_states,
+        lengths=np.array(header.lengths, dtype=np.int64) if header.lengths else None,
+        timings=Timings.from_proto(header.timings),
+        model_name=header.model_name,
+        model_version=header.model_version,
+        request_id=header.request_id,
+    )
+
+
+# Below this, protobuf's C parser (which copies the payload) beats finding the payload in
+# Python: 7.5 us against 17 us for a 16 KiB answer, even at 256 KiB; far above it the copy
+# dominates (0.4 ms at 2 MiB, 38 ms at 32 MiB, against 18 us zero-copy at any size).
+ZERO_COPY_MIN_BYTES = 256 * 1024
+
+
+def decode_response(raw: bytes | pb.EmbedResponse) -> EmbedResult:
+    """An EmbedResponse, as raw wire bytes (zero-copy when large) or a parsed message."""
+    if isinstance(raw, pb.EmbedResponse):
+        return _result(raw, decode_tensor(raw.hidden_states))
+    if len(raw) < ZERO_COPY_MIN_BYTES:
+        try:
+            message = pb.EmbedResponse.FromString(raw)
+        except Exception as exc:
+            raise protocol_error(f"cannot parse EmbedResponse: {exc}") from exc
+        return decode_response(message)
+    return _decode_response_span(raw, 0, len(raw))
+
+
+def _decode_response_span(raw: bytes, start: int, end: int) -> EmbedResult:
+    try:
+        outer = list(_wire.fields(raw, start, end))
+        hs = _wire.only(outer, 1)
+        inner = list(_wire.fields(raw, hs.value_start, hs.end)) if hs else []
+        data = _wire.only(inner, 3)
+    except _wire.WireError:
+        # Leave the unusual encodings to protobuf (it parses, and copies, the payload).
+        try:
+            msg = pb.EmbedResponse.FromString(raw[start:end])
+        except Exception as exc:
+            raise protocol_error(f"cannot parse EmbedResponse: {exc}") from exc
+        return decode_response(msg)
+    try:
+        header = pb.EmbedResponse.FromString(_wire.without(raw, start, end, hs))
+        if hs is not None:
+            header.hidden_states.ParseFromString(_wire.without(raw, hs.value_start, hs.end, data))
+    except Exception as exc:
+        raise protocol_error(f"cannot parse EmbedResponse: {exc}") from exc
+    tensor = header.hidden_states
+    if data is None:
+        return _result(header, frombuffer(b"", tensor.dtype, tensor.shape))
+    array = frombuffer(
+        raw, tensor.dtype, tensor.shape, offset=data.value_start, nbytes=data.end - data.value_start
+    )
+    return _result(header, array)
+
+
+def decode_stream_response(raw: bytes | pb.EmbedStreamResponse) -> EmbedResult | EmbeddingError:
+    """One EmbedStream answer: the result, or the typed error for that request."""
+    if not isinstance(raw, pb.EmbedStreamResponse):
+        try:
+            found = list(_wire.fields(raw, 0, len(raw)))
+            response = _wire.only(found, 1)
+            if response is not None and not any(f.number == 2 for f in found):
+                return _decode_response_span(raw, response.value_start, response.end)
+        except _wire.WireError:
+            pass
+        try:
+            raw = pb.EmbedStreamResponse.FromString(raw)
+        except Exception as exc:
+            raise protocol_error(f"cannot parse EmbedStreamResponse: {exc}") from exc
+    kind = raw.WhichOneof("result")
+    if kind == "response":
+        return decode_response(raw.response)
+    if kind == "error":
+        # A server older than Error.reason sends none: the (code, None) row then applies.
+        reason = raw.error.reason or None
+        return from_status(status_code_from_number(raw.error.code), reason, raw.error.message)
+    raise protocol_error("an EmbedStream answer holds neither a response nor an error")
+
+
+class ChunkAssembler:
+    """Reassembles an EmbedChunked reply into one preallocated array.
+
+    Feed every message to :meth:`add` (raw bytes or parsed EmbedChunk), then call
+    :meth:`result`. The first message must carry the header; each chunk's bytes are
+    copied once, into place; the sizes must add up exactly.
+    """
+
+    def __init__(self) -> None:
+        self._header: pb.EmbedResponse | None = None
+        self._buffer: npt.NDArray[np.uint8] | None = None
+        self._filled = 0
+
+    def add(self, chunk: bytes | pb.EmbedChunk) -> None:
+        header, data = self._split(chunk)
+        if header is not None:
+            if self._header is not None:
+                raise protocol_error("EmbedChunked sent a second header")
+            self._start(header)
+        if len(data) == 0:
+            return
+        if self._buffer is None:
+            raise protocol_error("EmbedChunked sent data before its header")
+        end = self._filled + len(data)
+        if end > self._buffer.size:
+            raise protocol_error(
+                f"EmbedChunked sent more than the {self._buffer.size} bytes its header announced"
+            )
+        self._buffer[self._filled : end] = np.frombuffer(data, dtype=np.uint8)
+        self._filled = end
+
+    def result(self) -> EmbedResult:
+        if self._header is None or self._buffer is None:
+            raise protocol_error("EmbedChunked ended without a header")
+        if self._filled != self._buffer.size:
+            raise protocol_error(
+                f"EmbedChunked ended after {self._filled} of {self._buffer.size} bytes"
+            )
+        tensor = self._header.hidden_states
+        return _result(self._header, frombuffer(self._buffer.data, tensor.dtype, tensor.shape))
+
+    def _start(self, header: pb.EmbedResponse) -> None:
+        tensor = header.hidden_states
+        if tensor.data:
+            raise protocol_error("the EmbedChunked header must not carry data")
+        np_dtype = _NUMPY_DTYPES.get(tensor.dtype)
+        if np_dtype is None or any(d < 0 for d in tensor.shape):
+            raise protocol_error(
+                f"EmbedChunked header has dtype {dtype_name(tensor.dtype)}, "
+                f"shape {list(tensor.shape)}"
+            )
+        self._header = header
+        self._buffer = np.empty(math.prod(tensor.shape) * np_dtype.itemsize, dtype=np.uint8)
+
+    @staticmethod
+    def _split(chunk: bytes | pb.EmbedChunk) -> tuple[pb.EmbedResponse | None, bytes | memoryview]:
+        if isinstance(chunk, pb.EmbedChunk):
+            return (chunk.header if chunk.HasField("header") else None), chunk.data
+        try:
+            found = list(_wire.fields(chunk, 0, len(chunk)))
+            header_field = _wire.only(found, 1)
+            data_field = _wire.only(found, 2)
+        except _wire.WireError:
+            try:
+                msg = pb.EmbedChunk.FromString(chunk)
+            except Exception as exc:
+                raise protocol_error(f"cannot parse EmbedChunk: {exc}") from exc
+            return ChunkAssembler._split(msg)
+        header = None
+        if header_field is not None:
+            try:
+                header = pb.EmbedResponse.FromString(
+                    chunk[header_field.value_start : header_field.end]
+                )
+            except Exception as exc:
+                raise protocol_error(f"cannot parse EmbedChunk header: {exc}") from exc
+        if data_field is None:
+            return header, b""
+        return header, memoryview(chunk)[data_field.value_start : data_field.end]
+
+
+def leading_shape(encoded: EncodedIds, layout: Layout) -> tuple[int, ...]:
+    """The answer's shape without D: ``(B, S)``, ``(B, S_max)`` or ``(N,)`` for flat."""
+    if layout == "flat":
+        return (encoded.num_tokens,)
+    return (encoded.batch_size, encoded.max_length)
+
+
+def check_shape(result: EmbedResult, leading: tuple[int, ...]) -> EmbedResult:
+    """Refuse an answer whose shape does not fit the request (a server bug)."""
+    shape = result.hidden_states.shape
+    if len(shape) != len(leading) + 1 or tuple(shape[:-1]) != leading:
+        raise protocol_error(f"answer has shape {tuple(shape)} for a request of {leading} + [D]")
+    return result
