@@ -78,6 +78,7 @@ def load_model(settings: Settings) -> LoadedModel:
                 device=settings.device,
                 intra_op_threads=settings.intra_op_threads,
                 inter_op_threads=settings.inter_op_threads,
+                batch_output_bytes=settings.max_batch_tokens * model.manifest.d_model * 4,
             ),
         )
         warm_up_s = runtime.warm_up()
@@ -246,9 +247,10 @@ class TokembedServer:
         )  # fmt: skip
 
     async def _trim_forever(self) -> None:
-        """Give freed heap memory back every few seconds (off the event loop: malloc_trim
-        walks the heap). Without it, resident memory stays at the highest peak of answers
-        in flight ever seen, which is bounded by admission but hides what is live."""
+        """Give freed heap memory back every second (off the event loop: malloc_trim walks
+        the heap, 2-6 ms here). Without it, resident memory stays at the highest peak of
+        answers in flight ever seen, which is bounded by admission but hides what is live;
+        every 5 s instead of 1 s, the soak's RSS swung +-4% between 10 s windows."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.settings.memory_trim_interval_s)

@@ -85,7 +85,7 @@ class Settings:
         "answers if it is at most this big; 0 disables it",
     )
     memory_trim_interval_s: float = _setting(
-        5.0,
+        1.0,
         "hand free heap memory back to the OS this often, so resident memory follows what "
         "is live rather than the highest peak seen (0: never)",
     )
