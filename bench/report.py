@@ -114,7 +114,8 @@ def _rss_target(results: Results, d: int) -> Target:
 
     RSS is a high-water mark here: memory freed after a heavy cell stays mapped for the
     next, so comparing each cell's peak with its own (lighter) load would be wrong. The
-    weights are the served tables: the model files plus the float16 copy (V x D x 2).
+    weights are the served tables: the model files plus the float16 copy (V x D x 2) and,
+    where it fits its cap, the float32 copy for small batches (V x D x 4).
     """
     name = "server peak RSS under load <= weights + 2 x in-flight output + 150 MB"
     loaded = [

@@ -57,6 +57,8 @@ class LoadedModel:
     pad_row: np.ndarray
     # float16 answers come from this [V, D] table when present (see settings).
     float16_table: np.ndarray | None = None
+    # Bytes of the float32 table the runtime answers small batches from (0: none).
+    float32_table_bytes: int = 0
 
 
 ModelLoader = Callable[[Settings], LoadedModel]
@@ -103,9 +105,16 @@ def load_model(settings: Settings) -> LoadedModel:
     table_bytes = manifest.vocab_size * manifest.d_model * 2
     if runtime.provider == CPU and table_bytes <= settings.float16_table_max_bytes:
         float16_table = runtime.float16_table()
+    small_batch = settings.inline_compute_max_tokens
+    if (
+        runtime.provider == CPU
+        and small_batch > 0
+        and 2 * table_bytes <= settings.float32_table_max_bytes
+    ):
+        runtime.keep_float32_table(small_batch)
     return LoadedModel(
         model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row,
-        float16_table=float16_table,
+        float16_table=float16_table, float32_table_bytes=runtime.float32_table_bytes,
     )  # fmt: skip
 
 
@@ -244,6 +253,12 @@ class TokembedServer:
             settings.max_tokens_per_request, settings.max_output_bytes_per_request,
             settings.max_batch_tokens, settings.max_delay_ms, settings.max_queued_tokens,
             settings.max_inflight_output_bytes,
+        )  # fmt: skip
+        float16_bytes = 0 if loaded.float16_table is None else loaded.float16_table.nbytes
+        logger.info(
+            "row tables in memory: float16 %d bytes (float16 answers), float32 %d bytes "
+            "(batches of at most %d tokens); 0: not kept",
+            float16_bytes, loaded.float32_table_bytes, settings.inline_compute_max_tokens,
         )  # fmt: skip
 
     async def _trim_forever(self) -> None:

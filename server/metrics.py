@@ -78,7 +78,7 @@ class Metrics:
         )
         self.compute = Histogram(
             "tokembed_compute_seconds",
-            "onnxruntime run time of one batch",
+            "Look-up time of one batch: the onnxruntime run, or the float32 table gather",
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )

@@ -84,6 +84,12 @@ class Settings:
         "on CPU, keep a float16 copy of the scaled table (V x D x 2 bytes) for float16 "
         "answers if it is at most this big; 0 disables it",
     )
+    float32_table_max_bytes: int = _setting(
+        256 * MiB,
+        "on CPU, keep a float32 copy of the scaled table (V x D x 4 bytes) and answer "
+        "batches of at most --inline-compute-max-tokens tokens from it instead of an "
+        "onnxruntime run, if it is at most this big; 0 disables it",
+    )
     memory_trim_interval_s: float = _setting(
         1.0,
         "hand free heap memory back to the OS this often, so resident memory follows what "
@@ -161,6 +167,7 @@ class Settings:
             "inline_compute_max_tokens",
             "malloc_mmap_threshold_bytes",
             "float16_table_max_bytes",
+            "float32_table_max_bytes",
             "max_connection_age_s",
             "memory_trim_interval_s",
         ):

@@ -208,3 +208,29 @@ def test_arena_gives_back_what_a_burst_added(small_model_dir: Path) -> None:
     # onnxruntime's default arena would keep all of it; this one keeps its first region
     # (two batches' rows, touched at warm-up, so already in ``idle``).
     assert after - idle < 0.15 * added, (idle, peak, after)
+
+
+class _NoSession:
+    """Stands in for the onnxruntime session where a look-up must not reach it."""
+
+    def run(self, *args: object, **kwargs: object) -> object:
+        raise AssertionError("onnxruntime was called")
+
+
+def test_small_look_ups_come_from_the_float32_table_bit_for_bit(
+    small_model_dir: Path, reference: np.ndarray
+) -> None:
+    runtime = EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cpu"))
+    assert runtime.float32_table_bytes == 0
+    runtime.keep_float32_table(max_tokens=16)
+    assert runtime.float32_table_bytes == SMALL_V * SMALL_D * 4
+    session, runtime.session = runtime.session, _NoSession()  # type: ignore[assignment]
+    ids = np.array([0, SMALL_V - 1, SMALL_PAD, 5, 5, 731], dtype=np.int64)
+    rows = runtime.run(ids)
+    assert rows.dtype == np.float32 and rows.flags.owndata
+    np.testing.assert_array_equal(rows, reference[ids])
+    with pytest.raises(AssertionError, match="onnxruntime was called"):
+        runtime.run(np.arange(17, dtype=np.int64))  # past max_tokens: the model's turn
+    runtime.session = session
+    everything = np.arange(SMALL_V, dtype=np.int64)
+    np.testing.assert_array_equal(runtime.run(everything), reference)
