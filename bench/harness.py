@@ -29,6 +29,7 @@ from tokembed.bench.procstats import PeakRss, cpu_seconds
 from tokembed.bench.runner import Run, run_async, run_threads
 from tokembed.bench.workloads import LARGE, MEDIUM, RAGGED, TINY, Workload
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec
+from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -173,12 +174,12 @@ def run_plan(
     }
     for d_model in plan.d_models:
         model_dir = ensure_model(cache_dir, d_model)
-        # The served tables: the model's files, plus the copies the server keeps with the
-        # default settings (float16 always here; float32 where it fits its cap).
+        # The served tables: the model's files, plus the row tables the server keeps with
+        # its default settings.
         results.weights_bytes[d_model] = (
             sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
-            + VOCAB_SIZE * d_model * 2
-            + _float32_table_bytes(d_model)
+            + Settings().float16_table_bytes(VOCAB_SIZE, d_model)
+            + Settings().float32_table_bytes(VOCAB_SIZE, d_model)
         )
         server_args = [*_server_args(plan, d_model), "--device", device]
         with (
@@ -192,13 +193,6 @@ def run_plan(
                 results.cells.append(cell)
                 progress(_progress_line(cell))
     return results
-
-
-def _float32_table_bytes(d_model: int) -> int:
-    from tokembed.server.settings import Settings
-
-    table = VOCAB_SIZE * d_model * 4
-    return table if table <= Settings().float32_table_max_bytes else 0
 
 
 def _progress_line(cell: Cell) -> str:

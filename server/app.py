@@ -42,9 +42,9 @@ from tokembed.v1 import embedding_pb2
 logger = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DRAIN_QUIET_S = 0.1
 DRAIN_SETTLE_MAX_S = 1.0
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass(frozen=True)
@@ -102,16 +102,12 @@ def load_model(settings: Settings) -> LoadedModel:
     )
     manifest = model.manifest
     float16_table = None
-    table_bytes = manifest.vocab_size * manifest.d_model * 2
-    if runtime.provider == CPU and table_bytes <= settings.float16_table_max_bytes:
-        float16_table = runtime.float16_table()
-    small_batch = settings.inline_compute_max_tokens
-    if (
-        runtime.provider == CPU
-        and small_batch > 0
-        and 2 * table_bytes <= settings.float32_table_max_bytes
-    ):
-        runtime.keep_float32_table(small_batch)
+    if runtime.provider == CPU:
+        shape = (manifest.vocab_size, manifest.d_model)
+        if settings.float32_table_bytes(*shape):
+            runtime.keep_float32_table(settings.inline_compute_max_tokens)
+        if settings.float16_table_bytes(*shape):
+            float16_table = runtime.float16_table()
     return LoadedModel(
         model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row,
         float16_table=float16_table, float32_table_bytes=runtime.float32_table_bytes,

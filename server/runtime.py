@@ -64,6 +64,8 @@ class EmbeddingRuntime:
 
         Computed with the same two steps a float16 request takes (the look-up, then the
         cast), so serving float16 from it is bit-identical, at half the bytes to gather.
+        The look-up's rows come from the float32 table when one is kept (no second pass
+        of the model over the vocabulary).
         """
         return self._every_row(np.float16, self.to_float16, chunk_bytes)
 
@@ -78,6 +80,7 @@ class EmbeddingRuntime:
         gRPC's threads. Larger look-ups stay with onnxruntime, which computes them off
         the event loop without holding the GIL.
         """
+        self._float32_table = None  # the rows come from the model, not from an older table
         self._float32_table = self._every_row(np.float32, lambda rows: rows, chunk_bytes)
         self._float32_table_max_tokens = max_tokens
 
@@ -92,12 +95,14 @@ class EmbeddingRuntime:
         chunk_bytes: int,
     ) -> np.ndarray:
         vocab = self.model.manifest.vocab_size
+        source = self._float32_table
         table = np.empty((vocab, self.d_model), dtype=dtype)
         step = max(1, chunk_bytes // (self.d_model * 4))
         for start in range(0, vocab, step):
             stop = min(vocab, start + step)
             ids = np.arange(start, stop, dtype=np.int64)
-            table[start:stop] = convert(self._run_session(ids))
+            rows = source[start:stop] if source is not None else self._run_session(ids)
+            table[start:stop] = convert(rows)
         return table
 
     def run(self, ids: np.ndarray) -> np.ndarray:
@@ -137,7 +142,7 @@ _arena_lock = threading.Lock()
 _arena_initial_bytes: int | None = None
 
 
-def _register_cpu_arena(initial_bytes: int, max_extend_bytes: int) -> int:
+def _register_cpu_arena(initial_bytes: int, max_extend_bytes: int) -> None:
     """One CPU arena for the process, shared by every session that asks for it.
 
     Without an arena every look-up's output is fresh zero-filled pages: a [32,512] look-up
@@ -176,7 +181,6 @@ def _register_cpu_arena(initial_bytes: int, max_extend_bytes: int) -> int:
                 _arena_initial_bytes,
                 initial_bytes,
             )
-        return _arena_initial_bytes
 
 
 def _run_options(options: RuntimeOptions) -> ort.RunOptions:

@@ -134,6 +134,17 @@ class Settings:
         """gRPC message limit: the largest output plus room for the envelope."""
         return self.max_output_bytes_per_request + MiB
 
+    def float16_table_bytes(self, vocab_size: int, d_model: int) -> int:
+        """Bytes of the float16 row table kept on CPU for this model's shape (0: none)."""
+        table = vocab_size * d_model * 2
+        return table if table <= self.float16_table_max_bytes else 0
+
+    def float32_table_bytes(self, vocab_size: int, d_model: int) -> int:
+        """Bytes of the float32 row table kept on CPU for small batches (0: none)."""
+        table = vocab_size * d_model * 4
+        kept = self.inline_compute_max_tokens > 0 and table <= self.float32_table_max_bytes
+        return table if kept else 0
+
     @property
     def max_request_bytes(self) -> int:
         """gRPC receive limit: the largest valid request plus room for the envelope.

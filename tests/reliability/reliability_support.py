@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from tokembed.server import wire
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
@@ -145,16 +146,8 @@ def unknown_field(rng: random.Random) -> bytes:
 
 
 def varint(value: int) -> bytes:
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    """Protobuf's varint of ``value``; negative values as their 64-bit two's complement."""
+    return wire.varint(value & ((1 << 64) - 1))
 
 
 # --- the server process's memory, from /proc
