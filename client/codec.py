@@ -41,6 +41,8 @@ _LAYOUTS: dict[str, pb.RaggedLayout.ValueType] = {
     "flat": pb.RAGGED_LAYOUT_FLAT,
 }
 # Little-endian numpy dtype of each wire dtype (the wire is little-endian by contract).
+_INT64: np.dtype[np.signedinteger[Any]] = np.dtype("<i8")
+_INT32: np.dtype[np.signedinteger[Any]] = np.dtype("<i4")
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -159,12 +161,12 @@ def _int_ids(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.signedinteger[A
         elif kind == "O":
             hint = " (values beyond int64, or not all of them numbers?)"
         raise client_invalid_input(f"{what} must be integers, got dtype {arr.dtype}{hint}")
-    if kind == "i" and size in (4, 8):
-        target = np.dtype(f"<i{size}")
-    elif size <= 2:
-        target = np.dtype("<i4")
+    if kind == "i" and size == 8:
+        target = _INT64
+    elif (size == 4 and kind == "i") or size <= 2:  # int32, or what widens to it losslessly
+        target = _INT32
     else:  # uint32 and uint64 need int64; uint64 only if every value fits
-        target = np.dtype("<i8")
+        target = _INT64
         if kind == "u" and size == 8 and arr.size and int(arr.max()) > _INT64_MAX:
             raise client_invalid_input(
                 f"{what} holds {int(arr.max())}, which does not fit in int64"
@@ -176,6 +178,8 @@ def _int_ids(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.signedinteger[A
 
 def output_dtype_code(dtype: Any) -> pb.DType.ValueType:
     """The wire DType for "float32" or "float16" (or np.float32, np.float16)."""
+    if isinstance(dtype, str) and dtype in _OUTPUT_DTYPES:
+        return _OUTPUT_DTYPES[dtype]  # the common case, without building a numpy dtype
     try:
         name = np.dtype(dtype).name
     except TypeError:

@@ -46,7 +46,6 @@ class EmbeddingServicer:
     def __init__(self, state: ServingState, metrics: Metrics | None = None) -> None:
         self._state = state
         self._metrics = metrics
-        self._children: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}
 
     # --- RPCs
 
@@ -226,7 +225,7 @@ class EmbeddingServicer:
 
     def _metadata(
         self, service: EmbeddingService, output: EmbedOutput, request_id: str, started: float
-    ) -> pb.EmbedResponse:
+    ) -> bytes:
         manifest = service.info.model.manifest
         return wire.response_metadata(
             output, manifest.name, manifest.version, request_id, time.perf_counter() - started
@@ -240,7 +239,7 @@ class EmbeddingServicer:
         array = output.hidden_states
         payload = await service.offloader.run(array.nbytes, wire.encode_response, array, metadata)
         if self._metrics is not None:
-            self._metrics.encode.observe(time.perf_counter() - encode_started)
+            self._metrics.encoded(time.perf_counter() - encode_started)
         return payload
 
     def _inflight(self) -> InFlight:
@@ -248,28 +247,14 @@ class EmbeddingServicer:
 
     def _count(self, method: str, code: grpc.StatusCode, started: float) -> None:
         if self._metrics is not None:
-            # Resolving a labelled child costs more than using it: keep them.
-            key = (method, code)
-            children = self._children.get(key)
-            if children is None:
-                children = (
-                    self._metrics.requests.labels(method=method, code=code.name),
-                    self._metrics.request_duration.labels(method=method),
-                )
-                self._children[key] = children
-            children[0].inc()
-            children[1].observe(time.perf_counter() - started)
+            self._metrics.rpc_done(method, code.name, time.perf_counter() - started)
 
     def _succeeded(self, method: str, output: EmbedOutput, started: float) -> None:
         self._count(method, grpc.StatusCode.OK, started)
         array = output.hidden_states
         if self._metrics is not None:
-            timings = output.timings
-            self._metrics.queue_wait.observe(timings.queue_s)
-            self._metrics.tokens.inc(
-                sum(output.lengths) if output.lengths else array.size // array.shape[-1]
-            )
-            self._metrics.output_bytes.inc(array.nbytes)
+            tokens = sum(output.lengths) if output.lengths else array.size // array.shape[-1]
+            self._metrics.answered(tokens, array.nbytes, output.timings.queue_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s ok shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d total=%.6fs",
@@ -284,7 +269,7 @@ class EmbeddingServicer:
     ) -> None:
         self._count(method, code, started)
         if self._metrics is not None:
-            self._metrics.rejections.labels(reason=reason).inc()
+            self._metrics.rejected(reason)
         logger.warning(
             "%s rejected (%s, %s): %s", method, reason, code.name, message,
             extra={"method": method, "reason": reason, "code": code.name},

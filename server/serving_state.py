@@ -72,9 +72,9 @@ class InFlight:
     def __enter__(self) -> None:
         self._state.enter()
         if self._metrics is not None:
-            self._metrics.inflight.inc()
+            self._metrics.request_started()
 
     def __exit__(self, *exc_info: object) -> None:
         self._state.leave()
         if self._metrics is not None:
-            self._metrics.inflight.dec()
+            self._metrics.request_finished()

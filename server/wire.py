@@ -9,6 +9,7 @@ against the generated classes).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,9 @@ _LAYOUT_NAMES = {
 }
 _WIRE_DTYPES = {np.dtype("float32"): pb.DTYPE_FLOAT32, np.dtype("float16"): pb.DTYPE_FLOAT16}
 
-_LEN = 2  # protobuf wire type of length-delimited fields
+_LEN = 2  # protobuf wire types: length-delimited, varint, 64-bit
 _VARINT = 0
+_I64 = 1
 
 
 def _enum_name(enum: object, value: int) -> str:
@@ -118,41 +120,86 @@ def _key(field_number: int, wire_type: int) -> bytes:
     return varint(field_number << 3 | wire_type)
 
 
-def _tensor_header(array: np.ndarray) -> bytes:
-    """A Tensor message up to (and including) the length prefix of its data field."""
-    packed_shape = b"".join(varint(int(dim)) for dim in array.shape)
+def _tensor_fields(array: np.ndarray) -> bytes:
+    """A Tensor message's dtype and shape fields."""
+    packed_shape = b"".join([varint(int(dim)) for dim in array.shape])
     return b"".join([
         _key(1, _VARINT), varint(_WIRE_DTYPES[array.dtype]),
         _key(2, _LEN), varint(len(packed_shape)), packed_shape,
-        _key(3, _LEN), varint(array.nbytes),
     ])  # fmt: skip
+
+
+def _tensor_header(array: np.ndarray) -> bytes:
+    """A Tensor message up to (and including) the length prefix of its data field."""
+    return b"".join([_tensor_fields(array), _key(3, _LEN), varint(array.nbytes)])
 
 
 def response_metadata(
     output: EmbedOutput, model_name: str, model_version: str, request_id: str, server_s: float
-) -> pb.EmbedResponse:
-    """Every field of the response but the tensor's data (small; built as a message)."""
+) -> bytes:
+    """Every field of the ``EmbedResponse`` but the tensor, as wire bytes.
+
+    Written by hand like the tensor: building the two messages and serialising them cost
+    a tiny request more than the rest of its encode. Fields in number order, zeros and
+    empty strings left out but ``timings`` always present, as protobuf itself writes a
+    response whose timings were set (tests compare the bytes).
+    """
     timings = output.timings
-    return pb.EmbedResponse(
-        lengths=output.lengths or (),
-        timings=pb.Timings(
-            queue_seconds=timings.queue_s,
-            compute_seconds=timings.compute_s,
-            server_seconds=server_s,
-            batch_requests=timings.batch_requests,
-            batch_tokens=timings.batch_tokens,
-        ),
-        model_name=model_name,
-        model_version=model_version,
-        request_id=request_id,
-    )
+    parts: list[bytes] = []
+    if output.lengths:
+        packed = b"".join([varint(length) for length in output.lengths])
+        parts += [_LENGTHS_KEY, varint(len(packed)), packed]
+    timing_fields = b"".join([
+        _double_field(_QUEUE_SECONDS_KEY, timings.queue_s),
+        _double_field(_COMPUTE_SECONDS_KEY, timings.compute_s),
+        _double_field(_SERVER_SECONDS_KEY, server_s),
+        _varint_field(_BATCH_REQUESTS_KEY, timings.batch_requests),
+        _varint_field(_BATCH_TOKENS_KEY, timings.batch_tokens),
+    ])  # fmt: skip
+    parts += [
+        _TIMINGS_KEY,
+        varint(len(timing_fields)),
+        timing_fields,  # always set, even if empty
+        _string_field(_MODEL_NAME_KEY, model_name),
+        _string_field(_MODEL_VERSION_KEY, model_version),
+        _string_field(_REQUEST_ID_KEY, request_id),
+    ]
+    return b"".join(parts)
 
 
-def encode_response(array: np.ndarray, metadata: pb.EmbedResponse) -> bytes:
-    """``EmbedResponse`` wire bytes: the tensor field by hand, then the rest as a message.
+def _double_field(key: bytes, value: float) -> bytes:
+    return key + _pack_double(value) if value else b""
 
-    Protobuf parsers merge fields in any order, so appending the serialised metadata
-    message is the same as one message holding everything.
+
+def _varint_field(key: bytes, value: int) -> bytes:
+    return key + varint(value) if value else b""
+
+
+def _string_field(key: bytes, value: str) -> bytes:
+    if not value:
+        return b""
+    encoded = value.encode("utf-8")
+    return key + varint(len(encoded)) + encoded
+
+
+_pack_double = struct.Struct("<d").pack
+# EmbedResponse fields 2..6 and Timings fields 1..5 (embedding.proto).
+_LENGTHS_KEY = _key(2, _LEN)
+_TIMINGS_KEY = _key(3, _LEN)
+_MODEL_NAME_KEY = _key(4, _LEN)
+_MODEL_VERSION_KEY = _key(5, _LEN)
+_REQUEST_ID_KEY = _key(6, _LEN)
+_QUEUE_SECONDS_KEY = _key(1, _I64)
+_COMPUTE_SECONDS_KEY = _key(2, _I64)
+_SERVER_SECONDS_KEY = _key(3, _I64)
+_BATCH_REQUESTS_KEY = _key(4, _VARINT)
+_BATCH_TOKENS_KEY = _key(5, _VARINT)
+
+
+def encode_response(array: np.ndarray, metadata: bytes) -> bytes:
+    """``EmbedResponse`` wire bytes: the tensor field, then the other fields.
+
+    Protobuf parsers merge fields in any order, so the tensor may come first.
     """
     if not array.flags.c_contiguous:
         raise ValueError("this is a bug: response arrays are made contiguous upstream")
@@ -161,7 +208,7 @@ def encode_response(array: np.ndarray, metadata: pb.EmbedResponse) -> bytes:
     return b"".join([
         _key(1, _LEN), varint(tensor_length), header,
         array.data.cast("B"),
-        metadata.SerializeToString(),
+        metadata,
     ])  # fmt: skip
 
 
@@ -175,12 +222,11 @@ def encode_stream_error(code: int, message: str, reason: str) -> bytes:
     return pb.EmbedStreamResponse(error=error).SerializeToString()
 
 
-def encode_chunk_header(array: np.ndarray, metadata: pb.EmbedResponse) -> bytes:
-    header = pb.EmbedResponse()
-    header.CopyFrom(metadata)
-    header.hidden_states.dtype = _WIRE_DTYPES[array.dtype]
-    header.hidden_states.shape.extend(int(dim) for dim in array.shape)
-    return pb.EmbedChunk(header=header).SerializeToString()
+def encode_chunk_header(array: np.ndarray, metadata: bytes) -> bytes:
+    """``EmbedChunk.header``: the response with the tensor's dtype and shape, no data."""
+    tensor = _tensor_fields(array)
+    header = b"".join([_key(1, _LEN), varint(len(tensor)), tensor, metadata])
+    return b"".join([_key(1, _LEN), varint(len(header)), header])
 
 
 def encode_chunk_data(piece: memoryview) -> bytes:

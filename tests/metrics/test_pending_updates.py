@@ -1,0 +1,83 @@
+"""Metric updates are deferred on the request path (metrics.PendingUpdates); these tests
+show that nothing is lost or double-counted, that every reading of the registry sees
+them all, and that memory stays bounded when nobody scrapes."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tokembed.server.metrics import Metrics, PendingUpdates
+
+
+def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, process_collector=False)
+    metrics.rpc_done("Embed", "OK", 0.0002)
+    metrics.answered(tokens=8, output_bytes=16384, queue_s=0.0)
+    metrics.batch_done(requests=3, tokens=24, compute_s=0.00005)
+    metrics.request_started()
+    metrics.rejected("overloaded")
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float | None:
+        return registry.get_sample_value(name, labels or {})
+
+    assert value("tokembed_requests_total", {"method": "Embed", "code": "OK"}) == 1
+    assert value("tokembed_request_duration_seconds_count", {"method": "Embed"}) == 1
+    assert (
+        value("tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.00025"}) == 1
+    )
+    assert (
+        value("tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.0001"}) == 0
+    )
+    assert value("tokembed_tokens_total") == 8
+    assert value("tokembed_output_bytes_total") == 16384
+    assert value("tokembed_queue_wait_seconds_count") == 1
+    assert value("tokembed_batches_total") == 1
+    assert value("tokembed_batch_tokens_sum") == 24
+    assert value("tokembed_inflight_requests") == 1
+    assert value("tokembed_rejections_total", {"reason": "overloaded"}) == 1
+    # The text exposition a scrape gets reads through the same collection.
+    metrics.request_finished()
+    assert b"tokembed_inflight_requests 0.0" in generate_latest(registry)
+
+
+def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, process_collector=False)
+    threads_n, per_thread = 4, 5000
+    done = threading.Event()
+
+    def record() -> None:
+        for _ in range(per_thread):
+            metrics.answered(tokens=1, output_bytes=2, queue_s=0.0)
+
+    def scrape() -> None:
+        while not done.is_set():
+            registry.get_sample_value("tokembed_tokens_total")
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    recorders = [threading.Thread(target=record) for _ in range(threads_n)]
+    for thread in recorders:
+        thread.start()
+    for thread in recorders:
+        thread.join()
+    done.set()
+    scraper.join()
+    total = threads_n * per_thread
+    assert registry.get_sample_value("tokembed_tokens_total") == total
+    assert registry.get_sample_value("tokembed_output_bytes_total") == 2 * total
+    assert registry.get_sample_value("tokembed_queue_wait_seconds_count") == total
+
+
+def test_pending_updates_stay_bounded_without_a_scrape() -> None:
+    applied: list[float] = []
+    pending = PendingUpdates(apply_every=100)
+    for value in range(1050):
+        pending.add(applied.append, float(value))
+        assert len(pending._updates) < 100
+    assert applied == [float(v) for v in range(1000)]  # in order, each once
+    assert list(pending.collect()) == []
+    assert applied == [float(v) for v in range(1050)]
