@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +160,20 @@ class _ServerMeter:
             self.peak_rss = self._rss.peak
 
 
+class _SettleBetweenCells:
+    """Before a cell lighter than the last one on the same server, wait out the server's
+    heap trim, so that the cell's RSS peak is its own and not what the last one left."""
+
+    def __init__(self, wait_s: float) -> None:
+        self._wait_s = wait_s
+        self._last_inflight: dict[int, float] = {}
+
+    def before(self, pid: int, inflight_bytes: float) -> None:
+        if self._last_inflight.get(pid, 0.0) > inflight_bytes:
+            time.sleep(self._wait_s)
+        self._last_inflight[pid] = inflight_bytes
+
+
 def _requests(workload: Workload, count: int = 16) -> list[Any]:
     rng = np.random.default_rng(1234)
     return [workload.make_ids(rng, VOCAB_SIZE) for _ in range(count)]
@@ -227,6 +242,8 @@ def _measure_width(
                             max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=120)  # fmt: skip
     chunked = EmbeddingClient(service_proc.target, chunked_threshold_bytes=MiB,
                               max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=120)  # fmt: skip
+    # The server trims its heap every memory_trim_interval_s; half as long again is enough.
+    settle = _SettleBetweenCells(1.5 * Settings().memory_trim_interval_s)
     try:
         for workload in plan.workloads:
             answer_bytes = workload.output_rows() * d_model * 4
@@ -246,7 +263,7 @@ def _measure_width(
                         plan, workload, d_model, dtype, concurrency, requests,
                         floor_call=floor_call, unary=unary, chunked=chunked,
                         session=session, service_proc=service_proc, nobatch_proc=nobatch_proc,
-                        floor_pid=floor_proc.pid,
+                        floor_pid=floor_proc.pid, settle=settle,
                     )  # fmt: skip
     finally:
         unary.close()
@@ -269,6 +286,7 @@ def _measure_cell(
     service_proc: processes.Child,
     nobatch_proc: processes.Child,
     floor_pid: int,
+    settle: _SettleBetweenCells,
 ) -> Iterator[Cell]:
     itemsize = 2 if dtype == "float16" else 4
     tokens = float(np.mean([_count_tokens(r) for r in requests]))
@@ -299,6 +317,7 @@ def _measure_cell(
     def sync_unary(ids: Any) -> object:
         return unary.embed(ids, dtype)
 
+    settle.before(service_proc.pid, concurrency * answer_bytes)
     with _ServerMeter(service_proc.pid) as meter:
         run = run_threads(sync_unary, requests, **budget)
     yield cell("service-sync", run, meter)
@@ -355,6 +374,7 @@ def _measure_cell(
     async def nobatch_unary(ids: Any) -> object:
         return await no_batch[0].embed(ids, dtype)
 
+    settle.before(nobatch_proc.pid, concurrency * answer_bytes)
     with _ServerMeter(nobatch_proc.pid) as meter:
         run = run_async(
             nobatch_unary, requests, setup=open_nobatch, teardown=close_nobatch, **budget

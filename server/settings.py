@@ -85,10 +85,10 @@ class Settings:
         "answers if it is at most this big; 0 disables it",
     )
     float32_table_max_bytes: int = _setting(
-        256 * MiB,
+        512 * MiB,
         "on CPU, keep a float32 copy of the scaled table (V x D x 4 bytes) and answer "
-        "batches of at most --inline-compute-max-tokens tokens from it instead of an "
-        "onnxruntime run, if it is at most this big; 0 disables it",
+        "float32 look-ups from it instead of an onnxruntime run, if it is at most this "
+        "big; 0 disables it",
     )
     memory_trim_interval_s: float = _setting(
         1.0,
@@ -140,10 +140,9 @@ class Settings:
         return table if table <= self.float16_table_max_bytes else 0
 
     def float32_table_bytes(self, vocab_size: int, d_model: int) -> int:
-        """Bytes of the float32 row table kept on CPU for small batches (0: none)."""
+        """Bytes of the float32 row table kept on CPU for this model's shape (0: none)."""
         table = vocab_size * d_model * 4
-        kept = self.inline_compute_max_tokens > 0 and table <= self.float32_table_max_bytes
-        return table if kept else 0
+        return table if table <= self.float32_table_max_bytes else 0
 
     @property
     def max_request_bytes(self) -> int:
