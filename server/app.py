@@ -128,8 +128,9 @@ class TokembedServer:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self._loader = loader
         self.state = ServingState()
+        self.metrics.track_inflight(lambda: self.state.active_requests)
+        self._loader = loader
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port: int | None = None

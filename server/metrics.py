@@ -208,12 +208,6 @@ class Metrics:
 
     # --- the request path: deferred updates (see PendingUpdates)
 
-    def request_started(self) -> None:
-        self._pending.add(self.inflight.inc, 1)
-
-    def request_finished(self) -> None:
-        self._pending.add(self.inflight.dec, 1)
-
     def rpc_done(self, method: str, code: str, duration_s: float) -> None:
         children = self._rpc_children.get((method, code))
         if children is None:
@@ -266,6 +260,10 @@ class Metrics:
 
     def track_queue(self, queued_tokens: Callable[[], int]) -> None:
         self.queued_tokens.set_function(lambda: float(queued_tokens()))
+
+    def track_inflight(self, active_requests: Callable[[], int]) -> None:
+        # Read at scrape time: no update at all on the request path.
+        self.inflight.set_function(lambda: float(active_requests()))
 
 
 def start_metrics_server(

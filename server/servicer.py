@@ -243,7 +243,7 @@ class EmbeddingServicer:
         return payload
 
     def _inflight(self) -> InFlight:
-        return InFlight(self._state, self._metrics)
+        return InFlight(self._state)
 
     def _count(self, method: str, code: grpc.StatusCode, started: float) -> None:
         if self._metrics is not None:
