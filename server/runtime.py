@@ -35,6 +35,9 @@ class RuntimeOptions:
     # The look-up's working set: the largest batch's rows that one run computes; the CPU
     # arena keeps room for it (see ``_register_cpu_arena``). 0: onnxruntime's default arena.
     batch_output_bytes: int = 0
+    # False: no CPU arena at all, for a runtime that only computes the row tables at load
+    # (every allocation is then given back, instead of staying resident in the arena).
+    cpu_arena: bool = True
 
 
 class EmbeddingRuntime:
@@ -187,7 +190,7 @@ def _register_cpu_arena(initial_bytes: int, max_extend_bytes: int) -> None:
 
 def _run_options(options: RuntimeOptions) -> ort.RunOptions:
     run_options = ort.RunOptions()
-    if options.batch_output_bytes > 0:
+    if options.cpu_arena and options.batch_output_bytes > 0:
         # After each run, free the arena regions added beyond the first once they hold no
         # live answer: resident memory falls back after a burst instead of keeping its peak.
         run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
@@ -198,7 +201,9 @@ def _session_options(options: RuntimeOptions) -> ort.SessionOptions:
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = options.intra_op_threads
     session_options.inter_op_num_threads = options.inter_op_threads
-    if options.batch_output_bytes > 0:
+    if not options.cpu_arena:
+        session_options.enable_cpu_mem_arena = False
+    elif options.batch_output_bytes > 0:
         # Room for a batch's rows twice: the Gather's result and the scaled output.
         _register_cpu_arena(2 * options.batch_output_bytes, options.batch_output_bytes)
         session_options.add_session_config_entry("session.use_env_allocators", "1")

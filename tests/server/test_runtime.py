@@ -238,3 +238,23 @@ def test_look_ups_come_from_the_float32_table_bit_for_bit(
     # Bit for bit what the model computes.
     runtime.session = session
     assert runtime._run_session(everything).tobytes() == from_table.tobytes()
+
+
+@pytest.mark.parametrize(("float32_table_max_bytes", "arena"), [(2**29, False), (0, True)])
+def test_a_server_answering_from_the_table_runs_onnxruntime_without_an_arena(
+    small_model_dir: Path, reference: np.ndarray, float32_table_max_bytes: int, arena: bool
+) -> None:
+    # With the float32 table onnxruntime only computes the row tables at load; an arena
+    # would keep what that allocated resident for good (26-40 MB measured here).
+    from tokembed.server.app import load_model
+    from tokembed.server.settings import Settings
+
+    loaded = load_model(
+        Settings(
+            model_dir=small_model_dir, device="cpu", float32_table_max_bytes=float32_table_max_bytes
+        )
+    )
+    assert loaded.runtime.session.get_session_options().enable_cpu_mem_arena is arena
+    assert (loaded.float32_table_bytes > 0) is not arena
+    ids = np.array([0, 5, SMALL_V - 1], dtype=np.int64)
+    np.testing.assert_array_equal(loaded.runtime.run(ids), reference[ids])
