@@ -228,6 +228,9 @@ class TokembedServer:
             loaded.model, loaded.runtime.run, loaded.runtime.provider, self.settings,
             observer=self.metrics, to_float16=loaded.runtime.to_float16, pad_row=loaded.pad_row,
             float16_table=loaded.float16_table,
+            # A table gather costs the same per row in one call or many: give each answer
+            # its own rows (see Batcher), freed as soon as it is sent.
+            rows_per_request=loaded.float32_table_bytes > 0,
         )  # fmt: skip
         self.metrics.track_queue(lambda: service.batcher.queued_tokens)
         self.metrics.inflight_output_bytes.set_function(

@@ -12,6 +12,12 @@ A batch takes requests in arrival order up to ``max_batch_tokens`` (a single lar
 request goes alone). Requests whose caller went away or whose deadline passed are
 dropped before compute.
 
+With ``rows_per_request`` the batch still travels as one (one queue slot, one thread hop)
+but each request's rows are looked up on their own, so every answer owns its memory and
+is freed once it is sent instead of keeping a shared batch array alive until the last
+batch-mate is done. For a look-up that costs the same per row however it is split (a
+table gather) that loses nothing; onnxruntime's per-call cost is why it is not the default.
+
 It knows nothing of gRPC or onnxruntime: ``compute`` is any function ids -> rows.
 """
 
@@ -72,8 +78,10 @@ class Batcher:
         max_concurrent_batches: int = 1,
         inline_max_tokens: int = 0,
         observer: BatchObserver | None = None,
+        rows_per_request: bool = False,
     ) -> None:
         self._compute = compute
+        self._rows_per_request = rows_per_request
         self._executor = executor
         self._max_batch_tokens = max_batch_tokens
         self._max_delay_s = max_delay_s
@@ -128,10 +136,8 @@ class Batcher:
         """
         started = time.monotonic()
         try:
-            rows = self._compute(ids)
-            # Fix: the same check as _run_batch; a short answer must not reach the caller.
-            if rows.shape[0] != ids.size:
-                raise RuntimeError(f"compute returned {rows.shape[0]} rows for {ids.size} ids")
+            # Fix: checked as in _run_batch; a short answer must not reach the caller.
+            rows = self._checked_compute(ids)
         except Exception as exc:
             logger.exception("look-up failed for a batch of 1 request")
             raise Internal(f"the look-up failed: {exc}") from exc
@@ -221,17 +227,16 @@ class Batcher:
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         tokens = sum(int(item.ids.size) for item in batch)
-        ids = batch[0].ids if len(batch) == 1 else np.concatenate([item.ids for item in batch])
         started = time.monotonic()
         try:
             if tokens <= self._inline_max_tokens:
-                rows = self._compute(ids)  # cheaper than a thread hop; see _compute_alone_inline
+                answers = self._look_up(
+                    batch
+                )  # cheaper than a thread hop; see _compute_alone_inline
             else:
                 loop = asyncio.get_running_loop()
-                rows = await loop.run_in_executor(self._executor, self._compute, ids)
+                answers = await loop.run_in_executor(self._executor, self._look_up, batch)
             compute_s = time.monotonic() - started
-            if rows.shape[0] != tokens:
-                raise RuntimeError(f"compute returned {rows.shape[0]} rows for {tokens} ids")
         except Exception as exc:
             logger.exception("look-up failed for a batch of %d requests", len(batch))
             for item in batch:
@@ -243,24 +248,42 @@ class Batcher:
             if self._wakeup is not None:
                 self._wakeup.set()
         self._report_batch(len(batch), tokens, compute_s)
-        offset = 0
-        for item in batch:
-            size = int(item.ids.size)
+        for item, rows in zip(batch, answers, strict=True):
             if not item.future.done():
                 item.future.set_result(
                     BatchResult(
-                        rows=rows[offset : offset + size],
+                        rows=rows,
                         queue_s=started - item.enqueued_at,
                         compute_s=compute_s,
                         batch_requests=len(batch),
                         batch_tokens=tokens,
                     )
                 )
-            offset += size
+        del answers
         # Fix: the dispatcher's loop variable holds this list until it takes the next
         # batch, and each future in it holds its answer's rows: one [32,512] answer
         # (33.5 MB) stayed resident after the server went idle. Let go of them here.
         batch.clear()
+
+    def _look_up(self, batch: list[_Pending]) -> list[np.ndarray]:
+        """Each request's rows: slices of one look-up, or looked up one by one."""
+        if self._rows_per_request:
+            return [self._checked_compute(item.ids) for item in batch]
+        if len(batch) == 1:
+            return [self._checked_compute(batch[0].ids)]
+        rows = self._checked_compute(np.concatenate([item.ids for item in batch]))
+        answers, offset = [], 0
+        for item in batch:
+            size = int(item.ids.size)
+            answers.append(rows[offset : offset + size])
+            offset += size
+        return answers
+
+    def _checked_compute(self, ids: np.ndarray) -> np.ndarray:
+        rows = self._compute(ids)
+        if rows.shape[0] != ids.size:
+            raise RuntimeError(f"compute returned {rows.shape[0]} rows for {ids.size} ids")
+        return rows
 
     def _report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
         # An observer (metrics) that fails must not leave a batch's callers hanging.

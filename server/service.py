@@ -67,6 +67,7 @@ class EmbeddingService:
         to_float16: Callable[[np.ndarray], np.ndarray] | None = None,
         pad_row: np.ndarray | None = None,
         float16_table: np.ndarray | None = None,
+        rows_per_request: bool = False,
     ) -> None:
         manifest = model.manifest
         self.settings = settings
@@ -97,6 +98,7 @@ class EmbeddingService:
             max_concurrent_batches=settings.max_concurrent_batches,
             inline_max_tokens=settings.inline_compute_max_tokens,
             observer=observer,
+            rows_per_request=rows_per_request,
         )
         self.admission = Admission(
             max_queued_tokens=settings.max_queued_tokens,

@@ -136,7 +136,7 @@ class EmbeddingServicer:
                 await self._abort(context, "EmbedChunked", internal, started)
             try:
                 array = output.hidden_states
-                if output.timings.batch_requests > 1 and array.base is not None:
+                if getattr(array.base, "nbytes", 0) > array.nbytes:
                     # A view into a shared batch output would keep the whole batch alive
                     # for as long as this (possibly slow) reader takes, while admission
                     # counts only this answer: own a copy instead.

@@ -107,6 +107,7 @@ def fake_batcher(
     max_delay_s: float = 1.0,
     max_concurrent_batches: int = 1,
     inline_max_tokens: int = 0,
+    rows_per_request: bool = False,
 ) -> Iterator[tuple[Batcher, FakeCompute, Recorder]]:
     compute = FakeCompute()
     observer = Recorder()
@@ -119,6 +120,7 @@ def fake_batcher(
         max_concurrent_batches=max_concurrent_batches,
         inline_max_tokens=inline_max_tokens,
         observer=observer,
+        rows_per_request=rows_per_request,
     )
     try:
         yield batcher, compute, observer
@@ -545,3 +547,25 @@ def test_an_answered_batch_keeps_no_rows_alive_while_the_batcher_idles() -> None
             assert computed() is None, "the batcher still holds an answered batch's rows"
 
         run(closing(batcher, body()))
+
+
+def test_rows_per_request_gives_each_answer_its_own_rows_in_one_batch() -> None:
+    with fake_batcher(max_delay_s=2.0, rows_per_request=True) as (batcher, compute, observer):
+        sent = [ids(BLOCK), ids(10, 11), ids(20), ids(30, 31, 32)]
+
+        async def body() -> list[BatchResult]:
+            first = asyncio.ensure_future(batcher.submit(sent[0]))
+            await wait_event(compute.blocked)  # the runtime is busy: the rest queue up
+            rest = [asyncio.ensure_future(batcher.submit(x)) for x in sent[1:]]
+            await until(lambda: batcher.queued_requests == 3)
+            compute.gate.set()
+            return await asyncio.gather(first, *rest)
+
+        results = run(closing(batcher, body()))
+    for result, request in zip(results, sent, strict=True):
+        assert_own_rows(result, request)
+        assert result.rows.base is None or result.rows.base.nbytes == result.rows.nbytes
+    # One batch of three (one queue slot, one hop, one observation), looked up one by one.
+    assert compute.calls == [[BLOCK], [10, 11], [20], [30, 31, 32]]
+    assert observer.batches == [(1, 1), (3, 6)]
+    assert [r.batch_requests for r in results[1:]] == [3, 3, 3]
