@@ -230,9 +230,8 @@ class Batcher:
         started = time.monotonic()
         try:
             if tokens <= self._inline_max_tokens:
-                answers = self._look_up(
-                    batch
-                )  # cheaper than a thread hop; see _compute_alone_inline
+                # Cheaper than a thread hop; see _compute_alone_inline.
+                answers = self._look_up(batch)
             else:
                 loop = asyncio.get_running_loop()
                 answers = await loop.run_in_executor(self._executor, self._look_up, batch)
@@ -259,7 +258,6 @@ class Batcher:
                         batch_tokens=tokens,
                     )
                 )
-        del answers
         # Fix: the dispatcher's loop variable holds this list until it takes the next
         # batch, and each future in it holds its answer's rows: one [32,512] answer
         # (33.5 MB) stayed resident after the server went idle. Let go of them here.
