@@ -32,7 +32,7 @@ from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
 from tokembed.server.memory import release_free_memory, tune_malloc
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
-from tokembed.server.runtime import CPU, CUDA, EmbeddingRuntime, RuntimeOptions, available_providers
+from tokembed.server.runtime import CPU, EmbeddingRuntime, RuntimeOptions, expects_cpu
 from tokembed.server.service import EmbeddingService
 from tokembed.server.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
 from tokembed.server.serving_state import ServingState
@@ -74,12 +74,7 @@ def load_model(settings: Settings) -> LoadedModel:
     except ModelDirError as exc:
         raise ServerConfigError(f"invalid model directory: {exc}") from exc
     shape = (model.manifest.vocab_size, model.manifest.d_model)
-    # On CPU with the float32 table, onnxruntime only computes the row tables at load: no
-    # arena then, so that what it allocates is given back (16-32 MB stayed resident).
-    table_answers = settings.float32_table_bytes(*shape) > 0 and (
-        settings.device == "cpu"
-        or (settings.device == "auto" and CUDA not in available_providers())
-    )
+    float32_table_fits = settings.float32_table_bytes(*shape) > 0
     try:
         runtime = EmbeddingRuntime(
             model,
@@ -88,11 +83,14 @@ def load_model(settings: Settings) -> LoadedModel:
                 intra_op_threads=settings.intra_op_threads,
                 inter_op_threads=settings.inter_op_threads,
                 batch_output_bytes=settings.max_batch_tokens * model.manifest.d_model * 4,
-                cpu_arena=not table_answers,
+                # On CPU with the float32 table, onnxruntime only computes the row tables
+                # at load: no arena then, so what it allocates is given back (16-32 MB
+                # stayed resident).
+                cpu_arena=not (float32_table_fits and expects_cpu(settings.device)),
             ),
         )
         started = time.perf_counter()
-        if runtime.provider == CPU and settings.float32_table_bytes(*shape):
+        if runtime.provider == CPU and float32_table_fits:
             # The table's chunked runs warm the session; a full-batch warm-up would make
             # an arena region resident (2 batches) that no look-up uses afterwards.
             runtime.keep_float32_table()

@@ -143,6 +143,13 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
+def expects_cpu(device: str) -> bool:
+    """Whether a session for ``device`` will run on the CPU provider, as far as can be
+    known before creating it (``_create_session`` falls back to CPU for "auto" when CUDA
+    is not offered; a CUDA start that fails later also falls back, unforeseen here)."""
+    return device == "cpu" or (device == "auto" and CUDA not in available_providers())
+
+
 _arena_lock = threading.Lock()
 _arena_initial_bytes: int | None = None
 
