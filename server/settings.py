@@ -101,6 +101,12 @@ class Settings:
         "instead of fresh zero-filled pages: large unary answers get ~30% faster, but resident "
         "memory grows to several times the in-flight answers (0: glibc's default)",
     )
+    malloc_huge_pages: bool = _setting(
+        True,
+        "glibc only: restart once at start with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so "
+        "large blocks (encoded answers, gRPC's copies) fault in 2 MiB pages, not 4 KiB: "
+        "large unary answers cost ~40% less server CPU (no-op if GLIBC_TUNABLES sets it)",
+    )
     # --- lifecycle and logs
     max_connection_age_s: float = _setting(
         0.0,
@@ -219,7 +225,7 @@ class Settings:
                 type=kind,
                 default=None,
                 choices=spec.metadata.get("choices"),
-                metavar=spec.name.upper() if kind is not bool else None,
+                metavar=spec.name.upper() if kind is not parse_bool else "{on,off}",
                 # argparse formats help with %: a literal percent sign must be doubled.
                 help=f"{spec.metadata['help']} [env {env}; default {spec.default}]".replace(
                     "%", "%%"
@@ -252,7 +258,23 @@ class Settings:
         return {spec.name: getattr(self, spec.name) for spec in fields(self)}
 
 
-def _value_type(annotation: object) -> type:
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(raw: str) -> bool:
+    """A yes/no setting, from a flag or a variable (argparse's ``type=bool`` would take
+    "false" as True)."""
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    # ArgumentTypeError: argparse then prints this message, not "invalid parse_bool value".
+    raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _value_type(annotation: object) -> Any:
     text = str(annotation)
     if "Path" in text:
         return Path
@@ -261,16 +283,17 @@ def _value_type(annotation: object) -> type:
     if text.startswith("float"):
         return float
     if text.startswith("bool"):
-        return bool
+        return parse_bool
     return str
 
 
-def _parse_env(name: str, raw: str, kind: type, choices: Sequence[str] | None) -> Any:
+def _parse_env(name: str, raw: str, kind: Any, choices: Sequence[str] | None) -> Any:
     env = ENV_PREFIX + name.upper()
     try:
         value = kind(raw)
-    except ValueError:
-        raise ServerConfigError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+    except (ValueError, argparse.ArgumentTypeError):
+        kind_name = "yes/no value" if kind is parse_bool else kind.__name__
+        raise ServerConfigError(f"{env}={raw!r} is not a valid {kind_name}") from None
     if choices is not None and value not in choices:
         raise ServerConfigError(f"{env}={raw!r} is not one of {list(choices)}")
     return value

@@ -43,6 +43,9 @@ def test_defaults_without_flags_or_environment() -> None:
         ("host", "0.0.0.0", "0.0.0.0"),
         ("log_format", "json", "json"),
         ("auth_token_file", "tok.txt", Path("tok.txt")),
+        ("malloc_huge_pages", "off", False),
+        ("malloc_huge_pages", "No", False),
+        ("malloc_huge_pages", "1", True),
     ],
 )
 def test_environment_overrides_the_default(name: str, raw: str, value: Any) -> None:
@@ -82,6 +85,7 @@ def test_from_cli_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ("TOKEMBED_MAX_DELAY_MS", "soon", "is not a valid float"),
         ("TOKEMBED_DEVICE", "tpu", "is not one of ['cpu', 'cuda', 'auto']"),
         ("TOKEMBED_LOG_LEVEL", "INFO", "is not one of"),
+        ("TOKEMBED_MALLOC_HUGE_PAGES", "maybe", "is not a valid yes/no value"),
     ],
 )
 def test_bad_environment_value_names_the_variable(variable: str, raw: str, fragment: str) -> None:
@@ -101,6 +105,19 @@ def test_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
         parse(["--device", "tpu"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("raw", "value"), [("on", True), ("false", False), ("0", False)])
+def test_yes_no_flags_take_words_not_python_truthiness(raw: str, value: bool) -> None:
+    # argparse's type=bool would read "false" and "0" as True (non-empty strings).
+    assert parse(["--malloc-huge-pages", raw]).malloc_huge_pages is value
+
+
+def test_bad_yes_no_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--malloc-huge-pages", "maybe"])
+    assert exit_info.value.code == 2
+    assert "'maybe' is not one of 1, true, yes, on, 0, false, no, off" in capsys.readouterr().err
 
 
 POSITIVE = [
