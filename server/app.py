@@ -57,8 +57,13 @@ class LoadedModel:
     pad_row: np.ndarray
     # float16 answers come from this [V, D] table when present (see settings).
     float16_table: np.ndarray | None = None
-    # Bytes of the float32 table the runtime answers look-ups from (0: none).
-    float32_table_bytes: int = 0
+    # The float32 table the runtime answers look-ups from (None: onnxruntime answers);
+    # large answers are gathered from it by the service itself (see EmbeddingService).
+    float32_table: np.ndarray | None = None
+
+    @property
+    def float32_table_bytes(self) -> int:
+        return 0 if self.float32_table is None else int(self.float32_table.nbytes)
 
 
 ModelLoader = Callable[[Settings], LoadedModel]
@@ -118,7 +123,7 @@ def load_model(settings: Settings) -> LoadedModel:
         float16_table = runtime.float16_table()
     return LoadedModel(
         model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row,
-        float16_table=float16_table, float32_table_bytes=runtime.float32_table_bytes,
+        float16_table=float16_table, float32_table=runtime.float32_table,
     )  # fmt: skip
 
 
@@ -225,7 +230,7 @@ class TokembedServer:
         service = EmbeddingService(
             loaded.model, loaded.runtime.run, loaded.runtime.provider, self.settings,
             observer=self.metrics, to_float16=loaded.runtime.to_float16, pad_row=loaded.pad_row,
-            float16_table=loaded.float16_table,
+            float16_table=loaded.float16_table, float32_table=loaded.float32_table,
             # A table gather costs the same per row in one call or many: give each answer
             # its own rows (see Batcher), freed as soon as it is sent.
             rows_per_request=loaded.float32_table_bytes > 0,

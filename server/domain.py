@@ -6,6 +6,7 @@ bytes; everything between works on these and never sees gRPC.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,3 +64,11 @@ class EmbedOutput:
     hidden_states: np.ndarray  # [B,S,D] or [N,D], C-contiguous, float32 or float16
     lengths: tuple[int, ...] | None
     timings: Timings
+
+
+# Where the caller would like an answer written, when it can take one in place (the
+# servicer: straight into the response's bytes): given the answer's shape, dtype,
+# lengths and timings (compute_s is not known yet and given as 0.0), an empty array
+# to fill. The service uses it only where it writes every row itself (see
+# EmbeddingService.embed).
+AnswerInto = Callable[[tuple[int, ...], np.dtype, "tuple[int, ...] | None", Timings], np.ndarray]

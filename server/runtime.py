@@ -90,6 +90,11 @@ class EmbeddingRuntime:
         self._float32_table = self._every_row(np.float32, lambda rows: rows, chunk_bytes)
 
     @property
+    def float32_table(self) -> np.ndarray | None:
+        """The ``[V, D]`` table look-ups are answered from, if kept (read it, never write)."""
+        return self._float32_table
+
+    @property
     def float32_table_bytes(self) -> int:
         return 0 if self._float32_table is None else int(self._float32_table.nbytes)
 

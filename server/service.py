@@ -19,7 +19,7 @@ import numpy as np
 from tokembed.export.model_dir import ModelDir
 from tokembed.server.admission import Admission, Ticket
 from tokembed.server.batcher import Batcher, BatchObserver, BatchResult, Compute
-from tokembed.server.domain import FLAT, EmbedInput, EmbedJob, EmbedOutput, Timings
+from tokembed.server.domain import FLAT, AnswerInto, EmbedInput, EmbedJob, EmbedOutput, Timings
 from tokembed.server.errors import Unavailable
 from tokembed.server.settings import Settings
 from tokembed.server.validation import Limits, validate
@@ -67,6 +67,7 @@ class EmbeddingService:
         to_float16: Callable[[np.ndarray], np.ndarray] | None = None,
         pad_row: np.ndarray | None = None,
         float16_table: np.ndarray | None = None,
+        float32_table: np.ndarray | None = None,
         rows_per_request: bool = False,
     ) -> None:
         manifest = model.manifest
@@ -111,22 +112,40 @@ class EmbeddingService:
         )
         # E * scale for every id, rounded to float16 once at load (see LoadedModel).
         self._float16_table = float16_table
+        # The same in float32, when the runtime answers from one (it is the runtime's).
+        self._float32_table = float32_table
         self.draining = False
 
     async def embed(
-        self, request: EmbedInput, deadline: float | None
+        self, request: EmbedInput, deadline: float | None, answer_into: AnswerInto | None = None
     ) -> tuple[EmbedOutput, Ticket]:
-        """Serve one request. The caller releases the ticket once the answer is sent."""
+        """Serve one request. The caller releases the ticket once the answer is sent.
+
+        ``answer_into``: where the caller would like the answer written, if it can take
+        it in place; used for large answers gathered from a row table.
+        """
         if self.draining:
             raise Unavailable("the server is draining; retry on another replica")
         job = validate(request, self.info.limits)
         ticket = self.admission.admit(job.tokens, job.output_bytes)
         try:
-            if self._float16_table is not None and job.output_dtype == np.float16:
-                result = await self.offloader.run(job.output_bytes, self._float16_rows, job)
+            table = None if answer_into is None else self._in_place_table(job)
+            if table is not None:
+                assert answer_into is not None
+                shape = _answer_shape(job, table.shape[1])
+                known = Timings(
+                    queue_s=0.0, compute_s=0.0, batch_requests=1, batch_tokens=job.tokens
+                )
+                hidden = answer_into(shape, job.output_dtype, job.lengths, known)
+                result = await self.offloader.run(
+                    job.output_bytes, _gather_into, table, job.ids, hidden
+                )
             else:
-                result = await self.batcher.submit(job.ids, deadline)
-            hidden = await self.offloader.run(job.output_bytes, self._shape_answer, job, result)
+                if self._float16_table is not None and job.output_dtype == np.float16:
+                    result = await self.offloader.run(job.output_bytes, self._float16_rows, job)
+                else:
+                    result = await self.batcher.submit(job.ids, deadline)
+                hidden = await self.offloader.run(job.output_bytes, self._shape_answer, job, result)
         except BaseException:
             ticket.release()
             raise
@@ -137,6 +156,15 @@ class EmbeddingService:
             batch_tokens=result.batch_tokens,
         )
         return EmbedOutput(hidden_states=hidden, lengths=job.lengths, timings=timings), ticket
+
+    def _in_place_table(self, job: EmbedJob) -> np.ndarray | None:
+        """The row table to gather a job's answer from straight into the caller's array:
+        large answers only (below, the copy costs less than the thread hop that is
+        saved), whose rows are the ids' rows in order (not padded ragged). Like float16
+        answers, no batch: a gather from memory gains nothing from company."""
+        if job.output_bytes < OFFLOAD_MIN_BYTES or (job.ragged and job.layout != FLAT):
+            return None
+        return self._float16_table if job.output_dtype == np.float16 else self._float32_table
 
     def _float16_rows(self, job: EmbedJob) -> BatchResult:
         """float16 answers come straight from the float16 table: half the bytes to gather
@@ -176,3 +204,26 @@ class EmbeddingService:
         await self.batcher.close()
         if self._own_executor:
             self._compute_executor.shutdown(wait=False)
+
+
+def _answer_shape(job: EmbedJob, d_model: int) -> tuple[int, ...]:
+    if job.ragged:  # flat layout (padded ragged answers are not gathered in place)
+        return (job.tokens, d_model)
+    return (job.batch, job.seq_len, d_model)
+
+
+def _gather_into(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> BatchResult:
+    """``out[i] = table[ids[i]]``, rows copied as opaque bytes.
+
+    Why bytes: ``out`` may sit at any offset (in the response bytes, the rows follow the
+    protobuf header), and numpy copies into an unaligned float32 output through an
+    aligned temporary: 19 ms instead of 6 ms for 33.5 MB here. Rows of raw bytes need
+    no alignment.
+    """
+    started = time.monotonic()
+    row = np.dtype((np.void, table.shape[1] * table.itemsize))
+    rows = out.reshape(ids.size, table.shape[1]).view(row).reshape(ids.size)  # views
+    # mode="clip": the ids are validated already, so it clips nothing, and unlike the
+    # default "raise" it writes straight into ``rows`` (no buffered second copy).
+    table.view(row).reshape(table.shape[0]).take(ids, out=rows, mode="clip")
+    return BatchResult(out, 0.0, time.monotonic() - started, 1, int(ids.size))

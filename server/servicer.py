@@ -8,17 +8,19 @@ returns a message.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from tokembed.server import wire
 from tokembed.server.admission import Ticket
-from tokembed.server.domain import EmbedOutput
+from tokembed.server.domain import EmbedOutput, Timings
 from tokembed.server.errors import EmbedError, Internal, InvalidInput
 from tokembed.server.metrics import Metrics
 from tokembed.server.service import EmbeddingService
@@ -54,10 +56,15 @@ class EmbeddingServicer:
         with self._inflight():
             try:
                 service = self._state.ready_service()
-                output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
+                in_place = _InPlaceAnswer(service, request.request_id)
+                output, ticket = await service.embed(
+                    wire.to_domain(request), _deadline(context), answer_into=in_place
+                )
                 # The output bytes stay reserved until gRPC has sent them.
                 context.add_done_callback(lambda _: ticket.release())
-                payload = await self._encode(service, output, request.request_id, started)
+                payload = await self._encode(
+                    service, output, request.request_id, started, in_place.response
+                )
             except EmbedError as error:
                 await self._abort(context, "Embed", error, started)
             except asyncio.CancelledError:
@@ -232,12 +239,21 @@ class EmbeddingServicer:
         )
 
     async def _encode(
-        self, service: EmbeddingService, output: EmbedOutput, request_id: str, started: float
+        self,
+        service: EmbeddingService,
+        output: EmbedOutput,
+        request_id: str,
+        started: float,
+        in_place: wire.InPlaceResponse | None = None,
     ) -> bytes:
         metadata = self._metadata(service, output, request_id, started)
         encode_started = time.perf_counter()
-        array = output.hidden_states
-        payload = await service.offloader.run(array.nbytes, wire.encode_response, array, metadata)
+        payload = None if in_place is None else in_place.finish(metadata)
+        if payload is None:
+            array = output.hidden_states
+            payload = await service.offloader.run(
+                array.nbytes, wire.encode_response, array, metadata
+            )
         if self._metrics is not None:
             self._metrics.encoded(time.perf_counter() - encode_started)
         return payload
@@ -297,6 +313,36 @@ class EmbeddingServicer:
         self._rejected(method, error.reason, code, started, str(error))
         await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
         raise AssertionError("this is a bug: context.abort returned")
+
+
+class _InPlaceAnswer:
+    """Lets the service write a unary answer's rows straight into its response bytes
+    (``wire.InPlaceResponse``); ``response`` is set once it did."""
+
+    # Stand-ins for the durations measured later: any non-zero double encodes to the
+    # same 9 bytes (a zero one is left out; then ``finish`` declines and we copy).
+    _LATER = 1.0
+
+    def __init__(self, service: EmbeddingService, request_id: str) -> None:
+        self._manifest = service.info.model.manifest
+        self._request_id = request_id
+        self.response: wire.InPlaceResponse | None = None
+
+    def __call__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        lengths: tuple[int, ...] | None,
+        timings: Timings,
+    ) -> np.ndarray:
+        stand_in = EmbedOutput(
+            np.empty((0,), dtype), lengths, dataclasses.replace(timings, compute_s=self._LATER)
+        )
+        metadata = wire.response_metadata(
+            stand_in, self._manifest.name, self._manifest.version, self._request_id, self._LATER
+        )
+        self.response = wire.InPlaceResponse(shape, dtype, len(metadata))
+        return self.response.rows
 
 
 def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:

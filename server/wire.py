@@ -9,12 +9,14 @@ against the generated classes).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from tokembed.server import inplace_bytes
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedOutput
 from tokembed.server.errors import InvalidInput
 from tokembed.v1 import embedding_pb2 as pb
@@ -120,18 +122,20 @@ def _key(field_number: int, wire_type: int) -> bytes:
     return varint(field_number << 3 | wire_type)
 
 
-def _tensor_fields(array: np.ndarray) -> bytes:
+def _tensor_fields(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     """A Tensor message's dtype and shape fields."""
-    packed_shape = b"".join([varint(int(dim)) for dim in array.shape])
+    packed_shape = b"".join([varint(int(dim)) for dim in shape])
     return b"".join([
-        _key(1, _VARINT), varint(_WIRE_DTYPES[array.dtype]),
+        _key(1, _VARINT), varint(_WIRE_DTYPES[dtype]),
         _key(2, _LEN), varint(len(packed_shape)), packed_shape,
     ])  # fmt: skip
 
 
-def _tensor_header(array: np.ndarray) -> bytes:
-    """A Tensor message up to (and including) the length prefix of its data field."""
-    return b"".join([_tensor_fields(array), _key(3, _LEN), varint(array.nbytes)])
+def _response_prefix(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> bytes:
+    """An EmbedResponse up to its tensor's data: the tensor field's key and length, the
+    Tensor's dtype and shape, and its data field's key and length."""
+    tensor_header = b"".join([_tensor_fields(shape, dtype), _key(3, _LEN), varint(nbytes)])
+    return b"".join([_key(1, _LEN), varint(len(tensor_header) + nbytes), tensor_header])
 
 
 def response_metadata(
@@ -203,13 +207,39 @@ def encode_response(array: np.ndarray, metadata: bytes) -> bytes:
     """
     if not array.flags.c_contiguous:
         raise ValueError("this is a bug: response arrays are made contiguous upstream")
-    header = _tensor_header(array)
-    tensor_length = len(header) + array.nbytes
-    return b"".join([
-        _key(1, _LEN), varint(tensor_length), header,
-        array.data.cast("B"),
-        metadata,
-    ])  # fmt: skip
+    prefix = _response_prefix(array.shape, array.dtype, array.nbytes)
+    return b"".join([prefix, array.data.cast("B"), metadata])
+
+
+class InPlaceResponse:
+    """``EmbedResponse`` bytes allocated before the answer exists, so that the look-up
+    writes its rows straight into them (see ``inplace_bytes``): the same bytes
+    ``encode_response`` would build, without the copy.
+
+    The metadata goes last and must be exactly ``metadata_size`` bytes, told up front
+    (it holds timings measured after the look-up: the caller sizes it with stand-in
+    values of the same encoded width). ``finish`` returns None when the real metadata
+    has another size, and the caller encodes by copying instead.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, metadata_size: int) -> None:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        prefix = _response_prefix(shape, dtype, nbytes)
+        self._data, self._chars = inplace_bytes.allocate(len(prefix) + nbytes + metadata_size)
+        self._chars[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        self._metadata_at = len(prefix) + nbytes
+        self.rows = self._chars[len(prefix) : self._metadata_at].view(dtype).reshape(shape)
+
+    def finish(self, metadata: bytes) -> bytes | None:
+        """The response bytes, or None if ``metadata`` is not of the size reserved."""
+        if len(metadata) != len(self._data) - self._metadata_at:
+            return None
+        self._chars[self._metadata_at :] = np.frombuffer(metadata, dtype=np.uint8)
+        # The bytes are about to be shared: nothing may write into them any more.
+        self.rows.flags.writeable = False
+        self._chars.flags.writeable = False
+        return self._data
 
 
 def encode_stream_answer(response_bytes: bytes) -> bytes:
@@ -224,7 +254,7 @@ def encode_stream_error(code: int, message: str, reason: str) -> bytes:
 
 def encode_chunk_header(array: np.ndarray, metadata: bytes) -> bytes:
     """``EmbedChunk.header``: the response with the tensor's dtype and shape, no data."""
-    tensor = _tensor_fields(array)
+    tensor = _tensor_fields(array.shape, array.dtype)
     header = b"".join([_key(1, _LEN), varint(len(tensor)), tensor, metadata])
     return b"".join([_key(1, _LEN), varint(len(header)), header])
 

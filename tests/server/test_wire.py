@@ -281,3 +281,55 @@ def test_unknown_enum_values_are_named_in_the_validation_error(
     with pytest.raises(InvalidInput) as error:
         validate(wire.to_domain(pb.EmbedRequest(**fields)), limits)  # type: ignore[arg-type]
     assert fragment in str(error.value)
+
+
+# --- InPlaceResponse: the same bytes as encode_response, the rows written in place
+
+
+def _in_place(array: np.ndarray, lengths: tuple[int, ...] | None, metadata: bytes) -> bytes | None:
+    response = wire.InPlaceResponse(array.shape, array.dtype, len(metadata))
+    response.rows[...] = array  # what the look-up does: fill every row
+    return response.finish(metadata)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_in_place_response_is_byte_for_byte_the_encoded_one(
+    shape: tuple[int, ...], dtype: str
+) -> None:
+    array = make_array(shape, dtype)
+    lengths = (2, 3) if len(shape) == 2 else None
+    metadata = wire.response_metadata(make_output(array, lengths), "small", "1.2.3", "req-7", 0.25)
+    payload = _in_place(array, lengths, metadata)
+    assert type(payload) is bytes
+    assert payload == wire.encode_response(array, metadata)
+    assert_same_response(
+        pb.EmbedResponse.FromString(payload), expected_response(array, lengths, 0.25)
+    )
+
+
+def test_in_place_response_declines_metadata_of_another_size() -> None:
+    # Sized for non-zero timings; a zero duration is left out of the message, so the
+    # real metadata is shorter: finish says so, and the caller copies instead.
+    array = make_array((2, 3, 8), "float32")
+    sized = wire.response_metadata(make_output(array, None), "m", "1", "", 0.25)
+    zero_server_s = wire.response_metadata(make_output(array, None), "m", "1", "", 0.0)
+    response = wire.InPlaceResponse(array.shape, array.dtype, len(sized))
+    response.rows[...] = array
+    assert response.finish(zero_server_s) is None
+    assert response.rows.flags.writeable  # not handed out: the rows may still be read/copied
+    assert wire.encode_response(response.rows, zero_server_s) == wire.encode_response(
+        array, zero_server_s
+    )
+
+
+def test_finished_in_place_bytes_can_no_longer_be_written() -> None:
+    array = make_array((1, 4, 8), "float32")
+    metadata = wire.response_metadata(make_output(array, None), "m", "1", "", 0.25)
+    response = wire.InPlaceResponse(array.shape, array.dtype, len(metadata))
+    response.rows[...] = array
+    payload = response.finish(metadata)
+    assert payload is not None
+    with pytest.raises(ValueError, match="read-only"):
+        response.rows[0, 0, 0] = 1.0
+    assert pb.EmbedResponse.FromString(payload).hidden_states.data == array.tobytes()

@@ -1,0 +1,71 @@
+"""Large unary answers whose rows are written straight into the response bytes
+(server/inplace_bytes.py): exact, standard protobuf, and the server goes on serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tokembed.client import EmbeddingClient
+from tokembed.server.service import OFFLOAD_MIN_BYTES
+from tokembed.v1 import embedding_pb2 as pb
+from tokembed.v1 import embedding_pb2_grpc
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import reference_rows
+
+TOKENS = OFFLOAD_MIN_BYTES // (SMALL_D * 2) + 256  # in place for both dtypes
+WIRE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
+
+
+@pytest.fixture(scope="module")
+def expected() -> np.ndarray:
+    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_large_answers_parse_with_plain_protobuf_and_are_exact(
+    small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str
+) -> None:
+    server = start_server(small_model_dir)
+    ids = np.random.default_rng(7).integers(0, SMALL_V, (4, TOKENS // 4), dtype=np.int64)
+    request = pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(ids.shape), data=ids.tobytes()),
+        output_dtype=WIRE[dtype],  # type: ignore[arg-type]
+        request_id="in-place-1",
+    )
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        # Twice: the second answer must not see anything of the first.
+        for _ in range(2):
+            reply = stub.Embed(request, timeout=30)
+            assert list(reply.hidden_states.shape) == [*ids.shape, SMALL_D]
+            assert reply.hidden_states.dtype == WIRE[dtype]
+            got = np.frombuffer(reply.hidden_states.data, dtype=dtype).reshape(*ids.shape, SMALL_D)
+            np.testing.assert_array_equal(got, expected[ids].astype(dtype))
+            assert reply.request_id == "in-place-1"
+            assert reply.timings.compute_seconds > 0 and reply.timings.server_seconds > 0
+            assert (reply.timings.batch_requests, reply.timings.batch_tokens) == (1, ids.size)
+
+
+def test_large_answers_through_the_client_flat_ragged_and_padded(
+    small_model_dir: Path, start_server: Any, expected: np.ndarray
+) -> None:
+    server = start_server(small_model_dir)
+    rng = np.random.default_rng(8)
+    rows = [rng.integers(0, SMALL_V, n) for n in (TOKENS - 40, 40)]
+    with EmbeddingClient(server.target, chunked_threshold_bytes=None) as client:
+        flat = client.embed(rows, layout="flat")  # in place: the rows in order
+        np.testing.assert_array_equal(flat, expected[np.concatenate(rows)])
+        padded = client.embed(rows)  # not in place: padded
+        np.testing.assert_array_equal(padded[1, :40], expected[rows[1]])
+        np.testing.assert_array_equal(
+            padded[1, 40:], np.repeat(expected[[SMALL_PAD]], TOKENS - 80, 0)
+        )
+        # And small answers, between and after, still exact.
+        np.testing.assert_array_equal(client.embed([[1, 2, 3]]), expected[[[1, 2, 3]]])

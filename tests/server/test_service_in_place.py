@@ -1,0 +1,137 @@
+"""The service writes large table answers where the caller asks (``answer_into``), and
+only where it writes every row itself; the answers are the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.domain import FLAT, PADDED, EmbedInput, Timings
+from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService
+from tokembed.server.settings import Settings
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import reference_rows
+
+LARGE_TOKENS = OFFLOAD_MIN_BYTES // (SMALL_D * 2) + 64  # over the in-place size, even as float16
+
+
+@pytest.fixture(scope="module")
+def loaded(small_model_dir: Path) -> LoadedModel:
+    return load_model(Settings(model_dir=small_model_dir))
+
+
+@pytest.fixture(scope="module")
+def expected() -> np.ndarray:
+    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+class Recorder:
+    """An ``answer_into`` that hands out its own arrays and remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], np.dtype, Any, Timings]] = []
+        self.arrays: list[np.ndarray] = []
+
+    def __call__(
+        self, shape: tuple[int, ...], dtype: np.dtype, lengths: Any, timings: Timings
+    ) -> np.ndarray:
+        self.calls.append((shape, dtype, lengths, timings))
+        self.arrays.append(np.full(shape, np.nan, dtype=dtype))  # no row may stay unwritten
+        return self.arrays[-1]
+
+
+def embed(
+    loaded: LoadedModel, request: EmbedInput, answer_into: Recorder | None, **tables: Any
+) -> Any:
+    settings = Settings(model_dir=loaded.model.path)
+    kept = {
+        "float16_table": loaded.float16_table,
+        "float32_table": loaded.float32_table,
+        **tables,
+    }
+    service = EmbeddingService(
+        loaded.model, loaded.runtime.run, loaded.runtime.provider, settings,
+        pad_row=loaded.pad_row, rows_per_request=True, **kept,
+    )  # fmt: skip
+
+    async def go() -> Any:
+        try:
+            output, ticket = await service.embed(request, None, answer_into=answer_into)
+            ticket.release()
+            return output
+        finally:
+            await service.close()
+
+    return asyncio.run(go())
+
+
+def ids_input(ids: np.ndarray, dtype: str, **extra: Any) -> EmbedInput:
+    return EmbedInput(
+        ids_dtype="int64", shape=tuple(ids.shape), data=ids.astype("<i8").tobytes(),
+        output_dtype=dtype, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_large_rectangular_answer_is_written_where_the_caller_asked(
+    loaded: LoadedModel, expected: np.ndarray, dtype: str
+) -> None:
+    ids = np.random.default_rng(1).integers(0, SMALL_V, (2, LARGE_TOKENS // 2 + 1))
+    recorder = Recorder()
+    output = embed(loaded, ids_input(ids, dtype), recorder)
+    [(shape, out_dtype, lengths, timings)] = recorder.calls
+    assert (shape, out_dtype, lengths) == ((*ids.shape, SMALL_D), np.dtype(dtype), None)
+    assert timings == Timings(0.0, 0.0, 1, ids.size)  # compute_s is measured afterwards
+    assert output.hidden_states is recorder.arrays[0]
+    np.testing.assert_array_equal(output.hidden_states, expected[ids].astype(dtype))
+    assert output.timings.compute_s > 0
+    assert (output.timings.batch_requests, output.timings.batch_tokens) == (1, ids.size)
+
+
+def test_a_large_flat_ragged_answer_is_written_in_place_too(
+    loaded: LoadedModel, expected: np.ndarray
+) -> None:
+    lengths = (LARGE_TOKENS - 5, 5)
+    ids = np.random.default_rng(2).integers(0, SMALL_V, sum(lengths))
+    recorder = Recorder()
+    output = embed(loaded, ids_input(ids, "float32", lengths=lengths, layout=FLAT), recorder)
+    assert [call[:3] for call in recorder.calls] == [((ids.size, SMALL_D), np.float32, lengths)]
+    np.testing.assert_array_equal(output.hidden_states, expected[ids])
+    assert output.lengths == lengths
+
+
+@pytest.mark.parametrize(
+    ("why", "tokens", "layout", "tables"),
+    [
+        ("small answers are cheaper to copy", 64, PADDED, {}),
+        ("padded ragged answers are not the rows in order", LARGE_TOKENS, "ragged", {}),
+        ("no table: onnxruntime computes", LARGE_TOKENS, PADDED, {"float32_table": None}),
+    ],
+)
+def test_other_answers_are_not_written_in_place_and_are_still_exact(
+    loaded: LoadedModel, expected: np.ndarray, why: str, tokens: int, layout: str, tables: Any
+) -> None:
+    rng = np.random.default_rng(3)
+    if layout == "ragged":
+        lengths = (tokens - 7, 7)
+        ids = rng.integers(0, SMALL_V, tokens)
+        request = ids_input(ids, "float32", lengths=lengths, layout=PADDED)
+        want = np.stack([
+            expected[ids[: lengths[0]]],
+            np.concatenate([expected[ids[lengths[0] :]], np.repeat(expected[[SMALL_PAD]],
+                                                                   lengths[0] - 7, axis=0)]),
+        ])  # fmt: skip
+    else:
+        ids = rng.integers(0, SMALL_V, (1, tokens))
+        request = ids_input(ids, "float32")
+        want = expected[ids]
+    recorder = Recorder()
+    output = embed(loaded, request, recorder, **tables)
+    assert recorder.calls == [], why
+    np.testing.assert_array_equal(output.hidden_states, want)
