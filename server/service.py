@@ -114,6 +114,7 @@ class EmbeddingService:
         self._float16_table = float16_table
         # The same in float32, when the runtime answers from one (it is the runtime's).
         self._float32_table = float32_table
+        self._observer = observer
         self.draining = False
 
     async def embed(
@@ -138,8 +139,12 @@ class EmbeddingService:
                 )
                 hidden = answer_into(shape, job.output_dtype, job.lengths, known)
                 result = await self.offloader.run(
-                    job.output_bytes, _gather_into, table, job.ids, hidden
+                    job.output_bytes, _gather_into, table, job, hidden, self._pad_row
                 )
+                if table is self._float32_table and self._observer is not None:
+                    # float32 look-ups all count as batches (this one of one); float16
+                    # answers from their table never do (docs/metrics.md).
+                    self._observer.batch_done(1, job.tokens, result.compute_s)
             else:
                 if self._float16_table is not None and job.output_dtype == np.float16:
                     result = await self.offloader.run(job.output_bytes, self._float16_rows, job)
@@ -160,9 +165,9 @@ class EmbeddingService:
     def _in_place_table(self, job: EmbedJob) -> np.ndarray | None:
         """The row table to gather a job's answer from straight into the caller's array:
         large answers only (below, the copy costs less than the thread hop that is
-        saved), whose rows are the ids' rows in order (not padded ragged). Like float16
-        answers, no batch: a gather from memory gains nothing from company."""
-        if job.output_bytes < OFFLOAD_MIN_BYTES or (job.ragged and job.layout != FLAT):
+        saved). Like float16 answers, no batch: a gather from memory gains nothing from
+        company."""
+        if job.output_bytes < OFFLOAD_MIN_BYTES:
             return None
         return self._float16_table if job.output_dtype == np.float16 else self._float32_table
 
@@ -207,13 +212,17 @@ class EmbeddingService:
 
 
 def _answer_shape(job: EmbedJob, d_model: int) -> tuple[int, ...]:
-    if job.ragged:  # flat layout (padded ragged answers are not gathered in place)
+    if job.ragged and job.layout == FLAT:
         return (job.tokens, d_model)
     return (job.batch, job.seq_len, d_model)
 
 
-def _gather_into(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> BatchResult:
-    """``out[i] = table[ids[i]]``, rows copied as opaque bytes.
+def _gather_into(
+    table: np.ndarray, job: EmbedJob, out: np.ndarray, pad_row: np.ndarray
+) -> BatchResult:
+    """The answer's rows from ``table``, written into ``out``: ``out[i] = table[ids[i]]``,
+    or for padded ragged answers each sequence's rows then pad rows. The rows are copied
+    as opaque bytes.
 
     Why bytes: ``out`` may sit at any offset (in the response bytes, the rows follow the
     protobuf header), and numpy copies into an unaligned float32 output through an
@@ -221,9 +230,20 @@ def _gather_into(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> BatchRe
     no alignment.
     """
     started = time.monotonic()
-    row = np.dtype((np.void, table.shape[1] * table.itemsize))
-    rows = out.reshape(ids.size, table.shape[1]).view(row).reshape(ids.size)  # views
+    d_model = table.shape[1]
+    row = np.dtype((np.void, d_model * table.itemsize))
+    source = table.view(row).reshape(table.shape[0])
     # mode="clip": the ids are validated already, so it clips nothing, and unlike the
-    # default "raise" it writes straight into ``rows`` (no buffered second copy).
-    table.view(row).reshape(table.shape[0]).take(ids, out=rows, mode="clip")
-    return BatchResult(out, 0.0, time.monotonic() - started, 1, int(ids.size))
+    # default "raise" it writes straight into ``out`` (no buffered second copy).
+    if job.lengths is not None and job.layout != FLAT:
+        pad = np.ascontiguousarray(pad_row.astype(table.dtype)).view(row)[0]
+        sequences = out.reshape(job.batch, job.seq_len * d_model).view(row)  # [B, S] rows
+        offset = 0
+        for sequence, length in zip(sequences, job.lengths, strict=True):
+            source.take(job.ids[offset : offset + length], out=sequence[:length], mode="clip")
+            sequence[length:] = pad
+            offset += length
+    else:
+        rows = out.reshape(job.tokens, d_model).view(row).reshape(job.tokens)  # views
+        source.take(job.ids, out=rows, mode="clip")
+    return BatchResult(out, 0.0, time.monotonic() - started, 1, job.tokens)

@@ -62,7 +62,7 @@ def test_large_answers_through_the_client_flat_ragged_and_padded(
     with EmbeddingClient(server.target, chunked_threshold_bytes=None) as client:
         flat = client.embed(rows, layout="flat")  # in place: the rows in order
         np.testing.assert_array_equal(flat, expected[np.concatenate(rows)])
-        padded = client.embed(rows)  # not in place: padded
+        padded = client.embed(rows)  # in place too: rows, then pad rows
         np.testing.assert_array_equal(padded[1, :40], expected[rows[1]])
         np.testing.assert_array_equal(
             padded[1, 40:], np.repeat(expected[[SMALL_PAD]], TOKENS - 80, 0)

@@ -46,8 +46,25 @@ class Recorder:
         return self.arrays[-1]
 
 
+class Batches:
+    """A batch observer that remembers what it is told."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[int, int, float]] = []
+
+    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
+        self.done.append((requests, tokens, compute_s))
+
+    def dropped(self, reason: str) -> None:
+        raise AssertionError(f"nothing is dropped here ({reason})")
+
+
 def embed(
-    loaded: LoadedModel, request: EmbedInput, answer_into: Recorder | None, **tables: Any
+    loaded: LoadedModel,
+    request: EmbedInput,
+    answer_into: Recorder | None,
+    observer: Batches | None = None,
+    **tables: Any,
 ) -> Any:
     settings = Settings(model_dir=loaded.model.path)
     kept = {
@@ -57,7 +74,7 @@ def embed(
     }
     service = EmbeddingService(
         loaded.model, loaded.runtime.run, loaded.runtime.provider, settings,
-        pad_row=loaded.pad_row, rows_per_request=True, **kept,
+        pad_row=loaded.pad_row, rows_per_request=True, observer=observer, **kept,
     )  # fmt: skip
 
     async def go() -> Any:
@@ -83,8 +100,8 @@ def test_a_large_rectangular_answer_is_written_where_the_caller_asked(
     loaded: LoadedModel, expected: np.ndarray, dtype: str
 ) -> None:
     ids = np.random.default_rng(1).integers(0, SMALL_V, (2, LARGE_TOKENS // 2 + 1))
-    recorder = Recorder()
-    output = embed(loaded, ids_input(ids, dtype), recorder)
+    recorder, batches = Recorder(), Batches()
+    output = embed(loaded, ids_input(ids, dtype), recorder, batches)
     [(shape, out_dtype, lengths, timings)] = recorder.calls
     assert (shape, out_dtype, lengths) == ((*ids.shape, SMALL_D), np.dtype(dtype), None)
     assert timings == Timings(0.0, 0.0, 1, ids.size)  # compute_s is measured afterwards
@@ -92,6 +109,9 @@ def test_a_large_rectangular_answer_is_written_where_the_caller_asked(
     np.testing.assert_array_equal(output.hidden_states, expected[ids].astype(dtype))
     assert output.timings.compute_s > 0
     assert (output.timings.batch_requests, output.timings.batch_tokens) == (1, ids.size)
+    # As every float32 look-up, it counts as a batch (of one); float16 answers never do.
+    want = [(1, ids.size, output.timings.compute_s)] if dtype == "float32" else []
+    assert batches.done == want
 
 
 def test_a_large_flat_ragged_answer_is_written_in_place_too(
@@ -106,31 +126,43 @@ def test_a_large_flat_ragged_answer_is_written_in_place_too(
     assert output.lengths == lengths
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_large_padded_ragged_answer_is_written_in_place_rows_then_padding(
+    loaded: LoadedModel, expected: np.ndarray, dtype: str
+) -> None:
+    lengths = (LARGE_TOKENS - 7, 7, 1)
+    ids = np.random.default_rng(4).integers(0, SMALL_V, sum(lengths))
+    recorder = Recorder()
+    output = embed(loaded, ids_input(ids, dtype, lengths=lengths, layout=PADDED), recorder)
+    assert [call[:3] for call in recorder.calls] == [
+        ((3, lengths[0], SMALL_D), np.dtype(dtype), lengths)
+    ]
+    pad = expected[SMALL_PAD]
+    offset = 0
+    for index, length in enumerate(lengths):
+        rows = output.hidden_states[index]
+        np.testing.assert_array_equal(
+            rows[:length], expected[ids[offset : offset + length]].astype(dtype)
+        )
+        np.testing.assert_array_equal(
+            rows[length:], np.broadcast_to(pad.astype(dtype), rows[length:].shape)
+        )
+        offset += length
+
+
 @pytest.mark.parametrize(
-    ("why", "tokens", "layout", "tables"),
+    ("why", "tokens", "tables"),
     [
-        ("small answers are cheaper to copy", 64, PADDED, {}),
-        ("padded ragged answers are not the rows in order", LARGE_TOKENS, "ragged", {}),
-        ("no table: onnxruntime computes", LARGE_TOKENS, PADDED, {"float32_table": None}),
+        ("small answers are cheaper to copy", 64, {}),
+        ("no table: onnxruntime computes", LARGE_TOKENS, {"float32_table": None}),
     ],
 )
 def test_other_answers_are_not_written_in_place_and_are_still_exact(
-    loaded: LoadedModel, expected: np.ndarray, why: str, tokens: int, layout: str, tables: Any
+    loaded: LoadedModel, expected: np.ndarray, why: str, tokens: int, tables: Any
 ) -> None:
-    rng = np.random.default_rng(3)
-    if layout == "ragged":
-        lengths = (tokens - 7, 7)
-        ids = rng.integers(0, SMALL_V, tokens)
-        request = ids_input(ids, "float32", lengths=lengths, layout=PADDED)
-        want = np.stack([
-            expected[ids[: lengths[0]]],
-            np.concatenate([expected[ids[lengths[0] :]], np.repeat(expected[[SMALL_PAD]],
-                                                                   lengths[0] - 7, axis=0)]),
-        ])  # fmt: skip
-    else:
-        ids = rng.integers(0, SMALL_V, (1, tokens))
-        request = ids_input(ids, "float32")
-        want = expected[ids]
+    ids = np.random.default_rng(3).integers(0, SMALL_V, (1, tokens))
+    request = ids_input(ids, "float32")
+    want = expected[ids]
     recorder = Recorder()
     output = embed(loaded, request, recorder, **tables)
     assert recorder.calls == [], why
