@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from tokembed.server.settings import ENV_PREFIX, Settings
+from tokembed.server.settings import ENV_PREFIX, Settings, shown
 
 
 def settings_table() -> str:
@@ -20,7 +20,7 @@ def settings_table() -> str:
     for spec in fields(Settings):
         flag = "--" + spec.name.replace("_", "-")
         env = ENV_PREFIX + spec.name.upper()
-        default = "unset" if spec.default is None else f"`{spec.default}`"
+        default = "unset" if spec.default is None else f"`{shown(spec.default)}`"
         meaning = str(spec.metadata["help"]).replace("|", "\\|")
         rows.append(f"| `{flag}` | `{env}` | {default} | {meaning} |")
     return "\n".join(rows) + "\n"

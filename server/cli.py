@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
         environ = environ_with_huge_page_malloc(os.environ)
         if environ is not None:
-            restart_with(environ)  # does not return; the restarted process gets None
+            restart_with(environ)  # returns only if the restart failed; the restarted
+            # process finds the tunable set and gets None here
     configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:
         from tokembed.server.workers import run_workers

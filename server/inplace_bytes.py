@@ -26,12 +26,16 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
-_new_bytes.restype = ctypes.py_object
 # CPython's PyBytesObject: the variable-size header and the cached hash, then the
 # characters (ob_sval), whose first byte is counted in the basic size.
 _CHARS_OFFSET = bytes.__basicsize__ - 1
+
+
+def _bytes_constructor() -> Any:
+    new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+    new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+    new_bytes.restype = ctypes.py_object
+    return new_bytes
 
 
 class _CharsOf:
@@ -53,22 +57,32 @@ def allocate(size: int) -> tuple[bytes, np.ndarray]:
     it. Write every byte, then drop or freeze the view before the bytes are shared."""
     if size <= 0:
         raise ValueError(f"this is a bug: in-place bytes of size {size}")
+    if _new_bytes is None:
+        raise RuntimeError("this is a bug: in-place bytes used where available() is False")
     data: bytes = _new_bytes(None, size)
     return data, np.asarray(_CharsOf(data))
 
 
-def _self_check() -> bool:
+def _self_check() -> Any:
+    """The constructor, if this interpreter lays bytes out as assumed; else None. Reads
+    through the computed address before ever writing through it."""
     try:
-        data, view = allocate(64)
+        known = bytes(range(256)) * 4
+        if ctypes.string_at(id(known) + _CHARS_OFFSET, len(known)) != known:
+            return None
+        new_bytes = _bytes_constructor()
+        data: bytes = new_bytes(None, 64)
+        view = np.asarray(_CharsOf(data))
         view[:] = np.arange(64, dtype=np.uint8)
-        return data == bytes(range(64))
+        return new_bytes if data == bytes(range(64)) else None
     except Exception:  # any failure means: do not use it here
         logger.debug("in-place bytes unavailable", exc_info=True)
-        return False
+        return None
 
 
-_AVAILABLE = _self_check()
+_new_bytes = _self_check()
 
 
 def available() -> bool:
-    return _AVAILABLE
+    """Whether ``allocate`` may be used here; where not, callers copy as before."""
+    return _new_bytes is not None

@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,11 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 TRIM_KEEP_BYTES = 128 * 1024 * 1024
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def environ_with_huge_page_malloc(
-    environ: Mapping[str, str], thp_mode_file: Path = _THP_MODE
+    environ: Mapping[str, str], thp_mode_file: Path = THP_MODE_FILE
 ) -> dict[str, str] | None:
     """The environment to restart with for huge-page malloc; None when there is no
     need (already set, by us or by the operator, who may have set it to 0) or no use
@@ -50,28 +50,33 @@ def environ_with_huge_page_malloc(
     tunables = environ.get("GLIBC_TUNABLES", "")
     if HUGE_PAGE_TUNABLE + "=" in tunables:
         return None
-    if not _is_glibc() or not _transparent_huge_pages_usable(thp_mode_file):
+    if not is_glibc() or not transparent_huge_pages_usable(thp_mode_file):
         return None
     setting = f"{HUGE_PAGE_TUNABLE}=1"
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{setting}" if tunables else setting}
 
 
-def restart_with(environ: Mapping[str, str]) -> NoReturn:
+def restart_with(environ: Mapping[str, str]) -> None:
     """Replace this process with the same command line under ``environ`` (same pid, so
-    supervisors, signals and the bench's meters follow it)."""
+    supervisors, signals and the bench's meters follow it). Returns only if that fails
+    (an embedded interpreter without an executable, say): then the process goes on as
+    it is, without the tuning."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, dict(environ))
+    try:
+        os.execve(sys.executable, sys.orig_argv, dict(environ))
+    except OSError as exc:
+        logger.warning("could not restart for huge-page malloc (%s); going on without", exc)
 
 
-def _is_glibc() -> bool:
+def is_glibc() -> bool:
     try:
         return os.confstr("CS_GNU_LIBC_VERSION") is not None
     except (ValueError, OSError):
         return False
 
 
-def _transparent_huge_pages_usable(mode_file: Path) -> bool:
+def transparent_huge_pages_usable(mode_file: Path = THP_MODE_FILE) -> bool:
     """True unless the kernel says ``[never]`` (or has no THP at all)."""
     try:
         return "[never]" not in mode_file.read_text()

@@ -20,7 +20,7 @@ from tokembed.export.model_dir import ModelDir
 from tokembed.server.admission import Admission, Ticket
 from tokembed.server.batcher import Batcher, BatchObserver, BatchResult, Compute
 from tokembed.server.domain import FLAT, AnswerInto, EmbedInput, EmbedJob, EmbedOutput, Timings
-from tokembed.server.errors import Unavailable
+from tokembed.server.errors import DeadlineExceeded, Unavailable
 from tokembed.server.settings import Settings
 from tokembed.server.validation import Limits, validate
 
@@ -133,6 +133,9 @@ class EmbeddingService:
             table = None if answer_into is None else self._in_place_table(job)
             if table is not None:
                 assert answer_into is not None
+                if deadline is not None and deadline <= time.monotonic():
+                    # As the batcher does for queued requests: no look-up for nobody.
+                    raise DeadlineExceeded("deadline passed before the look-up")
                 shape = _answer_shape(job, table.shape[1])
                 known = Timings(
                     queue_s=0.0, compute_s=0.0, batch_requests=1, batch_tokens=job.tokens
@@ -141,10 +144,10 @@ class EmbeddingService:
                 result = await self.offloader.run(
                     job.output_bytes, _gather_into, table, job, hidden, self._pad_row
                 )
-                if table is self._float32_table and self._observer is not None:
+                if table is self._float32_table:
                     # float32 look-ups all count as batches (this one of one); float16
                     # answers from their table never do (docs/metrics.md).
-                    self._observer.batch_done(1, job.tokens, result.compute_s)
+                    self._report_batch(job.tokens, result.compute_s)
             else:
                 if self._float16_table is not None and job.output_dtype == np.float16:
                     result = await self.offloader.run(job.output_bytes, self._float16_rows, job)
@@ -161,6 +164,14 @@ class EmbeddingService:
             batch_tokens=result.batch_tokens,
         )
         return EmbedOutput(hidden_states=hidden, lengths=job.lengths, timings=timings), ticket
+
+    def _report_batch(self, tokens: int, compute_s: float) -> None:
+        # As in the batcher: metrics that fail must not fail the request.
+        if self._observer is not None:
+            try:
+                self._observer.batch_done(1, tokens, compute_s)
+            except Exception:
+                logger.exception("batch observer failed; this is a bug")
 
     def _in_place_table(self, job: EmbedJob) -> np.ndarray | None:
         """The row table to gather a job's answer from straight into the caller's array:
@@ -229,6 +240,8 @@ def _gather_into(
     aligned temporary: 19 ms instead of 6 ms for 33.5 MB here. Rows of raw bytes need
     no alignment.
     """
+    if not out.flags.c_contiguous:  # reshape would copy, and the answer stay unwritten
+        raise ValueError("this is a bug: an answer array to fill must be C-contiguous")
     started = time.monotonic()
     d_model = table.shape[1]
     row = np.dtype((np.void, d_model * table.itemsize))

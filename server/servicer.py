@@ -56,15 +56,20 @@ class EmbeddingServicer:
         with self._inflight():
             try:
                 service = self._state.ready_service()
-                in_place = _InPlaceAnswer(service, request.request_id)
+                in_place = (
+                    _InPlaceAnswer(service, request.request_id)
+                    if wire.InPlaceResponse.available()
+                    else None
+                )
                 output, ticket = await service.embed(
                     wire.to_domain(request), _deadline(context), answer_into=in_place
                 )
                 # The output bytes stay reserved until gRPC has sent them.
                 context.add_done_callback(lambda _: ticket.release())
                 payload = await self._encode(
-                    service, output, request.request_id, started, in_place.response
-                )
+                    service, output, request.request_id, started,
+                    None if in_place is None else in_place.response,
+                )  # fmt: skip
             except EmbedError as error:
                 await self._abort(context, "Embed", error, started)
             except asyncio.CancelledError:

@@ -228,7 +228,7 @@ class Settings:
                 choices=spec.metadata.get("choices"),
                 metavar=spec.name.upper() if kind is not parse_bool else "{on,off}",
                 # argparse formats help with %: a literal percent sign must be doubled.
-                help=f"{spec.metadata['help']} [env {env}; default {spec.default}]".replace(
+                help=f"{spec.metadata['help']} [env {env}; default {shown(spec.default)}]".replace(
                     "%", "%%"
                 ),
             )
@@ -257,6 +257,13 @@ class Settings:
 
     def describe(self) -> dict[str, Any]:
         return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+
+
+def shown(default: Any) -> str:
+    """A default as the flags take it (yes/no settings as on/off)."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -222,6 +222,12 @@ class InPlaceResponse:
     has another size, and the caller encodes by copying instead.
     """
 
+    @staticmethod
+    def available() -> bool:
+        """False on an interpreter where bytes cannot be filled in place (see
+        ``inplace_bytes``): encode by copying there."""
+        return inplace_bytes.available()
+
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, metadata_size: int) -> None:
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize

@@ -17,7 +17,7 @@ from support.models import reference_rows
 from support.server import ServerProcess, serve_args
 
 pytestmark = pytest.mark.skipif(
-    not memory._is_glibc() or not memory._transparent_huge_pages_usable(memory._THP_MODE),
+    not memory.is_glibc() or not memory.transparent_huge_pages_usable(),
     reason="needs glibc and transparent huge pages not [never]",
 )
 

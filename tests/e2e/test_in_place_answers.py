@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tokembed.client import EmbeddingClient
+from tokembed.server import wire
 from tokembed.server.service import OFFLOAD_MIN_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
@@ -27,9 +28,25 @@ def expected() -> np.ndarray:
     return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
+@pytest.fixture
+def finished(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each in-place response was sent as built (True) or re-encoded by copying
+    (False): the servers here run in this process, so this sees every one."""
+    outcomes: list[bool] = []
+    finish = wire.InPlaceResponse.finish
+
+    def recording(self: wire.InPlaceResponse, metadata: bytes) -> bytes | None:
+        payload = finish(self, metadata)
+        outcomes.append(payload is not None)
+        return payload
+
+    monkeypatch.setattr(wire.InPlaceResponse, "finish", recording)
+    return outcomes
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_large_answers_parse_with_plain_protobuf_and_are_exact(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str
+    small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str, finished: list[bool]
 ) -> None:
     server = start_server(small_model_dir)
     ids = np.random.default_rng(7).integers(0, SMALL_V, (4, TOKENS // 4), dtype=np.int64)
@@ -51,10 +68,11 @@ def test_large_answers_parse_with_plain_protobuf_and_are_exact(
             assert reply.request_id == "in-place-1"
             assert reply.timings.compute_seconds > 0 and reply.timings.server_seconds > 0
             assert (reply.timings.batch_requests, reply.timings.batch_tokens) == (1, ids.size)
+    assert finished == [True, True]  # both sent as built in place, none re-encoded
 
 
 def test_large_answers_through_the_client_flat_ragged_and_padded(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray
+    small_model_dir: Path, start_server: Any, expected: np.ndarray, finished: list[bool]
 ) -> None:
     server = start_server(small_model_dir)
     rng = np.random.default_rng(8)
@@ -69,3 +87,4 @@ def test_large_answers_through_the_client_flat_ragged_and_padded(
         )
         # And small answers, between and after, still exact.
         np.testing.assert_array_equal(client.embed([[1, 2, 3]]), expected[[[1, 2, 3]]])
+    assert finished == [True, True]  # the two large answers; the small one is encoded

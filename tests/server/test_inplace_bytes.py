@@ -26,13 +26,17 @@ def test_bytes_filled_through_the_view_read_back_exactly() -> None:
 
 def test_a_view_keeps_the_bytes_alive() -> None:
     data, view = inplace_bytes.allocate(4096)
-    rows = view[8:].view(np.float32)  # derived views, as the look-up writes through
-    rows[:] = 1.5
-    del data, view
+    rows = view[8:].view(np.float32)  # a derived view, as the look-up writes through
+    del view
     gc.collect()
-    # Still valid memory: reading and writing through the surviving view works.
+    with_view = sys.getrefcount(data)
     rows[:] = 2.5
-    assert float(rows.sum()) == 2.5 * rows.size
+    assert np.frombuffer(data, dtype=np.float32, offset=8).tolist() == rows.tolist()
+    del rows
+    gc.collect()
+    # The derived view alone held one reference to the bytes (through the view it came
+    # from); without it, only our name is left.
+    assert sys.getrefcount(data) == with_view - 1 == 2
 
 
 def test_each_allocation_is_a_new_object_with_ordinary_references() -> None:

@@ -9,7 +9,7 @@ import pytest
 from tokembed.server import memory
 
 pytestmark = pytest.mark.skipif(
-    not memory._is_glibc(), reason="GLIBC_TUNABLES only means something to glibc"
+    not memory.is_glibc(), reason="GLIBC_TUNABLES only means something to glibc"
 )
 
 
@@ -47,3 +47,14 @@ def test_no_restart_when_the_kernel_has_huge_pages_off(tmp_path: Path) -> None:
     never.write_text("always madvise [never]\n")
     assert memory.environ_with_huge_page_malloc({}, never) is None
     assert memory.environ_with_huge_page_malloc({}, tmp_path / "missing") is None
+
+
+def test_a_restart_that_cannot_happen_goes_on_without_the_tuning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refuse(*args: object) -> None:
+        raise OSError(2, "no executable to restart")
+
+    monkeypatch.setattr(memory.os, "execve", refuse)
+    memory.restart_with({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})  # returns
+    assert "could not restart for huge-page malloc" in caplog.text

@@ -12,6 +12,7 @@ import pytest
 
 from tokembed.server.app import LoadedModel, load_model
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, Timings
+from tokembed.server.errors import DeadlineExceeded
 from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService
 from tokembed.server.settings import Settings
 
@@ -167,3 +168,39 @@ def test_other_answers_are_not_written_in_place_and_are_still_exact(
     output = embed(loaded, request, recorder, **tables)
     assert recorder.calls == [], why
     np.testing.assert_array_equal(output.hidden_states, want)
+
+
+def test_no_look_up_once_the_deadline_has_passed(loaded: LoadedModel) -> None:
+    ids = np.zeros((1, LARGE_TOKENS), dtype=np.int64)
+    settings = Settings(model_dir=loaded.model.path)
+    service = EmbeddingService(
+        loaded.model, loaded.runtime.run, loaded.runtime.provider, settings,
+        float32_table=loaded.float32_table,
+    )  # fmt: skip
+    recorder = Recorder()
+
+    async def go() -> None:
+        try:
+            with pytest.raises(DeadlineExceeded, match="deadline passed before the look-up"):
+                await service.embed(ids_input(ids, "float32"), 0.0, answer_into=recorder)
+            # Nothing stays admitted.
+            assert service.admission.inflight_output_bytes == 0
+        finally:
+            await service.close()
+
+    asyncio.run(go())
+    assert recorder.calls == []
+
+
+class BrokenBatches(Batches):
+    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
+        raise RuntimeError("metrics exploded")
+
+
+def test_a_failing_batch_observer_does_not_fail_the_answer(
+    loaded: LoadedModel, expected: np.ndarray, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = np.random.default_rng(5).integers(0, SMALL_V, (1, LARGE_TOKENS))
+    output = embed(loaded, ids_input(ids, "float32"), Recorder(), BrokenBatches())
+    np.testing.assert_array_equal(output.hidden_states, expected[ids])
+    assert "batch observer failed; this is a bug" in caplog.text

@@ -12,7 +12,7 @@ import pytest
 
 from tokembed.server import cli
 from tokembed.server.errors import ServerConfigError
-from tokembed.server.settings import ENV_PREFIX, MiB, Settings
+from tokembed.server.settings import ENV_PREFIX, MiB, Settings, shown
 
 NAMES = [spec.name for spec in dataclasses.fields(Settings)]
 
@@ -213,7 +213,9 @@ def test_help_lists_every_flag_and_variable(
     for name in NAMES:
         assert "--" + name.replace("_", "-") in text, name
         assert f"env {ENV_PREFIX}{name.upper()};" in text, name
-        assert f"default {getattr(Settings(), name)}]" in text, name
+        assert f"default {shown(getattr(Settings(), name))}]" in text, name
+    # Yes/no settings show their default as the flag takes it.
+    assert "[env TOKEMBED_MALLOC_HUGE_PAGES; default on]" in text
     assert len(NAMES) >= 25
 
 

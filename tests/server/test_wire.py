@@ -286,7 +286,7 @@ def test_unknown_enum_values_are_named_in_the_validation_error(
 # --- InPlaceResponse: the same bytes as encode_response, the rows written in place
 
 
-def _in_place(array: np.ndarray, lengths: tuple[int, ...] | None, metadata: bytes) -> bytes | None:
+def _in_place(array: np.ndarray, metadata: bytes) -> bytes | None:
     response = wire.InPlaceResponse(array.shape, array.dtype, len(metadata))
     response.rows[...] = array  # what the look-up does: fill every row
     return response.finish(metadata)
@@ -300,7 +300,7 @@ def test_in_place_response_is_byte_for_byte_the_encoded_one(
     array = make_array(shape, dtype)
     lengths = (2, 3) if len(shape) == 2 else None
     metadata = wire.response_metadata(make_output(array, lengths), "small", "1.2.3", "req-7", 0.25)
-    payload = _in_place(array, lengths, metadata)
+    payload = _in_place(array, metadata)
     assert type(payload) is bytes
     assert payload == wire.encode_response(array, metadata)
     assert_same_response(
