@@ -142,7 +142,7 @@ class Batcher:
             logger.exception("look-up failed for a batch of 1 request")
             raise Internal(f"the look-up failed: {exc}") from exc
         compute_s = time.monotonic() - started
-        self._report_batch(1, int(ids.size), compute_s)
+        self.report_batch(1, int(ids.size), compute_s)
         return BatchResult(rows, 0.0, compute_s, 1, int(ids.size))
 
     async def close(self) -> None:
@@ -246,7 +246,7 @@ class Batcher:
             self._computing -= 1
             if self._wakeup is not None:
                 self._wakeup.set()
-        self._report_batch(len(batch), tokens, compute_s)
+        self.report_batch(len(batch), tokens, compute_s)
         for item, rows in zip(batch, answers, strict=True):
             if not item.future.done():
                 item.future.set_result(
@@ -283,7 +283,9 @@ class Batcher:
             raise RuntimeError(f"compute returned {rows.shape[0]} rows for {ids.size} ids")
         return rows
 
-    def _report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
+    def report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
+        """Tell the observer of a look-up; public for the look-ups the service does itself
+        (large answers gathered in place), so that they are reported the same way."""
         # An observer (metrics) that fails must not leave a batch's callers hanging.
         if self._observer is not None:
             try:

@@ -114,7 +114,6 @@ class EmbeddingService:
         self._float16_table = float16_table
         # The same in float32, when the runtime answers from one (it is the runtime's).
         self._float32_table = float32_table
-        self._observer = observer
         self.draining = False
 
     async def embed(
@@ -147,7 +146,7 @@ class EmbeddingService:
                 if table is self._float32_table:
                     # float32 look-ups all count as batches (this one of one); float16
                     # answers from their table never do (docs/metrics.md).
-                    self._report_batch(job.tokens, result.compute_s)
+                    self.batcher.report_batch(1, job.tokens, result.compute_s)
             else:
                 if self._float16_table is not None and job.output_dtype == np.float16:
                     result = await self.offloader.run(job.output_bytes, self._float16_rows, job)
@@ -164,14 +163,6 @@ class EmbeddingService:
             batch_tokens=result.batch_tokens,
         )
         return EmbedOutput(hidden_states=hidden, lengths=job.lengths, timings=timings), ticket
-
-    def _report_batch(self, tokens: int, compute_s: float) -> None:
-        # As in the batcher: metrics that fail must not fail the request.
-        if self._observer is not None:
-            try:
-                self._observer.batch_done(1, tokens, compute_s)
-            except Exception:
-                logger.exception("batch observer failed; this is a bug")
 
     def _in_place_table(self, job: EmbedJob) -> np.ndarray | None:
         """The row table to gather a job's answer from straight into the caller's array:
@@ -248,7 +239,8 @@ def _gather_into(
     source = table.view(row).reshape(table.shape[0])
     # mode="clip": the ids are validated already, so it clips nothing, and unlike the
     # default "raise" it writes straight into ``out`` (no buffered second copy).
-    if job.lengths is not None and job.layout != FLAT:
+    if job.ragged and job.layout != FLAT:
+        assert job.lengths is not None
         pad = np.ascontiguousarray(pad_row.astype(table.dtype)).view(row)[0]
         sequences = out.reshape(job.batch, job.seq_len * d_model).view(row)  # [B, S] rows
         offset = 0

@@ -48,6 +48,8 @@ class EmbeddingServicer:
     def __init__(self, state: ServingState, metrics: Metrics | None = None) -> None:
         self._state = state
         self._metrics = metrics
+        # Whether answers may be built in place on this interpreter (fixed at import).
+        self._in_place = wire.InPlaceResponse.available()
 
     # --- RPCs
 
@@ -56,11 +58,7 @@ class EmbeddingServicer:
         with self._inflight():
             try:
                 service = self._state.ready_service()
-                in_place = (
-                    _InPlaceAnswer(service, request.request_id)
-                    if wire.InPlaceResponse.available()
-                    else None
-                )
+                in_place = _InPlaceAnswer(service, request.request_id) if self._in_place else None
                 output, ticket = await service.embed(
                     wire.to_domain(request), _deadline(context), answer_into=in_place
                 )
