@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from tokembed.export.errors import ModelDirError
 from tokembed.export.model_dir import ModelDir, load_model_dir
+from tokembed.server import inplace_bytes
 from tokembed.server.auth import BearerTokenInterceptor, read_token
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
@@ -148,7 +149,19 @@ class TokembedServer:
         self._stop_metrics: Callable[[], None] | None = None
         self._loading: asyncio.Task[None] | None = None
         self._trimmer: asyncio.Future[None] | None = None
+        # The latest in-place answer's bytes, for the next one of that size; let go by
+        # the heap trim, so only where there is one (see inplace_bytes.SpareBytes).
+        self._spare_bytes = (
+            inplace_bytes.SpareBytes()
+            if self.settings.memory_trim_interval_s > 0 and inplace_bytes.reusable()
+            else None
+        )
         self._stopped = asyncio.Event()
+
+    @property
+    def spare_bytes(self) -> inplace_bytes.SpareBytes | None:
+        """The bytes kept for the next in-place answer (None: not kept here)."""
+        return self._spare_bytes
 
     # --- start
 
@@ -180,7 +193,7 @@ class TokembedServer:
             ],
         )
         self._server.add_generic_rpc_handlers(
-            [generic_handler(EmbeddingServicer(self.state, self.metrics))]
+            [generic_handler(EmbeddingServicer(self.state, self.metrics, self._spare_bytes))]
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -282,7 +295,12 @@ class TokembedServer:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.settings.memory_trim_interval_s)
-            await loop.run_in_executor(None, release_free_memory)
+            await loop.run_in_executor(None, self._release_memory)
+
+    def _release_memory(self) -> None:
+        if self._spare_bytes is not None:
+            self._spare_bytes.release_idle()
+        release_free_memory()
 
     async def wait_ready(self) -> None:
         """Return once SERVING; raise ``ServerConfigError`` if the model failed to load."""

@@ -11,14 +11,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from tokembed.server import wire
+from tokembed.server import inplace_bytes, wire
 from tokembed.server.admission import Ticket
 from tokembed.server.domain import EmbedOutput, Timings
 from tokembed.server.errors import EmbedError, Internal, InvalidInput
@@ -45,11 +45,19 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class EmbeddingServicer:
-    def __init__(self, state: ServingState, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        state: ServingState,
+        metrics: Metrics | None = None,
+        spare_bytes: inplace_bytes.SpareBytes | None = None,
+    ) -> None:
+        """``spare_bytes``: reused for in-place answers (its owner lets it go when idle);
+        None: every in-place answer gets fresh bytes."""
         self._state = state
         self._metrics = metrics
         # Whether answers may be built in place on this interpreter (fixed at import).
         self._in_place = wire.InPlaceResponse.available()
+        self._allocate = inplace_bytes.allocate if spare_bytes is None else spare_bytes.allocate
 
     # --- RPCs
 
@@ -58,7 +66,11 @@ class EmbeddingServicer:
         with self._inflight():
             try:
                 service = self._state.ready_service()
-                in_place = _InPlaceAnswer(service, request.request_id) if self._in_place else None
+                in_place = (
+                    _InPlaceAnswer(service, request.request_id, self._allocate)
+                    if self._in_place
+                    else None
+                )
                 output, ticket = await service.embed(
                     wire.to_domain(request), _deadline(context), answer_into=in_place
                 )
@@ -326,9 +338,15 @@ class _InPlaceAnswer:
     # same 9 bytes (a zero one is left out; then ``finish`` declines and we copy).
     _LATER = 1.0
 
-    def __init__(self, service: EmbeddingService, request_id: str) -> None:
+    def __init__(
+        self,
+        service: EmbeddingService,
+        request_id: str,
+        allocate: Callable[[int], tuple[bytes, np.ndarray]],
+    ) -> None:
         self._manifest = service.info.model.manifest
         self._request_id = request_id
+        self._allocate = allocate
         self.response: wire.InPlaceResponse | None = None
 
     def __call__(
@@ -344,7 +362,7 @@ class _InPlaceAnswer:
         metadata = wire.response_metadata(
             stand_in, self._manifest.name, self._manifest.version, self._request_id, self._LATER
         )
-        self.response = wire.InPlaceResponse(shape, dtype, len(metadata))
+        self.response = wire.InPlaceResponse(shape, dtype, len(metadata), self._allocate)
         return self.response.rows
 
 

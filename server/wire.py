@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -228,11 +229,18 @@ class InPlaceResponse:
         ``inplace_bytes``): encode by copying there."""
         return inplace_bytes.available()
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, metadata_size: int) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        metadata_size: int,
+        allocate: Callable[[int], tuple[bytes, np.ndarray]] = inplace_bytes.allocate,
+    ) -> None:
+        """``allocate``: where the bytes come from (``SpareBytes.allocate`` reuses)."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         prefix = _response_prefix(shape, dtype, nbytes)
-        self._data, self._chars = inplace_bytes.allocate(len(prefix) + nbytes + metadata_size)
+        self._data, self._chars = allocate(len(prefix) + nbytes + metadata_size)
         self._chars[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
         self._metadata_at = len(prefix) + nbytes
         self.rows = self._chars[len(prefix) : self._metadata_at].view(dtype).reshape(shape)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from tokembed.client import EmbeddingClient
-from tokembed.server import wire
+from tokembed.server import inplace_bytes, wire
 from tokembed.server.service import OFFLOAD_MIN_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
@@ -88,3 +90,64 @@ def test_large_answers_through_the_client_flat_ragged_and_padded(
         # And small answers, between and after, still exact.
         np.testing.assert_array_equal(client.embed([[1, 2, 3]]), expected[[[1, 2, 3]]])
     assert finished == [True, True]  # the two large answers; the small one is encoded
+
+
+@pytest.fixture
+def fresh_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every response bytes object allocated afresh (not reused)."""
+    sizes: list[int] = []
+    allocate = inplace_bytes.allocate
+
+    def counting(size: int) -> tuple[bytes, np.ndarray]:
+        sizes.append(size)
+        return allocate(size)
+
+    monkeypatch.setattr(inplace_bytes, "allocate", counting)
+    return sizes
+
+
+def test_reused_response_bytes_never_mix_answers(
+    small_model_dir: Path,
+    start_server: Any,
+    expected: np.ndarray,
+    finished: list[bool],
+    fresh_allocations: list[int],
+) -> None:
+    server = start_server(small_model_dir)
+    assert server.server.spare_bytes is not None
+    rng = np.random.default_rng(9)
+    batches = [rng.integers(0, SMALL_V, (2, TOKENS // 2)) for _ in range(24)]
+    with EmbeddingClient(server.target, chunked_threshold_bytes=None) as client:
+        # One after the other: every answer after the first may reuse the bytes.
+        for ids in batches[:6]:
+            np.testing.assert_array_equal(client.embed(ids), expected[ids])
+        sequential = len(fresh_allocations)
+        # Side by side: bytes still being sent must not be refilled for another answer.
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(client.embed, batches[6:]))
+    for ids, answer in zip(batches[6:], answers, strict=True):
+        np.testing.assert_array_equal(answer, expected[ids])
+    assert sequential < 6  # reuse happened (the heap trim may let the spare go once)
+    assert finished == [True] * 24
+
+
+def test_the_spare_bytes_are_let_go_once_the_server_is_idle(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    server = start_server(small_model_dir, memory_trim_interval_s=0.1)
+    spare = server.server.spare_bytes
+    ids = np.arange(TOKENS).reshape(1, TOKENS) % SMALL_V
+    with EmbeddingClient(server.target, chunked_threshold_bytes=None) as client:
+        client.embed(ids)
+        assert spare.held_bytes > TOKENS * SMALL_D * 4
+        deadline = time.monotonic() + 5
+        while spare.held_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spare.held_bytes == 0
+
+
+def test_no_spare_bytes_without_the_heap_trim_to_let_them_go(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    server = start_server(small_model_dir, memory_trim_interval_s=0)
+    assert server.server.spare_bytes is None

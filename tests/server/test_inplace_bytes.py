@@ -52,3 +52,70 @@ def test_each_allocation_is_a_new_object_with_ordinary_references() -> None:
 def test_a_size_that_cannot_be_a_response_is_a_bug() -> None:
     with pytest.raises(ValueError, match="this is a bug"):
         inplace_bytes.allocate(0)
+
+
+# --- SpareBytes: the latest answer's bytes, filled again once nobody holds them
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="CPython's layout only")
+def test_on_cpython_both_self_checks_pass() -> None:
+    # Else a server here silently copies (or allocates afresh) every answer.
+    assert inplace_bytes.available()
+    assert inplace_bytes.reusable()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_a_free_spare_of_the_same_size_is_filled_again() -> None:
+    spare = inplace_bytes.SpareBytes()
+    data, view = spare.allocate(4096)
+    view[:] = 1
+    first = id(data)
+    del data, view
+    again, view = spare.allocate(4096)
+    assert id(again) == first  # the spare kept it alive: the same object came back
+    view[:] = 7
+    assert again == b"\x07" * 4096  # and it is written through the new view
+
+
+def test_a_spare_anyone_still_holds_is_never_filled_again() -> None:
+    spare = inplace_bytes.SpareBytes()
+    sent, view = spare.allocate(4096)
+    view[:] = 1
+    del view  # as after finish(): the answer is held by gRPC, say, not by a view
+    other, other_view = spare.allocate(4096)
+    assert other is not sent
+    other_view[:] = 2
+    assert sent == b"\x01" * 4096  # untouched
+
+
+def test_a_spare_someone_hashed_is_not_filled_again() -> None:
+    spare = inplace_bytes.SpareBytes()
+    data, view = spare.allocate(4096)
+    view[:] = 1
+    hash(data)  # its cached hash would be stale after a refill
+    first = id(data)
+    del data, view
+    assert id(spare.allocate(4096)[0]) != first
+
+
+def test_the_spare_is_let_go_before_another_size_and_when_idle() -> None:
+    size = 64 << 20  # above glibc's largest mmap threshold: freed memory leaves at once
+    spare = inplace_bytes.SpareBytes()
+    before = _resident_bytes()
+    data, view = spare.allocate(size)
+    view[:] = 1  # resident now
+    del data, view
+    assert spare.held_bytes == size
+    assert _resident_bytes() - before > size // 2
+    small, small_view = spare.allocate(4096)  # another size: the big spare goes first
+    assert spare.held_bytes == 4096
+    assert _resident_bytes() - before < size // 2
+    spare.release_idle()
+    assert spare.held_bytes == 4096  # in use (we hold it): kept
+    del small, small_view
+    spare.release_idle()
+    assert spare.held_bytes == 0
