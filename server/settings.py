@@ -93,7 +93,9 @@ class Settings:
     memory_trim_interval_s: float = _setting(
         1.0,
         "hand free heap memory back to the OS this often, so resident memory follows what "
-        "is live rather than the highest peak seen (0: never)",
+        "is live rather than the highest peak seen; the bytes of the latest large answer, "
+        "kept to be filled again by the next one of its size, are let go then too if "
+        "unused (0: never, and no bytes are kept)",
     )
     malloc_mmap_threshold_bytes: int = _setting(
         0,

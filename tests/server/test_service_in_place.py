@@ -4,6 +4,7 @@ only where it writes every row itself; the answers are the same either way."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,24 @@ import pytest
 from tokembed.server.app import LoadedModel, load_model
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, Timings
 from tokembed.server.errors import DeadlineExceeded
-from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService
+from tokembed.server import service as service_module
+from tokembed.server.service import (
+    OFFLOAD_MIN_BYTES,
+    EmbeddingService,
+    _answer_shape,
+    _gather_into,
+)
 from tokembed.server.settings import Settings
+from tokembed.server.validation import Limits, validate
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
 
 LARGE_TOKENS = OFFLOAD_MIN_BYTES // (SMALL_D * 2) + 64  # over the in-place size, even as float16
+LIMITS = Limits(
+    vocab_size=SMALL_V, d_model=SMALL_D, model_name="small",
+    max_tokens_per_request=1 << 20, max_output_bytes_per_request=1 << 30,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +216,67 @@ def test_a_failing_batch_observer_does_not_fail_the_answer(
     output = embed(loaded, ids_input(ids, "float32"), Recorder(), BrokenBatches())
     np.testing.assert_array_equal(output.hidden_states, expected[ids])
     assert "batch observer failed; this is a bug" in caplog.text
+
+
+class CountingHelper(ThreadPoolExecutor):
+    """A helper thread that counts the shares of work it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.shares = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.shares += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "layout"),
+    [
+        (None, PADDED),  # rectangular: one piece, cut at its middle row
+        ((300, 1, 77), FLAT),  # flat ragged: one piece too
+        ((300, 1, 77, 5, 2), PADDED),  # padded: sequences dealt half and half, with pads
+        ((9,), PADDED),  # a single sequence: cut in two, no pad rows
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_gather_shared_with_a_helper_writes_every_row_exactly(
+    loaded: LoadedModel,
+    expected: np.ndarray,
+    lengths: tuple[int, ...] | None,
+    layout: str,
+    dtype: str,
+) -> None:
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, SMALL_V, (2, 191) if lengths is None else sum(lengths))
+    validated = validate(ids_input(ids, dtype, lengths=lengths, layout=layout), LIMITS)
+    table = loaded.float32_table if dtype == "float32" else loaded.float16_table
+    assert table is not None
+    alone = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=dtype)
+    shared = np.full_like(alone, np.nan)
+    _gather_into(table, validated, alone, loaded.pad_row)
+    with CountingHelper() as helper:
+        _gather_into(table, validated, shared, loaded.pad_row, helper)
+    assert helper.shares == 1
+    assert not np.isnan(shared).any()  # every row was written
+    np.testing.assert_array_equal(shared, alone)
+    if lengths is None:
+        np.testing.assert_array_equal(shared, expected[ids].astype(dtype))
+
+
+def test_the_service_shares_large_gathers_and_they_stay_exact(
+    loaded: LoadedModel, expected: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service_module, "SPLIT_GATHER_MIN_BYTES", OFFLOAD_MIN_BYTES)
+    shares: list[int] = []
+    real = service_module._split_in_two
+
+    def counting(*args: Any) -> Any:
+        shares.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(service_module, "_split_in_two", counting)
+    ids = np.random.default_rng(12).integers(0, SMALL_V, (2, LARGE_TOKENS // 2 + 1))
+    output = embed(loaded, ids_input(ids, "float32"), Recorder())
+    np.testing.assert_array_equal(output.hidden_states, expected[ids])
+    assert shares == [1]
