@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tokembed.server import service as service_module
 from tokembed.server.app import LoadedModel, load_model
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, Timings
 from tokembed.server.errors import DeadlineExceeded
-from tokembed.server import service as service_module
 from tokembed.server.service import (
     OFFLOAD_MIN_BYTES,
     EmbeddingService,
