@@ -230,7 +230,7 @@ def _answer_shape(job: EmbedJob, d_model: int) -> tuple[int, ...]:
     return (job.batch, job.seq_len, d_model)
 
 
-_Pieces = list[tuple[np.ndarray, np.ndarray]]  # (ids, the rows their rows go to)
+_Pieces = list[tuple[np.ndarray, np.ndarray]]  # (ids, the output rows they fill)
 
 
 def _gather_into(
@@ -255,7 +255,7 @@ def _gather_into(
     d_model = table.shape[1]
     row = np.dtype((np.void, d_model * table.itemsize))
     source = table.view(row).reshape(table.shape[0])
-    # (ids, where their rows go) pieces, and where pad rows go.
+    # What to copy: pieces of ids and the output rows they fill, and where pad rows go.
     pieces: _Pieces = []
     pads: list[np.ndarray] = []
     if job.ragged and job.layout != FLAT:
