@@ -295,7 +295,10 @@ class TokembedServer:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.settings.memory_trim_interval_s)
-            await loop.run_in_executor(None, self._release_memory)
+            try:
+                await loop.run_in_executor(None, self._release_memory)
+            except Exception:  # one failed trim must not end trimming for good
+                logger.exception("releasing free memory failed; trying again next time")
 
     def _release_memory(self) -> None:
         if self._spare_bytes is not None:
@@ -347,6 +350,8 @@ class TokembedServer:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
         if self.state.service is not None:
             await self.state.service.close()
+        if self._spare_bytes is not None:
+            self._spare_bytes.release()  # the trimmer that let it go is stopped
         if self._stop_metrics is not None:
             self._stop_metrics()
         self._stopped.set()

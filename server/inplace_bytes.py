@@ -102,27 +102,29 @@ class SpareBytes:
 
     Why: fresh bytes of 32 MiB are fresh pages, which the kernel zero-fills one by one
     as the look-up first writes them; the floor's answer, cached, pays none of that.
-    A fixed-shape workload asks for answers of one size, so at concurrency 1 every
-    answer after the first reuses the spare. Measured, large [32,512] unary at c=1,
-    see docs/benchmarks/README.md.
+    A fixed-shape workload asks for answers of one size, so at concurrency 1 most
+    answers reuse the spare (not when the next request comes before gRPC is done with
+    the last answer). Measured, large [32,512] unary at c=1: docs/benchmarks/README.md.
 
     When a spare may be filled again: only its holder refers to it (gRPC copies the
     bytes when it starts sending and drops them once sent; a view, a traceback, anyone
     holding them: not reused) and nobody has hashed it (the cached hash would go stale).
 
-    Memory: at most one answer is kept beyond those in flight, and not for long: it is
-    let go before bytes of another size are allocated (so in-place answers never
-    coexist with it) and by ``release_idle``, which the server's heap trim calls every
-    second, so an idle server holds none after a second.
+    Memory: at most one answer is kept beyond those in flight, and not for long: a free
+    spare is let go before bytes of another size are allocated, and by ``release_idle``
+    once no answer took it for a whole call interval (the server's heap trim calls it
+    every second, so an idle server holds none after two seconds).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the heap trim runs on another thread
         self._spare: bytes | None = None
+        self._taken = False  # whether an answer asked for bytes since release_idle
 
     def allocate(self, size: int) -> tuple[bytes, np.ndarray]:
         """As :func:`allocate`, reusing the spare when it is free and of this size."""
         with self._lock:
+            self._taken = True
             if self._spare_is_free():
                 assert self._spare is not None
                 if len(self._spare) == size:
@@ -139,7 +141,15 @@ class SpareBytes:
         return 0 if spare is None else len(spare)
 
     def release_idle(self) -> None:
-        """Let the spare go unless an answer is using it."""
+        """Let the spare go if no answer asked for bytes since the last call and none is
+        using it: a spare in steady use stays, an idle one goes."""
+        with self._lock:
+            if not self._taken and self._spare_is_free():
+                self._spare = None
+            self._taken = False
+
+    def release(self) -> None:
+        """Let the spare go now, unless an answer is using it (at shutdown)."""
         with self._lock:
             if self._spare_is_free():
                 self._spare = None

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -35,6 +36,37 @@ OFFLOAD_MIN_BYTES = 1 << 20
 # (33.5 MB) took 4.8 ms on one thread and 2.5 ms on two here (caches flushed before
 # each), and at low load the second core is idle. Below this the hand-off eats the gain.
 SPLIT_GATHER_MIN_BYTES = 4 << 20
+
+
+class GatherHelper:
+    """One thread that takes half of a large gather, when it is not busy with another's
+    (two gathers at once would only queue behind it: each then does its whole share)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokembed-gather")
+        self._free = threading.Semaphore(1)
+
+    def try_submit(self, fn: Callable[..., None], *args: object) -> Future[None] | None:
+        """``fn(*args)`` on the helper thread, or None (and nothing run) if it is busy."""
+        if not self._free.acquire(blocking=False):
+            return None
+
+        def share() -> None:
+            try:
+                fn(*args)
+            finally:
+                # Free before the future completes: whoever waits on it finds the
+                # helper free for its next gather.
+                self._free.release()
+
+        try:
+            return self._executor.submit(share)
+        except BaseException:
+            self._free.release()
+            raise
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False)
 
 
 class Offloader:
@@ -97,9 +129,7 @@ class EmbeddingService:
             ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokembed-encode")
         )
         # Takes half of each large in-place gather (see SPLIT_GATHER_MIN_BYTES).
-        self._gather_helper = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tokembed-gather"
-        )
+        self._gather_helper = GatherHelper()
         self.batcher = Batcher(
             compute,
             self._compute_executor,
@@ -219,7 +249,7 @@ class EmbeddingService:
 
     async def close(self) -> None:
         await self.batcher.close()
-        self._gather_helper.shutdown(wait=False)
+        self._gather_helper.shutdown()
         if self._own_executor:
             self._compute_executor.shutdown(wait=False)
 
@@ -238,7 +268,7 @@ def _gather_into(
     job: EmbedJob,
     out: np.ndarray,
     pad_row: np.ndarray,
-    helper: Executor | None = None,
+    helper: GatherHelper | None = None,
 ) -> BatchResult:
     """The answer's rows from ``table``, written into ``out``: ``out[i] = table[ids[i]]``,
     or for padded ragged answers each sequence's rows then pad rows. The rows are copied
@@ -270,11 +300,13 @@ def _gather_into(
         rows = out.reshape(job.tokens, d_model).view(row).reshape(job.tokens)  # views
         pieces.append((job.ids, rows))
     pad = np.ascontiguousarray(pad_row.astype(table.dtype)).view(row)[0]
-    if helper is None:
+    (mine, my_pads), (theirs, their_pads) = _split_in_two(pieces, pads)
+    shared = (
+        None if helper is None else helper.try_submit(_copy_rows, source, theirs, their_pads, pad)
+    )
+    if shared is None:
         _copy_rows(source, pieces, pads, pad)
     else:
-        (mine, my_pads), (theirs, their_pads) = _split_in_two(pieces, pads)
-        shared = helper.submit(_copy_rows, source, theirs, their_pads, pad)
         try:
             _copy_rows(source, mine, my_pads, pad)
         finally:
@@ -295,7 +327,8 @@ def _split_in_two(
     pieces: _Pieces, pads: list[np.ndarray]
 ) -> tuple[tuple[_Pieces, list[np.ndarray]], tuple[_Pieces, list[np.ndarray]]]:
     """Two shares of the copying: one piece is cut at its middle row; several (one per
-    sequence of a padded answer, each with its pad rows) are dealt half and half."""
+    sequence of a padded answer, each with its pad rows) are dealt by count, the first
+    half of the sequences and the rest (uneven when their lengths are)."""
     if len(pieces) == 1:
         ids, rows = pieces[0]
         half = len(ids) // 2

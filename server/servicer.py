@@ -57,7 +57,7 @@ class EmbeddingServicer:
         self._metrics = metrics
         # Whether answers may be built in place on this interpreter (fixed at import).
         self._in_place = wire.InPlaceResponse.available()
-        self._allocate = inplace_bytes.allocate if spare_bytes is None else spare_bytes.allocate
+        self._allocate = None if spare_bytes is None else spare_bytes.allocate
 
     # --- RPCs
 
@@ -342,7 +342,7 @@ class _InPlaceAnswer:
         self,
         service: EmbeddingService,
         request_id: str,
-        allocate: Callable[[int], tuple[bytes, np.ndarray]],
+        allocate: Callable[[int], tuple[bytes, np.ndarray]] | None,
     ) -> None:
         self._manifest = service.info.model.manifest
         self._request_id = request_id

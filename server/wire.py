@@ -234,13 +234,15 @@ class InPlaceResponse:
         shape: tuple[int, ...],
         dtype: np.dtype,
         metadata_size: int,
-        allocate: Callable[[int], tuple[bytes, np.ndarray]] = inplace_bytes.allocate,
+        allocate: Callable[[int], tuple[bytes, np.ndarray]] | None = None,
     ) -> None:
-        """``allocate``: where the bytes come from (``SpareBytes.allocate`` reuses)."""
+        """``allocate``: where the bytes come from (``SpareBytes.allocate`` reuses; by
+        default ``inplace_bytes.allocate``, new bytes)."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         prefix = _response_prefix(shape, dtype, nbytes)
-        self._data, self._chars = allocate(len(prefix) + nbytes + metadata_size)
+        size = len(prefix) + nbytes + metadata_size
+        self._data, self._chars = (allocate or inplace_bytes.allocate)(size)
         self._chars[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
         self._metadata_at = len(prefix) + nbytes
         self.rows = self._chars[len(prefix) : self._metadata_at].view(dtype).reshape(shape)
@@ -250,7 +252,8 @@ class InPlaceResponse:
         if len(metadata) != len(self._data) - self._metadata_at:
             return None
         self._chars[self._metadata_at :] = np.frombuffer(metadata, dtype=np.uint8)
-        # The bytes are about to be shared: nothing may write into them any more.
+        # The bytes are about to be shared: nothing may write into them through this
+        # response any more (a SpareBytes refills them only once nobody else holds them).
         self.rows.flags.writeable = False
         self._chars.flags.writeable = False
         return self._data

@@ -118,8 +118,51 @@ def test_the_spare_is_let_go_before_another_size_and_when_idle() -> None:
     small, small_view = spare.allocate(4096)  # another size: the big spare goes first
     assert spare.held_bytes == 4096
     assert _resident_bytes() - before < size // 2
+    del small_view
     spare.release_idle()
     assert spare.held_bytes == 4096  # in use (we hold it): kept
-    del small, small_view
+    del small
+    spare.allocate(4096)  # taken again (and dropped at once)
     spare.release_idle()
+    assert spare.held_bytes == 4096  # free, but taken since the last call: kept
+    spare.release_idle()
+    assert spare.held_bytes == 0  # untouched for a whole interval: let go
+
+
+def test_a_free_spare_is_let_go_before_new_bytes_are_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spare = inplace_bytes.SpareBytes()
+    spare.allocate(4096)  # dropped at once: a free spare of 4096 bytes
+    held_when_allocating: list[int] = []
+    allocate = inplace_bytes.allocate
+
+    def recording(size: int) -> tuple[bytes, np.ndarray]:
+        held_when_allocating.append(spare.held_bytes)
+        return allocate(size)
+
+    monkeypatch.setattr(inplace_bytes, "allocate", recording)
+    spare.allocate(8192)
+    assert held_when_allocating == [0]  # never both at once
+
+
+def test_a_spare_seen_through_a_surviving_view_is_not_filled_again() -> None:
+    spare = inplace_bytes.SpareBytes()
+    data, view = spare.allocate(4096)
+    rows = view[16:].view(np.float32)  # as a look-up thread still writing would hold
+    first = id(data)
+    del data, view
+    other, _ = spare.allocate(4096)
+    assert id(other) != first
+    rows[:] = 1.0  # still writes into its own bytes, not the new answer's
+    assert other != bytes(np.full(1020, 1.0, dtype=np.float32).data)
+
+
+def test_release_lets_a_free_spare_go_at_once_but_never_one_in_use() -> None:
+    spare = inplace_bytes.SpareBytes()
+    data = spare.allocate(4096)[0]
+    spare.release()
+    assert spare.held_bytes == 4096  # we hold it
+    del data
+    spare.release()
     assert spare.held_bytes == 0

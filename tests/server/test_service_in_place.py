@@ -4,7 +4,8 @@ only where it writes every row itself; the answers are the same either way."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from tokembed.server.errors import DeadlineExceeded
 from tokembed.server.service import (
     OFFLOAD_MIN_BYTES,
     EmbeddingService,
+    GatherHelper,
     _answer_shape,
     _gather_into,
 )
@@ -218,16 +220,35 @@ def test_a_failing_batch_observer_does_not_fail_the_answer(
     assert "batch observer failed; this is a bug" in caplog.text
 
 
-class CountingHelper(ThreadPoolExecutor):
-    """A helper thread that counts the shares of work it was given."""
+class CountingHelper(GatherHelper):
+    """A gather helper that counts the shares of work it took."""
 
     def __init__(self) -> None:
-        super().__init__(max_workers=1)
+        super().__init__()
         self.shares = 0
 
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-        self.shares += 1
-        return super().submit(fn, *args, **kwargs)
+    def try_submit(self, fn: Any, *args: object) -> Any:
+        future = super().try_submit(fn, *args)
+        self.shares += future is not None
+        return future
+
+
+class BusyHelper(GatherHelper):
+    """A gather helper always busy with another gather."""
+
+    def try_submit(self, fn: Any, *args: object) -> Any:
+        return None
+
+
+class FailingHelper(GatherHelper):
+    """A gather helper whose share fails, after the caller's share had time to run."""
+
+    def try_submit(self, fn: Any, *args: object) -> Any:
+        def fail() -> None:
+            time.sleep(0.05)
+            raise RuntimeError("the helper's share failed")
+
+        return super().try_submit(fail)
 
 
 @pytest.mark.parametrize(
@@ -255,8 +276,9 @@ def test_a_gather_shared_with_a_helper_writes_every_row_exactly(
     alone = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=dtype)
     shared = np.full_like(alone, np.nan)
     _gather_into(table, validated, alone, loaded.pad_row)
-    with CountingHelper() as helper:
-        _gather_into(table, validated, shared, loaded.pad_row, helper)
+    helper = CountingHelper()
+    _gather_into(table, validated, shared, loaded.pad_row, helper)
+    helper.shutdown()
     assert helper.shares == 1
     assert not np.isnan(shared).any()  # every row was written
     np.testing.assert_array_equal(shared, alone)
@@ -280,3 +302,43 @@ def test_the_service_shares_large_gathers_and_they_stay_exact(
     output = embed(loaded, ids_input(ids, "float32"), Recorder())
     np.testing.assert_array_equal(output.hidden_states, expected[ids])
     assert shares == [1]
+
+
+def test_a_busy_helper_leaves_the_whole_gather_to_the_caller(
+    loaded: LoadedModel, expected: np.ndarray
+) -> None:
+    ids = np.random.default_rng(13).integers(0, SMALL_V, (3, 101))
+    validated = validate(ids_input(ids, "float32"), LIMITS)
+    assert loaded.float32_table is not None
+    out = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=np.float32)
+    _gather_into(loaded.float32_table, validated, out, loaded.pad_row, BusyHelper())
+    np.testing.assert_array_equal(out, expected[ids])
+
+
+def test_a_failing_helper_share_fails_the_gather_once_both_shares_are_over(
+    loaded: LoadedModel, expected: np.ndarray
+) -> None:
+    ids = np.random.default_rng(14).integers(0, SMALL_V, (2, 100))
+    validated = validate(ids_input(ids, "float32"), LIMITS)
+    assert loaded.float32_table is not None
+    out = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=np.float32)
+    helper = FailingHelper()
+    with pytest.raises(RuntimeError, match="the helper's share failed"):
+        _gather_into(loaded.float32_table, validated, out, loaded.pad_row, helper)
+    # The caller did its own share (the first half) before the failure reached it.
+    np.testing.assert_array_equal(out[0], expected[ids[0]])
+    helper.shutdown()
+
+
+def test_the_helper_takes_one_share_at_a_time() -> None:
+    helper = GatherHelper()
+    release = threading.Event()
+    first = helper.try_submit(release.wait)
+    assert first is not None
+    assert helper.try_submit(lambda: None) is None  # busy: the caller does it all
+    release.set()
+    first.result(timeout=5)
+    again = helper.try_submit(lambda: None)  # free as soon as the first is done
+    assert again is not None
+    again.result(timeout=5)
+    helper.shutdown()

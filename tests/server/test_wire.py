@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokembed.server import wire
+from tokembed.server import inplace_bytes, wire
 from tokembed.server.domain import FLAT, PADDED, EmbedOutput, Timings
 from tokembed.server.errors import InvalidInput
 from tokembed.server.validation import Limits, validate
@@ -333,3 +333,30 @@ def test_finished_in_place_bytes_can_no_longer_be_written() -> None:
     with pytest.raises(ValueError, match="read-only"):
         response.rows[0, 0, 0] = 1.0
     assert pb.EmbedResponse.FromString(payload).hidden_states.data == array.tobytes()
+
+
+def test_spare_bytes_declined_once_are_refilled_exactly_for_the_next_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fresh: list[int] = []
+    allocate = inplace_bytes.allocate
+
+    def counting(size: int) -> tuple[bytes, np.ndarray]:
+        fresh.append(size)
+        return allocate(size)
+
+    monkeypatch.setattr(inplace_bytes, "allocate", counting)
+    spare = inplace_bytes.SpareBytes()
+    array = make_array((2, 3, 8), "float32")
+    sized = wire.response_metadata(make_output(array, None), "m", "1", "r", 0.25)
+    zero_server_s = wire.response_metadata(make_output(array, None), "m", "1", "r", 0.0)
+    declined = wire.InPlaceResponse(array.shape, array.dtype, len(sized), spare.allocate)
+    declined.rows[...] = array
+    assert declined.finish(zero_server_s) is None  # the caller copies instead
+    del declined
+    other = -array
+    response = wire.InPlaceResponse(array.shape, array.dtype, len(sized), spare.allocate)
+    response.rows[...] = other
+    payload = response.finish(sized)
+    assert len(fresh) == 1  # the second response reused the first one's bytes
+    assert payload == wire.encode_response(other, sized)  # nothing of the first is left
