@@ -112,8 +112,8 @@ class SpareBytes:
 
     Memory: at most one answer is kept beyond those in flight, and not for long: a free
     spare is let go before bytes of another size are allocated, and by ``release_idle``
-    once no answer took it for a whole call interval (the server's heap trim calls it
-    every second, so an idle server holds none after two seconds).
+    when no answer asked for bytes since its previous call (the server's heap trim calls
+    it every second, so an idle server holds none after two seconds).
     """
 
     def __init__(self) -> None:

@@ -39,8 +39,9 @@ SPLIT_GATHER_MIN_BYTES = 4 << 20
 
 
 class GatherHelper:
-    """One thread that takes half of a large gather, when it is not busy with another's
-    (two gathers at once would only queue behind it: each then does its whole share)."""
+    """One thread that takes half of a large gather when it is free. A second gather at
+    the same time would only queue behind the first's half, so it does all of its own
+    copying instead."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokembed-gather")
