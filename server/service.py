@@ -301,10 +301,10 @@ def _gather_into(
         rows = out.reshape(job.tokens, d_model).view(row).reshape(job.tokens)  # views
         pieces.append((job.ids, rows))
     pad = np.ascontiguousarray(pad_row.astype(table.dtype)).view(row)[0]
-    (mine, my_pads), (theirs, their_pads) = _split_in_two(pieces, pads)
-    shared = (
-        None if helper is None else helper.try_submit(_copy_rows, source, theirs, their_pads, pad)
-    )
+    shared = None
+    if helper is not None:
+        (mine, my_pads), (theirs, their_pads) = _split_in_two(pieces, pads)
+        shared = helper.try_submit(_copy_rows, source, theirs, their_pads, pad)
     if shared is None:
         _copy_rows(source, pieces, pads, pad)
     else:

@@ -8,20 +8,19 @@ returns a message.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from tokembed.server import inplace_bytes, wire
 from tokembed.server.admission import Ticket
-from tokembed.server.domain import EmbedOutput, Timings
+from tokembed.server.domain import EmbedOutput
 from tokembed.server.errors import EmbedError, Internal, InvalidInput
+from tokembed.server.in_place_answer import InPlaceAnswer
 from tokembed.server.metrics import Metrics
 from tokembed.server.service import EmbeddingService
 from tokembed.server.serving_state import InFlight, ServingState
@@ -67,7 +66,7 @@ class EmbeddingServicer:
             try:
                 service = self._state.ready_service()
                 in_place = (
-                    _InPlaceAnswer(service, request.request_id, self._allocate)
+                    InPlaceAnswer(service, request.request_id, self._allocate)
                     if self._in_place
                     else None
                 )
@@ -328,42 +327,6 @@ class EmbeddingServicer:
         self._rejected(method, error.reason, code, started, str(error))
         await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
         raise AssertionError("this is a bug: context.abort returned")
-
-
-class _InPlaceAnswer:
-    """Lets the service write a unary answer's rows straight into its response bytes
-    (``wire.InPlaceResponse``); ``response`` is set once it did."""
-
-    # Stand-ins for the durations measured later: any non-zero double encodes to the
-    # same 9 bytes (a zero one is left out; then ``finish`` declines and we copy).
-    _LATER = 1.0
-
-    def __init__(
-        self,
-        service: EmbeddingService,
-        request_id: str,
-        allocate: Callable[[int], tuple[bytes, np.ndarray]] | None,
-    ) -> None:
-        self._manifest = service.info.model.manifest
-        self._request_id = request_id
-        self._allocate = allocate
-        self.response: wire.InPlaceResponse | None = None
-
-    def __call__(
-        self,
-        shape: tuple[int, ...],
-        dtype: np.dtype,
-        lengths: tuple[int, ...] | None,
-        timings: Timings,
-    ) -> np.ndarray:
-        stand_in = EmbedOutput(
-            np.empty((0,), dtype), lengths, dataclasses.replace(timings, compute_s=self._LATER)
-        )
-        metadata = wire.response_metadata(
-            stand_in, self._manifest.name, self._manifest.version, self._request_id, self._LATER
-        )
-        self.response = wire.InPlaceResponse(shape, dtype, len(metadata), self._allocate)
-        return self.response.rows
 
 
 def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:

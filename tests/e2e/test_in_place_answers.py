@@ -94,20 +94,6 @@ def test_large_answers_through_the_client_flat_ragged_and_padded(
     assert finished == [True, True]  # the two large answers; the small one is encoded
 
 
-@pytest.fixture
-def fresh_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The size of every response bytes object allocated afresh (not reused)."""
-    sizes: list[int] = []
-    allocate = inplace_bytes.allocate
-
-    def counting(size: int) -> tuple[bytes, np.ndarray]:
-        sizes.append(size)
-        return allocate(size)
-
-    monkeypatch.setattr(inplace_bytes, "allocate", counting)
-    return sizes
-
-
 def test_reused_response_bytes_never_mix_answers(
     small_model_dir: Path,
     start_server: Any,

@@ -14,7 +14,7 @@ import pytest
 
 from tokembed.server import service as service_module
 from tokembed.server.app import LoadedModel, load_model
-from tokembed.server.domain import FLAT, PADDED, EmbedInput, Timings
+from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedJob, Timings
 from tokembed.server.errors import DeadlineExceeded
 from tokembed.server.service import (
     OFFLOAD_MIN_BYTES,
@@ -304,13 +304,18 @@ def test_the_service_shares_large_gathers_and_they_stay_exact(
     assert shares == [1]
 
 
+def float32_answer_to_fill(ids: np.ndarray) -> tuple[EmbedJob, np.ndarray]:
+    """The validated job for ``ids`` and a NaN-filled float32 answer to gather into."""
+    validated = validate(ids_input(ids, "float32"), LIMITS)
+    return validated, np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=np.float32)
+
+
 def test_a_busy_helper_leaves_the_whole_gather_to_the_caller(
     loaded: LoadedModel, expected: np.ndarray
 ) -> None:
     ids = np.random.default_rng(13).integers(0, SMALL_V, (3, 101))
-    validated = validate(ids_input(ids, "float32"), LIMITS)
+    validated, out = float32_answer_to_fill(ids)
     assert loaded.float32_table is not None
-    out = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=np.float32)
     _gather_into(loaded.float32_table, validated, out, loaded.pad_row, BusyHelper())
     np.testing.assert_array_equal(out, expected[ids])
 
@@ -319,9 +324,8 @@ def test_a_failing_helper_share_fails_the_gather_once_both_shares_are_over(
     loaded: LoadedModel, expected: np.ndarray
 ) -> None:
     ids = np.random.default_rng(14).integers(0, SMALL_V, (2, 100))
-    validated = validate(ids_input(ids, "float32"), LIMITS)
+    validated, out = float32_answer_to_fill(ids)
     assert loaded.float32_table is not None
-    out = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=np.float32)
     helper = FailingHelper()
     with pytest.raises(RuntimeError, match="the helper's share failed"):
         _gather_into(loaded.float32_table, validated, out, loaded.pad_row, helper)

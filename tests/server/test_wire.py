@@ -336,16 +336,8 @@ def test_finished_in_place_bytes_can_no_longer_be_written() -> None:
 
 
 def test_spare_bytes_declined_once_are_refilled_exactly_for_the_next_answer(
-    monkeypatch: pytest.MonkeyPatch,
+    fresh_allocations: list[int],
 ) -> None:
-    fresh: list[int] = []
-    allocate = inplace_bytes.allocate
-
-    def counting(size: int) -> tuple[bytes, np.ndarray]:
-        fresh.append(size)
-        return allocate(size)
-
-    monkeypatch.setattr(inplace_bytes, "allocate", counting)
     spare = inplace_bytes.SpareBytes()
     array = make_array((2, 3, 8), "float32")
     sized = wire.response_metadata(make_output(array, None), "m", "1", "r", 0.25)
@@ -358,5 +350,5 @@ def test_spare_bytes_declined_once_are_refilled_exactly_for_the_next_answer(
     response = wire.InPlaceResponse(array.shape, array.dtype, len(sized), spare.allocate)
     response.rows[...] = other
     payload = response.finish(sized)
-    assert len(fresh) == 1  # the second response reused the first one's bytes
+    assert len(fresh_allocations) == 1  # the second response reused the first one's bytes
     assert payload == wire.encode_response(other, sized)  # nothing of the first is left

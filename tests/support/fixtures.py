@@ -58,3 +58,20 @@ def start_server() -> Iterator[Callable[..., ServerThread]]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def fresh_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every in-place response bytes object allocated afresh (not reused
+    from a SpareBytes), while the test runs."""
+    from tokembed.server import inplace_bytes
+
+    sizes: list[int] = []
+    allocate = inplace_bytes.allocate
+
+    def counting(size: int) -> tuple[bytes, Any]:
+        sizes.append(size)
+        return allocate(size)
+
+    monkeypatch.setattr(inplace_bytes, "allocate", counting)
+    return sizes
