@@ -50,7 +50,7 @@ class BatchObserver(Protocol):
     def dropped(self, reason: str) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # per request: slotted, not frozen (see domain.py)
 class BatchResult:
     rows: np.ndarray  # [n, D]: this request's rows, a view into the batch output
     queue_s: float

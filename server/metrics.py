@@ -17,12 +17,17 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
 )
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from tokembed.server.request_metrics import (
+    CounterFamily,
+    HistogramFamily,
+    RequestMetricsCollector,
+)
 
 # Sub-millisecond resolution: a tiny look-up is ~10 µs and a round trip ~0.6 ms here.
 LATENCY_BUCKETS_S = (
@@ -48,12 +53,13 @@ REJECTION_REASONS = (
 
 
 class PendingUpdates(Collector):
-    """Metric updates made on the request path, applied to the Prometheus metrics in bulk.
+    """Metric updates made on the request path, applied to the metrics in bulk.
 
     Why: every prometheus_client update takes a lock and runs a little Python, and one
     tiny request makes a dozen of them: ~25 us of a ~0.8 ms round trip, measured in the
     running server (far more than the same calls cost in a hot loop). Appending to a
-    deque is lock-free and thread-safe under the GIL (~0.1 us). The updates are applied
+    deque is lock-free and thread-safe under the GIL (~0.1 us). (The series a served
+    request updates are moreover plain numbers, see request_metrics.) The updates are applied
     before every collection (a scrape, or a test reading the registry: this collector is
     registered before the metrics, and the registry collects in registration order), and
     on the recording thread whenever ``apply_every`` have piled up, so memory stays
@@ -86,6 +92,11 @@ class PendingUpdates(Collector):
         self.apply()
         return iter(())
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while updates are applied: whoever reads what they change holds it too."""
+        return self._applying
+
 
 @dataclass(frozen=True)
 class ModelLabels:
@@ -106,54 +117,62 @@ class Metrics:
         # Resolving a labelled child costs more than updating it: keep them, per
         # (method, code), as (requests.inc, request_duration.observe).
         self._rpc_children: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
-        self.requests = Counter(
+        # The series every served request updates: plain numbers (see request_metrics),
+        # exposed by one collector, read under the lock their updates are applied under.
+        self.requests = CounterFamily(
             "tokembed_requests",
             "RPCs finished, by method and gRPC status code (EmbedStream: one per request)",
             ["method", "code"],
-            registry=registry,
         )
-        self.request_duration = Histogram(
+        self.request_duration = HistogramFamily(
             "tokembed_request_duration_seconds",
             "Server time of an RPC, from decoding the request to handing the answer to gRPC",
+            LATENCY_BUCKETS_S,
             ["method"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = HistogramFamily(
             "tokembed_queue_wait_seconds",
             "Time a served request waited in the batcher before its batch's look-up started",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
+            LATENCY_BUCKETS_S,
         )
-        self.compute = Histogram(
+        self.compute = HistogramFamily(
             "tokembed_compute_seconds",
             "Look-up time of one batch: the onnxruntime run, or the float32 table gather",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
+            LATENCY_BUCKETS_S,
         )
-        self.encode = Histogram(
+        self.encode = HistogramFamily(
             "tokembed_encode_seconds",
             "Time to encode one response's bytes (Embed and EmbedStream answers)",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
+            LATENCY_BUCKETS_S,
         )
-        self.batch_requests = Histogram(
-            "tokembed_batch_requests",
-            "Requests per batch",
-            buckets=BATCH_REQUESTS_BUCKETS,
-            registry=registry,
+        self.batch_requests = HistogramFamily(
+            "tokembed_batch_requests", "Requests per batch", BATCH_REQUESTS_BUCKETS
         )
-        self.batch_tokens = Histogram(
-            "tokembed_batch_tokens",
-            "Tokens per batch",
-            buckets=BATCH_TOKENS_BUCKETS,
-            registry=registry,
+        self.batch_tokens = HistogramFamily(
+            "tokembed_batch_tokens", "Tokens per batch", BATCH_TOKENS_BUCKETS
         )
-        self.batches = Counter("tokembed_batches", "Batches computed", registry=registry)
-        self.tokens = Counter("tokembed_tokens", "Tokens embedded", registry=registry)
-        self.output_bytes = Counter(
-            "tokembed_output_bytes", "Bytes of hidden_states returned", registry=registry
+        self.batches = CounterFamily("tokembed_batches", "Batches computed")
+        self.tokens = CounterFamily("tokembed_tokens", "Tokens embedded")
+        self.output_bytes = CounterFamily(
+            "tokembed_output_bytes", "Bytes of hidden_states returned"
         )
+        families = (
+            self.requests, self.request_duration, self.queue_wait, self.compute,
+            self.encode, self.batch_requests, self.batch_tokens, self.batches, self.tokens,
+            self.output_bytes,
+        )  # fmt: skip
+        for family in families[2:]:
+            family.labels()  # the unlabelled ones: their one series, at 0 from the start
+        registry.register(RequestMetricsCollector(families, self._pending.lock))
+        # The one series of each unlabelled family, looked up once.
+        self._queue_wait = self.queue_wait.labels()
+        self._compute = self.compute.labels()
+        self._encode = self.encode.labels()
+        self._batch_requests = self.batch_requests.labels()
+        self._batch_tokens = self.batch_tokens.labels()
+        self._batches = self.batches.labels()
+        self._tokens = self.tokens.labels()
+        self._output_bytes = self.output_bytes.labels()
         self.inflight = Gauge(
             "tokembed_inflight_requests", "RPCs being served now", registry=registry
         )
@@ -200,9 +219,9 @@ class Metrics:
         # first events after a (re)start: a series born at 3 shows no increase at all.
         # (go-grpc-prometheus's InitializeMetrics does the same.)
         for method in RPC_METHODS:
-            self.request_duration.labels(method=method)
+            self.request_duration.labels(method)
             for code in RPC_CODES:
-                self.requests.labels(method=method, code=code)
+                self.requests.labels(method, code)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
 
@@ -212,8 +231,8 @@ class Metrics:
         children = self._rpc_children.get((method, code))
         if children is None:
             children = (
-                self.requests.labels(method=method, code=code).inc,
-                self.request_duration.labels(method=method).observe,
+                self.requests.labels(method, code).inc,
+                self.request_duration.labels(method).observe,
             )
             self._rpc_children[(method, code)] = children
         add = self._pending.add
@@ -222,12 +241,12 @@ class Metrics:
 
     def answered(self, tokens: int, output_bytes: int, queue_s: float) -> None:
         add = self._pending.add
-        add(self.tokens.inc, tokens)
-        add(self.output_bytes.inc, output_bytes)
-        add(self.queue_wait.observe, queue_s)
+        add(self._tokens.inc, tokens)
+        add(self._output_bytes.inc, output_bytes)
+        add(self._queue_wait.observe, queue_s)
 
     def encoded(self, seconds: float) -> None:
-        self._pending.add(self.encode.observe, seconds)
+        self._pending.add(self._encode.observe, seconds)
 
     def rejected(self, reason: str) -> None:
         self._pending.add(self.rejections.labels(reason=reason).inc, 1)
@@ -236,10 +255,10 @@ class Metrics:
 
     def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
         add = self._pending.add
-        add(self.batches.inc, 1)
-        add(self.batch_requests.observe, requests)
-        add(self.batch_tokens.observe, tokens)
-        add(self.compute.observe, compute_s)
+        add(self._batches.inc, 1)
+        add(self._batch_requests.observe, requests)
+        add(self._batch_tokens.observe, tokens)
+        add(self._compute.observe, compute_s)
 
     def dropped(self, reason: str) -> None:
         # Rejections are counted once, at the RPC edge; this counts the look-ups saved.
