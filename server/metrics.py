@@ -11,6 +11,7 @@ import collections
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,7 +26,9 @@ from prometheus_client.registry import Collector
 
 from tokembed.server.request_metrics import (
     CounterFamily,
+    CounterSeries,
     HistogramFamily,
+    HistogramSeries,
     RequestMetricsCollector,
 )
 
@@ -68,15 +71,14 @@ class PendingUpdates(Collector):
     """
 
     def __init__(self, apply_every: int = 1024) -> None:
-        self._updates: collections.deque[tuple[Callable[[float], None], float]] = (
-            collections.deque()
-        )
+        # (update, its argument): update(argument) is called when applied.
+        self._updates: collections.deque[tuple[Callable[[Any], None], Any]] = collections.deque()
         self._apply_every = apply_every
         # One thread applies at a time, so that a collection waits for an apply already
         # under way and then sees its updates; adding never takes it.
         self._applying = threading.Lock()
 
-    def add(self, update: Callable[[float], None], value: float) -> None:
+    def add(self, update: Callable[[Any], None], value: Any) -> None:
         self._updates.append((update, value))
         if len(self._updates) >= self._apply_every:
             self.apply()
@@ -114,9 +116,9 @@ class Metrics:
         # First: collections apply what is pending before reading any metric.
         self._pending = PendingUpdates()
         registry.register(self._pending)
-        # Resolving a labelled child costs more than updating it: keep them, per
-        # (method, code), as (requests.inc, request_duration.observe).
-        self._rpc_children: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
+        # Resolving a labelled series costs more than updating it: keep them, per
+        # (method, code), as (requests, request_duration).
+        self._rpc_series: dict[tuple[str, str], tuple[CounterSeries, HistogramSeries]] = {}
         # The series every served request updates: plain numbers (see request_metrics),
         # exposed by one collector, read under the lock their updates are applied under.
         self.requests = CounterFamily(
@@ -227,23 +229,14 @@ class Metrics:
 
     # --- the request path: deferred updates (see PendingUpdates)
 
+    # One pending update per call, applied later as several series updates: the request
+    # path pays one append, whatever the number of series.
+
     def rpc_done(self, method: str, code: str, duration_s: float) -> None:
-        children = self._rpc_children.get((method, code))
-        if children is None:
-            children = (
-                self.requests.labels(method, code).inc,
-                self.request_duration.labels(method).observe,
-            )
-            self._rpc_children[(method, code)] = children
-        add = self._pending.add
-        add(children[0], 1)
-        add(children[1], duration_s)
+        self._pending.add(self._apply_rpc_done, (method, code, duration_s))
 
     def answered(self, tokens: int, output_bytes: int, queue_s: float) -> None:
-        add = self._pending.add
-        add(self._tokens.inc, tokens)
-        add(self._output_bytes.inc, output_bytes)
-        add(self._queue_wait.observe, queue_s)
+        self._pending.add(self._apply_answered, (tokens, output_bytes, queue_s))
 
     def encoded(self, seconds: float) -> None:
         self._pending.add(self._encode.observe, seconds)
@@ -254,11 +247,31 @@ class Metrics:
     # --- the batcher's observer
 
     def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
-        add = self._pending.add
-        add(self._batches.inc, 1)
-        add(self._batch_requests.observe, requests)
-        add(self._batch_tokens.observe, tokens)
-        add(self._compute.observe, compute_s)
+        self._pending.add(self._apply_batch_done, (requests, tokens, compute_s))
+
+    # --- applied by PendingUpdates.apply, under its lock
+
+    def _apply_rpc_done(self, update: tuple[str, str, float]) -> None:
+        method, code, duration_s = update
+        series = self._rpc_series.get((method, code))
+        if series is None:
+            series = (self.requests.labels(method, code), self.request_duration.labels(method))
+            self._rpc_series[(method, code)] = series
+        series[0].inc(1)
+        series[1].observe(duration_s)
+
+    def _apply_answered(self, update: tuple[int, int, float]) -> None:
+        tokens, output_bytes, queue_s = update
+        self._tokens.inc(tokens)
+        self._output_bytes.inc(output_bytes)
+        self._queue_wait.observe(queue_s)
+
+    def _apply_batch_done(self, update: tuple[int, int, float]) -> None:
+        requests, tokens, compute_s = update
+        self._batches.inc(1)
+        self._batch_requests.observe(requests)
+        self._batch_tokens.observe(tokens)
+        self._compute.observe(compute_s)
 
     def dropped(self, reason: str) -> None:
         # Rejections are counted once, at the RPC edge; this counts the look-ups saved.

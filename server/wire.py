@@ -9,6 +9,7 @@ against the generated classes).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable
@@ -180,11 +181,18 @@ def response_metadata(
         _TIMINGS_KEY,
         varint(len(timing_fields)),
         timing_fields,  # always set, even if empty
-        _string_field(_MODEL_NAME_KEY, model_name),
-        _string_field(_MODEL_VERSION_KEY, model_version),
+        _model_fields(model_name, model_version),
         _string_field(_REQUEST_ID_KEY, request_id),
     ]
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_fields(model_name: str, model_version: str) -> bytes:
+    """The model's name and version fields: the same in every answer of a server."""
+    return _string_field(_MODEL_NAME_KEY, model_name) + _string_field(
+        _MODEL_VERSION_KEY, model_version
+    )
 
 
 def _double_field(key: bytes, value: float) -> bytes:
