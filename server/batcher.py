@@ -110,13 +110,9 @@ class Batcher:
         """Queue ``ids`` (int64 [n]) for the next batch and wait for its rows."""
         if self._closed:
             raise Unavailable("the server is shutting down")
-        if (
-            not self._queue
-            and self._computing == 0
-            and ids.size <= self._inline_max_tokens
-            and (deadline is None or deadline > time.monotonic())
-        ):
-            return self._compute_alone_inline(ids)
+        alone = self.try_alone_now(ids, deadline)
+        if alone is not None:
+            return alone
         self._ensure_running()
         assert self._wakeup is not None
         future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
@@ -126,6 +122,20 @@ class Batcher:
         # If the caller is cancelled here, the future is cancelled with it and the
         # dispatcher drops it before compute.
         return await future
+
+    def try_alone_now(self, ids: np.ndarray, deadline: float | None = None) -> BatchResult | None:
+        """A batch of these ids alone, looked up right here, if the batcher is idle and
+        they are few (see ``_compute_alone_inline``); None, with nothing done, if they
+        must queue (or the deadline has passed: queued, they are dropped as expired)."""
+        if (
+            not self._closed
+            and not self._queue
+            and self._computing == 0
+            and ids.size <= self._inline_max_tokens
+            and (deadline is None or deadline > time.monotonic())
+        ):
+            return self._compute_alone_inline(ids)
+        return None
 
     def _compute_alone_inline(self, ids: np.ndarray) -> BatchResult:
         """The idle fast path: a lone small request is a batch of one, looked up right here.

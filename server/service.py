@@ -21,13 +21,16 @@ from tokembed.export.model_dir import ModelDir
 from tokembed.server.admission import Admission, Ticket
 from tokembed.server.batcher import Batcher, BatchObserver, BatchResult, Compute
 from tokembed.server.domain import FLAT, AnswerInto, EmbedInput, EmbedJob, EmbedOutput, Timings
-from tokembed.server.errors import DeadlineExceeded, Unavailable
+from tokembed.server.errors import DeadlineExceeded, Overloaded, Unavailable
 from tokembed.server.settings import Settings
-from tokembed.server.validation import Limits, validate
+from tokembed.server.validation import Limits, validate, within_vocabulary
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_INT64 = np.dtype("<i8")
+_FLOAT32_ITEMSIZE = 4
 
 # Below this, copying or encoding on the event loop is cheaper than a thread hop.
 OFFLOAD_MIN_BYTES = 1 << 20
@@ -204,6 +207,55 @@ class EmbeddingService:
             batch_tokens=result.batch_tokens,
         )
         return EmbedOutput(hidden_states=hidden, lengths=job.lengths, timings=timings), ticket
+
+    def embed_plain(
+        self, ids: bytes, batch: int, seq_len: int, deadline: float | None
+    ) -> tuple[EmbedOutput, Ticket] | None:
+        """Serve the commonest request at once, or return None having done nothing.
+
+        The commonest request: int64 ids ``[batch, seq_len]`` (their bytes), a float32
+        answer under ``OFFLOAD_MIN_BYTES``, few enough tokens to look up on the event
+        loop, valid, admitted, and an idle batcher. It gets what :meth:`embed` would
+        give it (the same rows, timings, batch and metric updates) without the domain
+        objects and awaits every other request goes through: for a tiny request they
+        were a third of the server's time on it, measured live. Anything else, and
+        every request to refuse, gets None: :meth:`embed` then serves it or says what
+        is wrong. The caller releases the ticket once the answer is sent.
+        """
+        tokens = batch * seq_len
+        limits = self.info.limits
+        output_bytes = tokens * limits.d_model * _FLOAT32_ITEMSIZE
+        if (
+            self.draining
+            or batch <= 0
+            or seq_len <= 0
+            or tokens > self.settings.inline_compute_max_tokens
+            or tokens > limits.max_tokens_per_request
+            or output_bytes > limits.max_output_bytes_per_request
+            or output_bytes >= OFFLOAD_MIN_BYTES  # embed() gathers those in place
+            or len(ids) != tokens * _INT64.itemsize
+        ):
+            return None
+        flat = np.frombuffer(ids, dtype=_INT64)
+        if not within_vocabulary(flat, limits.vocab_size):
+            return None
+        try:
+            ticket = self.admission.admit(tokens, output_bytes)
+        except Overloaded:
+            return None  # embed() refuses it the same way, and counts the refusal
+        try:
+            result = self.batcher.try_alone_now(flat, deadline)
+        except BaseException:
+            ticket.release()
+            raise
+        if result is None:  # it must queue (or its deadline has passed): embed() does that
+            ticket.release()
+            return None
+        timings = Timings(
+            queue_s=0.0, compute_s=result.compute_s, batch_requests=1, batch_tokens=tokens
+        )
+        hidden = np.ascontiguousarray(result.rows).reshape(batch, seq_len, limits.d_model)
+        return EmbedOutput(hidden_states=hidden, lengths=None, timings=timings), ticket
 
     def _in_place_table(self, job: EmbedJob) -> np.ndarray | None:
         """The row table to gather a job's answer from straight into the caller's array:

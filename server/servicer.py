@@ -65,14 +65,19 @@ class EmbeddingServicer:
         with self._inflight():
             try:
                 service = self._state.ready_service()
-                in_place = (
-                    InPlaceAnswer(service, request.request_id, self._allocate)
-                    if self._in_place
-                    else None
-                )
-                output, ticket = await service.embed(
-                    wire.to_domain(request), _deadline(context), answer_into=in_place
-                )
+                deadline = _deadline(context)
+                # The commonest request is answered at once, without the domain objects
+                # (EmbeddingService.embed_plain); any other goes the general way.
+                plain = wire.plain_ids(request)
+                served = None if plain is None else service.embed_plain(*plain, deadline)
+                in_place = None
+                if served is None:
+                    if self._in_place:
+                        in_place = InPlaceAnswer(service, request.request_id, self._allocate)
+                    served = await service.embed(
+                        wire.to_domain(request), deadline, answer_into=in_place
+                    )
+                output, ticket = served
                 # The output bytes stay reserved until gRPC has sent them.
                 context.add_done_callback(lambda _: ticket.release())
                 payload = await self._encode(

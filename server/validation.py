@@ -121,7 +121,8 @@ def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[
 _PYTHON_BOUNDS_MAX_IDS = 64
 
 
-def _within(ids: np.ndarray, vocab_size: int) -> bool:
+def within_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
+    """Whether every id is in [0, vocab_size)."""
     if ids.size <= _PYTHON_BOUNDS_MAX_IDS:
         values = ids.tolist()
         return not values or (min(values) >= 0 and max(values) < vocab_size)
@@ -129,7 +130,7 @@ def _within(ids: np.ndarray, vocab_size: int) -> bool:
 
 
 def _check_vocabulary(ids: np.ndarray, shape: tuple[int, ...], vocab_size: int) -> None:
-    if not _within(ids, vocab_size):
+    if not within_vocabulary(ids, vocab_size):
         bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
         first = int(bad[0])
         where = list(np.unravel_index(first, shape)) if len(shape) == 2 else [first]

@@ -94,6 +94,29 @@ def to_domain(request: ParsedRequest) -> EmbedInput:
     )
 
 
+def plain_ids(request: ParsedRequest) -> tuple[bytes, int, int] | None:
+    """``(ids bytes, B, S)`` of the commonest request, for ``EmbeddingService.embed_plain``:
+    int64 ids of shape [B, S] (both > 0), no lengths, a float32 answer, no model name.
+    None for any other request, which goes the general way (``to_domain``)."""
+    if (
+        isinstance(request, MalformedRequest)
+        or request.lengths
+        or request.model_name
+        or request.output_dtype not in _FLOAT32_CODES
+    ):
+        return None
+    tensor = request.input_ids
+    if tensor.dtype != pb.DTYPE_INT64:
+        return None
+    shape = tensor.shape
+    if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
+        return None
+    return tensor.data, shape[0], shape[1]
+
+
+_FLOAT32_CODES = (pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT32)
+
+
 def varint(value: int) -> bytes:
     if value < 0:
         raise ValueError(f"this is a bug: varint of negative {value}")

@@ -139,6 +139,28 @@ def test_int32_ids_give_the_same_answer(small_model_dir: Path, start_server: Any
     np.testing.assert_array_equal(got, SMALL_ROWS[ids.astype(np.int64)])
 
 
+def test_a_named_request_gets_the_answer_of_an_unnamed_one(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    """Unnamed int64 requests take the server's plain path, named ones the general path
+    (EmbeddingService.embed_plain): the same rows, timings and model fields."""
+    server = start_server(small_model_dir)
+    ids = np.random.default_rng(3).integers(0, SMALL_V, (2, 8))
+    with EmbeddingClient(server.target) as unnamed:
+        name = unnamed.model_info().name
+        plain = unnamed.embed_result(ids)
+    with EmbeddingClient(server.target, model_name=name) as named:
+        general = named.embed_result(ids)
+    np.testing.assert_array_equal(plain.hidden_states, SMALL_ROWS[ids])
+    np.testing.assert_array_equal(plain.hidden_states, general.hidden_states)
+    for result in (plain, general):
+        timings = result.timings
+        assert (timings.queue_seconds, timings.batch_requests, timings.batch_tokens) == (0, 1, 16)
+        assert timings.compute_seconds > 0 and timings.server_seconds > 0
+        assert (result.model_name, result.lengths) == (name, None)
+    assert plain.model_version == general.model_version
+
+
 def test_stream_answers_in_order(small_model_dir: Path, start_server: Any) -> None:
     server = start_server(small_model_dir)
     inputs = [[[i, i + 1]] for i in range(0, 60, 3)]

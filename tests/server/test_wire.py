@@ -352,3 +352,45 @@ def test_spare_bytes_declined_once_are_refilled_exactly_for_the_next_answer(
     payload = response.finish(sized)
     assert len(fresh_allocations) == 1  # the second response reused the first one's bytes
     assert payload == wire.encode_response(other, sized)  # nothing of the first is left
+
+
+def _request(ids: np.ndarray, dtype: int = pb.DTYPE_INT64, **fields: object) -> pb.EmbedRequest:
+    tensor = pb.Tensor(dtype=dtype, shape=ids.shape, data=ids.tobytes())
+    return pb.EmbedRequest(input_ids=tensor, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("output_dtype", [pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT32])
+def test_the_plain_request_is_read_without_the_domain_objects(output_dtype: int) -> None:
+    ids = np.arange(24, dtype="<i8").reshape(3, 8)
+    parsed = wire.parse_request(
+        _request(ids, output_dtype=output_dtype, request_id="r").SerializeToString()
+    )
+    assert wire.plain_ids(parsed) == (ids.tobytes(), 3, 8)
+
+
+PLAIN_OR_NOT = {
+    # [B, S] with lengths is refused by validation: it must not be answered here.
+    "lengths": _request(np.ones((1, 5), dtype="<i8"), lengths=[5]),
+    "a model name": _request(np.ones((1, 2), dtype="<i8"), model_name="small"),
+    "a float16 answer": _request(np.ones((1, 2), dtype="<i8"), output_dtype=pb.DTYPE_FLOAT16),
+    "an unknown output dtype": _request(np.ones((1, 2), dtype="<i8"), output_dtype=99),
+    "int32 ids": _request(np.ones((1, 2), dtype="<i4"), dtype=pb.DTYPE_INT32),
+    "one dimension": _request(np.ones(4, dtype="<i8")),
+    "three dimensions": _request(np.ones((1, 2, 2), dtype="<i8")),
+    "a zero dimension": _request(np.ones((0, 2), dtype="<i8")),
+    "negative dimensions": pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[-1, -8], data=bytes(64))
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAIN_OR_NOT))
+def test_any_other_request_goes_the_general_way(case: str) -> None:
+    parsed = wire.parse_request(PLAIN_OR_NOT[case].SerializeToString())
+    assert wire.plain_ids(parsed) is None
+
+
+def test_a_malformed_request_goes_the_general_way() -> None:
+    parsed = wire.parse_request(b"\xff\xff")
+    assert isinstance(parsed, wire.MalformedRequest)
+    assert wire.plain_ids(parsed) is None

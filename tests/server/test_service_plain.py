@@ -1,0 +1,219 @@
+"""The plain path (``EmbeddingService.embed_plain``): the commonest request gets what
+``embed`` gives it, and every other request is left to ``embed`` with nothing done."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.domain import EmbedInput
+from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService
+from tokembed.server.settings import Settings
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import reference_rows
+
+
+@pytest.fixture(scope="module")
+def loaded(small_model_dir: Path) -> LoadedModel:
+    return load_model(Settings(model_dir=small_model_dir))
+
+
+@pytest.fixture(scope="module")
+def expected() -> np.ndarray:
+    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+class Batches:
+    """A batch observer that remembers what it is told."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[int, int]] = []
+
+    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
+        self.done.append((requests, tokens))
+
+    def dropped(self, reason: str) -> None:
+        raise AssertionError(f"nothing is dropped here ({reason})")
+
+
+def make_service(
+    loaded: LoadedModel,
+    observer: Batches,
+    compute: Callable[[np.ndarray], np.ndarray] | None = None,
+    **settings: Any,
+) -> EmbeddingService:
+    return EmbeddingService(
+        loaded.model, compute or loaded.runtime.run, loaded.runtime.provider,
+        Settings(model_dir=loaded.model.path, **settings), observer=observer,
+        pad_row=loaded.pad_row, float32_table=loaded.float32_table,
+    )  # fmt: skip
+
+
+def ids_input(ids: np.ndarray) -> EmbedInput:
+    return EmbedInput(ids_dtype="int64", shape=tuple(ids.shape), data=ids.astype("<i8").tobytes())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 8), (3, 5), (4, 64)])
+def test_the_plain_path_answers_what_embed_answers(
+    loaded: LoadedModel, expected: np.ndarray, shape: tuple[int, int]
+) -> None:
+    ids = np.random.default_rng(sum(shape)).integers(0, SMALL_V, shape)
+    plain_batches, general_batches = Batches(), Batches()
+    plain_service = make_service(loaded, plain_batches)
+    general_service = make_service(loaded, general_batches)
+
+    async def go() -> None:
+        try:
+            served = plain_service.embed_plain(ids.astype("<i8").tobytes(), *shape, None)
+            assert served is not None
+            plain, plain_ticket = served
+            general, general_ticket = await general_service.embed(ids_input(ids), None)
+            # The same room held until the answer is sent.
+            held = plain_service.admission.inflight_output_bytes
+            assert held == general_service.admission.inflight_output_bytes == ids.size * SMALL_D * 4
+            plain_ticket.release()
+            general_ticket.release()
+            assert plain_service.admission.inflight_output_bytes == 0
+        finally:
+            await plain_service.close()
+            await general_service.close()
+        np.testing.assert_array_equal(plain.hidden_states, expected[ids])
+        np.testing.assert_array_equal(plain.hidden_states, general.hidden_states)
+        assert plain.hidden_states.dtype == np.float32
+        assert plain.hidden_states.flags.c_contiguous
+        assert plain.lengths is general.lengths is None
+        for timings in (plain.timings, general.timings):
+            assert (timings.queue_s, timings.batch_requests, timings.batch_tokens) == (
+                0.0, 1, ids.size,
+            )  # fmt: skip
+            assert timings.compute_s > 0
+        # One batch of one request, reported once, as embed() reports it.
+        assert plain_batches.done == general_batches.done == [(1, ids.size)]
+
+    asyncio.run(go())
+
+
+def _declined(
+    service: EmbeddingService, ids: bytes, batch: int, seq_len: int, deadline: float | None = None
+) -> bool:
+    held = service.admission.inflight_output_bytes
+    served = service.embed_plain(ids, batch, seq_len, deadline)
+    # Nothing done: no room taken, and (checked by the caller) no look-up reported.
+    assert service.admission.inflight_output_bytes == held
+    return served is None
+
+
+def _ids(*shape: int, high: int = SMALL_V) -> bytes:
+    return np.random.default_rng(7).integers(0, high, shape).astype("<i8").tobytes()
+
+
+IN_PLACE_TOKENS = OFFLOAD_MIN_BYTES // (SMALL_D * 4)  # the smallest answer embed() writes in place
+DECLINED: dict[str, tuple[Callable[[], tuple[bytes, int, int]], dict[str, Any]]] = {
+    "an id past the vocabulary": (lambda: (_ids(1, 7) + _le(SMALL_V), 1, 8), {}),
+    "a negative id": (lambda: (_le(-1) + _ids(1, 7), 1, 8), {}),
+    "an empty batch": (lambda: (b"", 0, 8), {}),
+    "two negative dimensions": (lambda: (_ids(1, 8), -1, -8), {}),
+    "fewer id bytes than the shape needs": (lambda: (_ids(1, 7), 1, 8), {}),
+    "more tokens than are looked up inline": (
+        lambda: (_ids(1, 9), 1, 9), {"inline_compute_max_tokens": 8},
+    ),
+    "more tokens than a request may have": (
+        lambda: (_ids(2, 8), 2, 8), {"max_tokens_per_request": 15},
+    ),
+    "an answer over the per-request limit": (
+        lambda: (_ids(1, 8), 1, 8), {"max_output_bytes_per_request": 8 * SMALL_D * 4 - 1},
+    ),
+    "an answer embed() writes in place": (
+        lambda: (_ids(1, IN_PLACE_TOKENS), 1, IN_PLACE_TOKENS),
+        {"inline_compute_max_tokens": 1 << 20},
+    ),
+}  # fmt: skip
+
+
+def _le(value: int) -> bytes:
+    return np.array([value], dtype="<i8").tobytes()
+
+
+@pytest.mark.parametrize("case", sorted(DECLINED))
+def test_anything_else_is_left_to_embed_with_nothing_done(loaded: LoadedModel, case: str) -> None:
+    make_request, settings = DECLINED[case]
+    batches = Batches()
+    service = make_service(loaded, batches, **settings)
+    try:
+        assert _declined(service, *make_request())
+    finally:
+        asyncio.run(service.close())
+    assert batches.done == []
+
+
+def test_a_draining_service_leaves_it_to_embed(loaded: LoadedModel) -> None:
+    batches = Batches()
+    service = make_service(loaded, batches)
+    service.draining = True
+    try:
+        assert _declined(service, _ids(1, 8), 1, 8)
+    finally:
+        asyncio.run(service.close())
+    assert batches.done == []
+
+
+def test_a_passed_deadline_leaves_it_to_embed(loaded: LoadedModel) -> None:
+    batches = Batches()
+    service = make_service(loaded, batches)
+    try:
+        assert _declined(service, _ids(1, 8), 1, 8, deadline=time.monotonic() - 1)
+    finally:
+        asyncio.run(service.close())
+    assert batches.done == []
+
+
+def test_an_overloaded_service_leaves_it_to_embed(loaded: LoadedModel) -> None:
+    batches = Batches()
+    service = make_service(loaded, batches, max_inflight_output_bytes=8 * SMALL_D * 4)
+    held = service.admission.admit(8, 8 * SMALL_D * 4)  # the server is full
+    try:
+        assert _declined(service, _ids(1, 8), 1, 8)
+    finally:
+        held.release()
+        asyncio.run(service.close())
+    assert batches.done == []
+
+
+def test_a_busy_batcher_leaves_it_to_embed(loaded: LoadedModel, expected: np.ndarray) -> None:
+    """While a batch computes, a small request queues to join the next one (embed())."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_compute(ids: np.ndarray) -> np.ndarray:
+        started.set()
+        release.wait(10)
+        return loaded.runtime.run(ids)
+
+    batches = Batches()
+    service = make_service(loaded, batches, slow_compute, inline_compute_max_tokens=8)
+    big = np.arange(16, dtype=np.int64).reshape(1, 16)  # past inline: computed in a thread
+
+    async def go() -> None:
+        try:
+            computing = asyncio.ensure_future(service.embed(ids_input(big), None))
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            assert _declined(service, _ids(1, 8), 1, 8)
+            release.set()
+            output, ticket = await computing
+            ticket.release()
+            np.testing.assert_array_equal(output.hidden_states, expected[big])
+        finally:
+            release.set()
+            await service.close()
+
+    asyncio.run(go())
+    assert batches.done == [(1, 16)]  # the big one only
