@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -79,7 +79,7 @@ class EmbeddingServicer:
                     )
                 output, ticket = served
                 # The output bytes stay reserved until gRPC has sent them.
-                context.add_done_callback(lambda _: ticket.release())
+                _when_sent(ticket.release)
                 payload = await self._encode(
                     service, output, request.request_id, started,
                     None if in_place is None else in_place.response,
@@ -332,6 +332,22 @@ class EmbeddingServicer:
         self._rejected(method, error.reason, code, started, str(error))
         await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
         raise AssertionError("this is a bug: context.abort returned")
+
+
+def _when_sent(release: Callable[[], None]) -> None:
+    """Call ``release`` once gRPC is done sending this unary RPC's answer (or gave up).
+
+    Not ``context.add_done_callback``: gRPC keeps that callback in a list held by the
+    call's state, which the context holds, while the callback holds the context: a
+    reference cycle per RPC (14 objects, the call's state among them) that only the
+    cyclic garbage collector frees; ~20 us of server CPU per tiny request at
+    concurrency 64, measured. The handler runs inside the RPC's task, which ends once
+    the answer's batch is done (gRPC runs its own done callbacks from that task's), so
+    the task's done callback comes at the same moment, without the cycle.
+    """
+    task = asyncio.current_task()
+    assert task is not None, "This is a bug: gRPC runs every handler in a task."
+    task.add_done_callback(lambda _: release())
 
 
 def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
+from tokembed.server.admission import Ticket
 
 from support.fixtures import (
     DEFAULT_D,
@@ -159,6 +162,36 @@ def test_a_named_request_gets_the_answer_of_an_unnamed_one(
         assert timings.compute_seconds > 0 and timings.server_seconds > 0
         assert (result.model_name, result.lengths) == (name, None)
     assert plain.model_version == general.model_version
+
+
+def test_answered_calls_give_their_room_back_and_leave_no_cycles(
+    small_model_dir: Path, start_server: Any
+) -> None:
+    """Each answer's output bytes stay reserved until gRPC has sent them, and are then
+    given back without a reference cycle per call (gRPC's context done callbacks made
+    one, holding the call's state and our ticket until the cyclic GC ran)."""
+    server = start_server(small_model_dir)
+    ids = np.random.default_rng(4).integers(0, SMALL_V, (2, 8))
+    with EmbeddingClient(server.target) as client:
+        client.embed(ids)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(20):
+                client.embed(ids)  # the plain path
+                client.embed(ids.astype(np.int32))  # the general path
+            deadline = time.monotonic() + 10
+            while server.metric("tokembed_inflight_output_bytes") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            held = [thing for thing in gc.garbage if isinstance(thing, Ticket)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert server.metric("tokembed_inflight_output_bytes") == 0
+    assert held == []
 
 
 def test_stream_answers_in_order(small_model_dir: Path, start_server: Any) -> None:
