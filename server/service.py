@@ -218,7 +218,7 @@ class EmbeddingService:
         loop, valid, admitted, and an idle batcher. It gets what :meth:`embed` would
         give it (the same rows, timings, batch and metric updates) without the domain
         objects and awaits every other request goes through: for a tiny request they
-        were a third of the server's time on it, measured live. Anything else, and
+        were a third of its handler's time, measured live. Anything else, and
         every request to refuse, gets None: :meth:`embed` then serves it or says what
         is wrong. The caller releases the ticket once the answer is sent.
         """
