@@ -20,11 +20,14 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+SeriesT = TypeVar("SeriesT", "CounterSeries", "HistogramSeries")
 
 
 class CounterSeries:
@@ -57,31 +60,37 @@ class HistogramSeries:
         self.sum += amount
 
 
-class _Family:
+class _Family(Generic[SeriesT]):
     """A metric's name, help, label names, and its series by label values."""
 
     def __init__(self, name: str, documentation: str, label_names: Sequence[str]) -> None:
         self.name = name
         self.documentation = documentation
         self.label_names = tuple(label_names)
+        self.series: dict[tuple[str, ...], SeriesT] = {}
 
-
-class CounterFamily(_Family):
-    def __init__(self, name: str, documentation: str, label_names: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, label_names)
-        self.series: dict[tuple[str, ...], CounterSeries] = {}
-
-    def labels(self, *values: str) -> CounterSeries:
+    def labels(self, *values: str) -> SeriesT:
         """The series of these label values (created at 0 on first use)."""
         series = self.series.get(values)
         if series is None:
             if len(values) != len(self.label_names):
                 raise ValueError(f"this is a bug: {self.name} takes labels {self.label_names}")
-            series = self.series.setdefault(values, CounterSeries())
+            series = self.series.setdefault(values, self._new_series())
         return series
 
+    def _new_series(self) -> SeriesT:
+        raise NotImplementedError
 
-class HistogramFamily(_Family):
+
+class CounterFamily(_Family[CounterSeries]):
+    def __init__(self, name: str, documentation: str, label_names: Sequence[str] = ()) -> None:
+        super().__init__(name, documentation, label_names)
+
+    def _new_series(self) -> CounterSeries:
+        return CounterSeries()
+
+
+class HistogramFamily(_Family[HistogramSeries]):
     def __init__(
         self,
         name: str,
@@ -91,15 +100,9 @@ class HistogramFamily(_Family):
     ) -> None:
         super().__init__(name, documentation, label_names)
         self.upper_bounds = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
-        self.series: dict[tuple[str, ...], HistogramSeries] = {}
 
-    def labels(self, *values: str) -> HistogramSeries:
-        series = self.series.get(values)
-        if series is None:
-            if len(values) != len(self.label_names):
-                raise ValueError(f"this is a bug: {self.name} takes labels {self.label_names}")
-            series = self.series.setdefault(values, HistogramSeries(self.upper_bounds))
-        return series
+    def _new_series(self) -> HistogramSeries:
+        return HistogramSeries(self.upper_bounds)
 
 
 class RequestMetricsCollector(Collector):

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tokembed.server import service as service_module
-from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.app import LoadedModel
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedJob, Timings
 from tokembed.server.errors import DeadlineExceeded
 from tokembed.server.service import (
@@ -26,24 +25,14 @@ from tokembed.server.service import (
 from tokembed.server.settings import Settings
 from tokembed.server.validation import Limits, validate
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
+from support.observers import BatchRecorder
 
 LARGE_TOKENS = OFFLOAD_MIN_BYTES // (SMALL_D * 2) + 64  # over the in-place size, even as float16
 LIMITS = Limits(
     vocab_size=SMALL_V, d_model=SMALL_D, model_name="small",
     max_tokens_per_request=1 << 20, max_output_bytes_per_request=1 << 30,
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def loaded(small_model_dir: Path) -> LoadedModel:
-    return load_model(Settings(model_dir=small_model_dir))
-
-
-@pytest.fixture(scope="module")
-def expected() -> np.ndarray:
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 class Recorder:
@@ -61,35 +50,22 @@ class Recorder:
         return self.arrays[-1]
 
 
-class Batches:
-    """A batch observer that remembers what it is told."""
-
-    def __init__(self) -> None:
-        self.done: list[tuple[int, int, float]] = []
-
-    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
-        self.done.append((requests, tokens, compute_s))
-
-    def dropped(self, reason: str) -> None:
-        raise AssertionError(f"nothing is dropped here ({reason})")
-
-
 def embed(
-    loaded: LoadedModel,
+    small_loaded: LoadedModel,
     request: EmbedInput,
     answer_into: Recorder | None,
-    observer: Batches | None = None,
+    observer: BatchRecorder | None = None,
     **tables: Any,
 ) -> Any:
-    settings = Settings(model_dir=loaded.model.path)
+    settings = Settings(model_dir=small_loaded.model.path)
     kept = {
-        "float16_table": loaded.float16_table,
-        "float32_table": loaded.float32_table,
+        "float16_table": small_loaded.float16_table,
+        "float32_table": small_loaded.float32_table,
         **tables,
     }
     service = EmbeddingService(
-        loaded.model, loaded.runtime.run, loaded.runtime.provider, settings,
-        pad_row=loaded.pad_row, rows_per_request=True, observer=observer, **kept,
+        small_loaded.model, small_loaded.runtime.run, small_loaded.runtime.provider, settings,
+        pad_row=small_loaded.pad_row, rows_per_request=True, observer=observer, **kept,
     )  # fmt: skip
 
     async def go() -> Any:
@@ -112,16 +88,16 @@ def ids_input(ids: np.ndarray, dtype: str, **extra: Any) -> EmbedInput:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_large_rectangular_answer_is_written_where_the_caller_asked(
-    loaded: LoadedModel, expected: np.ndarray, dtype: str
+    small_loaded: LoadedModel, small_rows: np.ndarray, dtype: str
 ) -> None:
     ids = np.random.default_rng(1).integers(0, SMALL_V, (2, LARGE_TOKENS // 2 + 1))
-    recorder, batches = Recorder(), Batches()
-    output = embed(loaded, ids_input(ids, dtype), recorder, batches)
+    recorder, batches = Recorder(), BatchRecorder()
+    output = embed(small_loaded, ids_input(ids, dtype), recorder, batches)
     [(shape, out_dtype, lengths, timings)] = recorder.calls
     assert (shape, out_dtype, lengths) == ((*ids.shape, SMALL_D), np.dtype(dtype), None)
     assert timings == Timings(0.0, 0.0, 1, ids.size)  # compute_s is measured afterwards
     assert output.hidden_states is recorder.arrays[0]
-    np.testing.assert_array_equal(output.hidden_states, expected[ids].astype(dtype))
+    np.testing.assert_array_equal(output.hidden_states, small_rows[ids].astype(dtype))
     assert output.timings.compute_s > 0
     assert (output.timings.batch_requests, output.timings.batch_tokens) == (1, ids.size)
     # As every float32 look-up, it counts as a batch (of one); float16 answers never do.
@@ -130,34 +106,34 @@ def test_a_large_rectangular_answer_is_written_where_the_caller_asked(
 
 
 def test_a_large_flat_ragged_answer_is_written_in_place_too(
-    loaded: LoadedModel, expected: np.ndarray
+    small_loaded: LoadedModel, small_rows: np.ndarray
 ) -> None:
     lengths = (LARGE_TOKENS - 5, 5)
     ids = np.random.default_rng(2).integers(0, SMALL_V, sum(lengths))
     recorder = Recorder()
-    output = embed(loaded, ids_input(ids, "float32", lengths=lengths, layout=FLAT), recorder)
+    output = embed(small_loaded, ids_input(ids, "float32", lengths=lengths, layout=FLAT), recorder)
     assert [call[:3] for call in recorder.calls] == [((ids.size, SMALL_D), np.float32, lengths)]
-    np.testing.assert_array_equal(output.hidden_states, expected[ids])
+    np.testing.assert_array_equal(output.hidden_states, small_rows[ids])
     assert output.lengths == lengths
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_large_padded_ragged_answer_is_written_in_place_rows_then_padding(
-    loaded: LoadedModel, expected: np.ndarray, dtype: str
+    small_loaded: LoadedModel, small_rows: np.ndarray, dtype: str
 ) -> None:
     lengths = (LARGE_TOKENS - 7, 7, 1)
     ids = np.random.default_rng(4).integers(0, SMALL_V, sum(lengths))
     recorder = Recorder()
-    output = embed(loaded, ids_input(ids, dtype, lengths=lengths, layout=PADDED), recorder)
+    output = embed(small_loaded, ids_input(ids, dtype, lengths=lengths, layout=PADDED), recorder)
     assert [call[:3] for call in recorder.calls] == [
         ((3, lengths[0], SMALL_D), np.dtype(dtype), lengths)
     ]
-    pad = expected[SMALL_PAD]
+    pad = small_rows[SMALL_PAD]
     offset = 0
     for index, length in enumerate(lengths):
         rows = output.hidden_states[index]
         np.testing.assert_array_equal(
-            rows[:length], expected[ids[offset : offset + length]].astype(dtype)
+            rows[:length], small_rows[ids[offset : offset + length]].astype(dtype)
         )
         np.testing.assert_array_equal(
             rows[length:], np.broadcast_to(pad.astype(dtype), rows[length:].shape)
@@ -173,23 +149,23 @@ def test_a_large_padded_ragged_answer_is_written_in_place_rows_then_padding(
     ],
 )
 def test_other_answers_are_not_written_in_place_and_are_still_exact(
-    loaded: LoadedModel, expected: np.ndarray, why: str, tokens: int, tables: Any
+    small_loaded: LoadedModel, small_rows: np.ndarray, why: str, tokens: int, tables: Any
 ) -> None:
     ids = np.random.default_rng(3).integers(0, SMALL_V, (1, tokens))
     request = ids_input(ids, "float32")
-    want = expected[ids]
+    want = small_rows[ids]
     recorder = Recorder()
-    output = embed(loaded, request, recorder, **tables)
+    output = embed(small_loaded, request, recorder, **tables)
     assert recorder.calls == [], why
     np.testing.assert_array_equal(output.hidden_states, want)
 
 
-def test_no_look_up_once_the_deadline_has_passed(loaded: LoadedModel) -> None:
+def test_no_look_up_once_the_deadline_has_passed(small_loaded: LoadedModel) -> None:
     ids = np.zeros((1, LARGE_TOKENS), dtype=np.int64)
-    settings = Settings(model_dir=loaded.model.path)
+    settings = Settings(model_dir=small_loaded.model.path)
     service = EmbeddingService(
-        loaded.model, loaded.runtime.run, loaded.runtime.provider, settings,
-        float32_table=loaded.float32_table,
+        small_loaded.model, small_loaded.runtime.run, small_loaded.runtime.provider, settings,
+        float32_table=small_loaded.float32_table,
     )  # fmt: skip
     recorder = Recorder()
 
@@ -206,17 +182,17 @@ def test_no_look_up_once_the_deadline_has_passed(loaded: LoadedModel) -> None:
     assert recorder.calls == []
 
 
-class BrokenBatches(Batches):
+class BrokenBatches(BatchRecorder):
     def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
         raise RuntimeError("metrics exploded")
 
 
 def test_a_failing_batch_observer_does_not_fail_the_answer(
-    loaded: LoadedModel, expected: np.ndarray, caplog: pytest.LogCaptureFixture
+    small_loaded: LoadedModel, small_rows: np.ndarray, caplog: pytest.LogCaptureFixture
 ) -> None:
     ids = np.random.default_rng(5).integers(0, SMALL_V, (1, LARGE_TOKENS))
-    output = embed(loaded, ids_input(ids, "float32"), Recorder(), BrokenBatches())
-    np.testing.assert_array_equal(output.hidden_states, expected[ids])
+    output = embed(small_loaded, ids_input(ids, "float32"), Recorder(), BrokenBatches())
+    np.testing.assert_array_equal(output.hidden_states, small_rows[ids])
     assert "batch observer failed; this is a bug" in caplog.text
 
 
@@ -262,8 +238,8 @@ class FailingHelper(GatherHelper):
 )
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_gather_shared_with_a_helper_writes_every_row_exactly(
-    loaded: LoadedModel,
-    expected: np.ndarray,
+    small_loaded: LoadedModel,
+    small_rows: np.ndarray,
     lengths: tuple[int, ...] | None,
     layout: str,
     dtype: str,
@@ -271,23 +247,23 @@ def test_a_gather_shared_with_a_helper_writes_every_row_exactly(
     rng = np.random.default_rng(11)
     ids = rng.integers(0, SMALL_V, (2, 191) if lengths is None else sum(lengths))
     validated = validate(ids_input(ids, dtype, lengths=lengths, layout=layout), LIMITS)
-    table = loaded.float32_table if dtype == "float32" else loaded.float16_table
+    table = small_loaded.float32_table if dtype == "float32" else small_loaded.float16_table
     assert table is not None
     alone = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=dtype)
     shared = np.full_like(alone, np.nan)
-    _gather_into(table, validated, alone, loaded.pad_row)
+    _gather_into(table, validated, alone, small_loaded.pad_row)
     helper = CountingHelper()
-    _gather_into(table, validated, shared, loaded.pad_row, helper)
+    _gather_into(table, validated, shared, small_loaded.pad_row, helper)
     helper.shutdown()
     assert helper.shares == 1
     assert not np.isnan(shared).any()  # every row was written
     np.testing.assert_array_equal(shared, alone)
     if lengths is None:
-        np.testing.assert_array_equal(shared, expected[ids].astype(dtype))
+        np.testing.assert_array_equal(shared, small_rows[ids].astype(dtype))
 
 
 def test_the_service_shares_large_gathers_and_they_stay_exact(
-    loaded: LoadedModel, expected: np.ndarray, monkeypatch: pytest.MonkeyPatch
+    small_loaded: LoadedModel, small_rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(service_module, "SPLIT_GATHER_MIN_BYTES", OFFLOAD_MIN_BYTES)
     shares: list[int] = []
@@ -299,8 +275,8 @@ def test_the_service_shares_large_gathers_and_they_stay_exact(
 
     monkeypatch.setattr(service_module, "_split_in_two", counting)
     ids = np.random.default_rng(12).integers(0, SMALL_V, (2, LARGE_TOKENS // 2 + 1))
-    output = embed(loaded, ids_input(ids, "float32"), Recorder())
-    np.testing.assert_array_equal(output.hidden_states, expected[ids])
+    output = embed(small_loaded, ids_input(ids, "float32"), Recorder())
+    np.testing.assert_array_equal(output.hidden_states, small_rows[ids])
     assert shares == [1]
 
 
@@ -311,26 +287,26 @@ def float32_answer_to_fill(ids: np.ndarray) -> tuple[EmbedJob, np.ndarray]:
 
 
 def test_a_busy_helper_leaves_the_whole_gather_to_the_caller(
-    loaded: LoadedModel, expected: np.ndarray
+    small_loaded: LoadedModel, small_rows: np.ndarray
 ) -> None:
     ids = np.random.default_rng(13).integers(0, SMALL_V, (3, 101))
     validated, out = float32_answer_to_fill(ids)
-    assert loaded.float32_table is not None
-    _gather_into(loaded.float32_table, validated, out, loaded.pad_row, BusyHelper())
-    np.testing.assert_array_equal(out, expected[ids])
+    assert small_loaded.float32_table is not None
+    _gather_into(small_loaded.float32_table, validated, out, small_loaded.pad_row, BusyHelper())
+    np.testing.assert_array_equal(out, small_rows[ids])
 
 
 def test_a_failing_helper_share_fails_the_gather_once_both_shares_are_over(
-    loaded: LoadedModel, expected: np.ndarray
+    small_loaded: LoadedModel, small_rows: np.ndarray
 ) -> None:
     ids = np.random.default_rng(14).integers(0, SMALL_V, (2, 100))
     validated, out = float32_answer_to_fill(ids)
-    assert loaded.float32_table is not None
+    assert small_loaded.float32_table is not None
     helper = FailingHelper()
     with pytest.raises(RuntimeError, match="the helper's share failed"):
-        _gather_into(loaded.float32_table, validated, out, loaded.pad_row, helper)
+        _gather_into(small_loaded.float32_table, validated, out, small_loaded.pad_row, helper)
     # The caller did its own share (the first half) before the failure reached it.
-    np.testing.assert_array_equal(out[0], expected[ids[0]])
+    np.testing.assert_array_equal(out[0], small_rows[ids[0]])
     helper.shutdown()
 
 

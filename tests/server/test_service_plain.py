@@ -7,54 +7,35 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.app import LoadedModel
 from tokembed.server.domain import EmbedInput
 from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService
 from tokembed.server.settings import Settings
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import SMALL_D, SMALL_V
+from support.observers import BatchRecorder
 
 
-@pytest.fixture(scope="module")
-def loaded(small_model_dir: Path) -> LoadedModel:
-    return load_model(Settings(model_dir=small_model_dir))
-
-
-@pytest.fixture(scope="module")
-def expected() -> np.ndarray:
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
-
-
-class Batches:
-    """A batch observer that remembers what it is told."""
-
-    def __init__(self) -> None:
-        self.done: list[tuple[int, int]] = []
-
-    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
-        self.done.append((requests, tokens))
-
-    def dropped(self, reason: str) -> None:
-        raise AssertionError(f"nothing is dropped here ({reason})")
+def _counts(batches: BatchRecorder) -> list[tuple[int, int]]:
+    """The batches reported, as (requests, tokens)."""
+    return [(requests, tokens) for requests, tokens, _ in batches.done]
 
 
 def make_service(
-    loaded: LoadedModel,
-    observer: Batches,
+    small_loaded: LoadedModel,
+    observer: BatchRecorder,
     compute: Callable[[np.ndarray], np.ndarray] | None = None,
     **settings: Any,
 ) -> EmbeddingService:
     return EmbeddingService(
-        loaded.model, compute or loaded.runtime.run, loaded.runtime.provider,
-        Settings(model_dir=loaded.model.path, **settings), observer=observer,
-        pad_row=loaded.pad_row, float32_table=loaded.float32_table,
+        small_loaded.model, compute or small_loaded.runtime.run, small_loaded.runtime.provider,
+        Settings(model_dir=small_loaded.model.path, **settings), observer=observer,
+        pad_row=small_loaded.pad_row, float32_table=small_loaded.float32_table,
     )  # fmt: skip
 
 
@@ -64,12 +45,12 @@ def ids_input(ids: np.ndarray) -> EmbedInput:
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 8), (3, 5), (4, 64)])
 def test_the_plain_path_answers_what_embed_answers(
-    loaded: LoadedModel, expected: np.ndarray, shape: tuple[int, int]
+    small_loaded: LoadedModel, small_rows: np.ndarray, shape: tuple[int, int]
 ) -> None:
     ids = np.random.default_rng(sum(shape)).integers(0, SMALL_V, shape)
-    plain_batches, general_batches = Batches(), Batches()
-    plain_service = make_service(loaded, plain_batches)
-    general_service = make_service(loaded, general_batches)
+    plain_batches, general_batches = BatchRecorder(), BatchRecorder()
+    plain_service = make_service(small_loaded, plain_batches)
+    general_service = make_service(small_loaded, general_batches)
 
     async def go() -> None:
         try:
@@ -86,7 +67,7 @@ def test_the_plain_path_answers_what_embed_answers(
         finally:
             await plain_service.close()
             await general_service.close()
-        np.testing.assert_array_equal(plain.hidden_states, expected[ids])
+        np.testing.assert_array_equal(plain.hidden_states, small_rows[ids])
         np.testing.assert_array_equal(plain.hidden_states, general.hidden_states)
         assert plain.hidden_states.dtype == np.float32
         assert plain.hidden_states.flags.c_contiguous
@@ -97,7 +78,7 @@ def test_the_plain_path_answers_what_embed_answers(
             )  # fmt: skip
             assert timings.compute_s > 0
         # One batch of one request, reported once, as embed() reports it.
-        assert plain_batches.done == general_batches.done == [(1, ids.size)]
+        assert _counts(plain_batches) == _counts(general_batches) == [(1, ids.size)]
 
     asyncio.run(go())
 
@@ -144,10 +125,12 @@ def _le(value: int) -> bytes:
 
 
 @pytest.mark.parametrize("case", sorted(DECLINED))
-def test_anything_else_is_left_to_embed_with_nothing_done(loaded: LoadedModel, case: str) -> None:
+def test_anything_else_is_left_to_embed_with_nothing_done(
+    small_loaded: LoadedModel, case: str
+) -> None:
     make_request, settings = DECLINED[case]
-    batches = Batches()
-    service = make_service(loaded, batches, **settings)
+    batches = BatchRecorder()
+    service = make_service(small_loaded, batches, **settings)
     try:
         assert _declined(service, *make_request())
     finally:
@@ -155,9 +138,9 @@ def test_anything_else_is_left_to_embed_with_nothing_done(loaded: LoadedModel, c
     assert batches.done == []
 
 
-def test_a_draining_service_leaves_it_to_embed(loaded: LoadedModel) -> None:
-    batches = Batches()
-    service = make_service(loaded, batches)
+def test_a_draining_service_leaves_it_to_embed(small_loaded: LoadedModel) -> None:
+    batches = BatchRecorder()
+    service = make_service(small_loaded, batches)
     service.draining = True
     try:
         assert _declined(service, _ids(1, 8), 1, 8)
@@ -166,9 +149,9 @@ def test_a_draining_service_leaves_it_to_embed(loaded: LoadedModel) -> None:
     assert batches.done == []
 
 
-def test_a_passed_deadline_leaves_it_to_embed(loaded: LoadedModel) -> None:
-    batches = Batches()
-    service = make_service(loaded, batches)
+def test_a_passed_deadline_leaves_it_to_embed(small_loaded: LoadedModel) -> None:
+    batches = BatchRecorder()
+    service = make_service(small_loaded, batches)
     try:
         assert _declined(service, _ids(1, 8), 1, 8, deadline=time.monotonic() - 1)
     finally:
@@ -176,9 +159,9 @@ def test_a_passed_deadline_leaves_it_to_embed(loaded: LoadedModel) -> None:
     assert batches.done == []
 
 
-def test_an_overloaded_service_leaves_it_to_embed(loaded: LoadedModel) -> None:
-    batches = Batches()
-    service = make_service(loaded, batches, max_inflight_output_bytes=8 * SMALL_D * 4)
+def test_an_overloaded_service_leaves_it_to_embed(small_loaded: LoadedModel) -> None:
+    batches = BatchRecorder()
+    service = make_service(small_loaded, batches, max_inflight_output_bytes=8 * SMALL_D * 4)
     held = service.admission.admit(8, 8 * SMALL_D * 4)  # the server is full
     try:
         assert _declined(service, _ids(1, 8), 1, 8)
@@ -188,17 +171,19 @@ def test_an_overloaded_service_leaves_it_to_embed(loaded: LoadedModel) -> None:
     assert batches.done == []
 
 
-def test_a_busy_batcher_leaves_it_to_embed(loaded: LoadedModel, expected: np.ndarray) -> None:
+def test_a_busy_batcher_leaves_it_to_embed(
+    small_loaded: LoadedModel, small_rows: np.ndarray
+) -> None:
     """While a batch computes, a small request queues to join the next one (embed())."""
     started, release = threading.Event(), threading.Event()
 
     def slow_compute(ids: np.ndarray) -> np.ndarray:
         started.set()
         release.wait(10)
-        return loaded.runtime.run(ids)
+        return small_loaded.runtime.run(ids)
 
-    batches = Batches()
-    service = make_service(loaded, batches, slow_compute, inline_compute_max_tokens=8)
+    batches = BatchRecorder()
+    service = make_service(small_loaded, batches, slow_compute, inline_compute_max_tokens=8)
     big = np.arange(16, dtype=np.int64).reshape(1, 16)  # past inline: computed in a thread
 
     async def go() -> None:
@@ -210,10 +195,10 @@ def test_a_busy_batcher_leaves_it_to_embed(loaded: LoadedModel, expected: np.nda
             release.set()
             output, ticket = await computing
             ticket.release()
-            np.testing.assert_array_equal(output.hidden_states, expected[big])
+            np.testing.assert_array_equal(output.hidden_states, small_rows[big])
         finally:
             release.set()
             await service.close()
 
     asyncio.run(go())
-    assert batches.done == [(1, 16)]  # the big one only
+    assert _counts(batches) == [(1, 16)]  # the big one only

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from support.models import export_model_dir
+from support.models import export_model_dir, reference_rows
 from support.server import ServerThread
 
 SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD = 1000, 64, 1, 0
@@ -26,6 +26,22 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         padding_idx=SMALL_PAD,
         name="small",
     )
+
+
+@pytest.fixture(scope="session")
+def small_loaded(small_model_dir: Path) -> Any:
+    """The small model loaded as the server loads it (its tables too), once: tests build
+    services around it and change nothing in it."""
+    from tokembed.server.app import load_model
+    from tokembed.server.settings import Settings
+
+    return load_model(Settings(model_dir=small_model_dir))
+
+
+@pytest.fixture(scope="session")
+def small_rows() -> Any:
+    """The small model's answer for each id (E[id] * sqrt(D), the reference)."""
+    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 @pytest.fixture(scope="session")
