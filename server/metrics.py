@@ -165,7 +165,9 @@ class Metrics:
         )  # fmt: skip
         for family in families[2:]:
             family.labels()  # the unlabelled ones: their one series, at 0 from the start
-        registry.register(RequestMetricsCollector(families, self._pending.lock))
+        registry.register(
+            RequestMetricsCollector(families, self._pending.lock, self._pending.apply)
+        )
         # The one series of each unlabelled family, looked up once.
         self._queue_wait = self.queue_wait.labels()
         self._compute = self.compute.labels()

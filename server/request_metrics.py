@@ -19,7 +19,7 @@ import bisect
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -106,18 +106,42 @@ class HistogramFamily(_Family[HistogramSeries]):
 
 
 class RequestMetricsCollector(Collector):
-    """Exposes the families, read under ``lock`` (the one their updates are applied under)."""
+    """Exposes the families, read under ``lock`` (the one their updates are applied under)
+    once ``apply_pending`` has applied what is pending: a scrape filtered by name selects
+    this collector alone (see ``describe``) and must not read stale numbers."""
 
     def __init__(
-        self, families: Sequence[CounterFamily | HistogramFamily], lock: threading.Lock
+        self,
+        families: Sequence[CounterFamily | HistogramFamily],
+        lock: threading.Lock,
+        apply_pending: Callable[[], None],
     ) -> None:
         self._families = tuple(families)
         self._lock = lock
+        self._apply_pending = apply_pending
 
     def collect(self) -> Iterator[Metric]:
+        self._apply_pending()  # takes the lock itself, which is not re-entrant
         with self._lock:
             metrics = [_exposed(family) for family in self._families]
         return iter(metrics)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without their samples: the registry learns their names from this
+        (a scrape filtered by name, ``/metrics?name[]=...``, selects collectors by them,
+        and the registry refuses a second metric of the same name)."""
+        described: list[Metric] = []
+        for family in self._families:
+            names = list(family.label_names)
+            if isinstance(family, CounterFamily):
+                described.append(
+                    CounterMetricFamily(family.name, family.documentation, labels=names)
+                )
+            else:
+                described.append(
+                    HistogramMetricFamily(family.name, family.documentation, labels=names)
+                )
+        return iter(described)
 
 
 def _exposed(family: CounterFamily | HistogramFamily) -> Metric:

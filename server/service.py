@@ -245,16 +245,17 @@ class EmbeddingService:
             return None  # embed() refuses it the same way, and counts the refusal
         try:
             result = self.batcher.try_alone_now(flat, deadline)
+            if result is None:  # it must queue (or its deadline has passed): embed() does that
+                ticket.release()
+                return None
+            timings = Timings(
+                queue_s=0.0, compute_s=result.compute_s, batch_requests=1, batch_tokens=tokens
+            )
+            rows = np.ascontiguousarray(result.rows)
+            hidden = rows.reshape(batch, seq_len, rows.shape[1])  # as embed()'s _shape_answer
         except BaseException:
             ticket.release()
             raise
-        if result is None:  # it must queue (or its deadline has passed): embed() does that
-            ticket.release()
-            return None
-        timings = Timings(
-            queue_s=0.0, compute_s=result.compute_s, batch_requests=1, batch_tokens=tokens
-        )
-        hidden = np.ascontiguousarray(result.rows).reshape(batch, seq_len, limits.d_model)
         return EmbedOutput(hidden_states=hidden, lengths=None, timings=timings), ticket
 
     def _in_place_table(self, job: EmbedJob) -> np.ndarray | None:

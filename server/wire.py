@@ -164,7 +164,7 @@ def _response_prefix(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> by
     steps, ~2 us in a hot loop and several times that live, about a tenth of a tiny
     request's handler; callers send few distinct shapes.
     """
-    key = (shape, dtype.char)
+    key = (shape, dtype.str)  # "<f4": the byte order too
     prefix = _prefixes.get(key)
     if prefix is None:
         tensor_header = b"".join([_tensor_fields(shape, dtype), _key(3, _LEN), varint(nbytes)])

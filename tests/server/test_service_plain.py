@@ -14,6 +14,7 @@ import pytest
 
 from tokembed.server.app import LoadedModel
 from tokembed.server.domain import EmbedInput
+from tokembed.server.errors import Internal
 from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService
 from tokembed.server.settings import Settings
 
@@ -202,3 +203,18 @@ def test_a_busy_batcher_leaves_it_to_embed(
 
     asyncio.run(go())
     assert _counts(batches) == [(1, 16)]  # the big one only
+
+
+def test_a_failing_look_up_gives_the_room_back(small_loaded: LoadedModel) -> None:
+    def broken_compute(ids: np.ndarray) -> np.ndarray:
+        raise RuntimeError("the table exploded")
+
+    batches = BatchRecorder()
+    service = make_service(small_loaded, batches, broken_compute)
+    try:
+        with pytest.raises(Internal, match="the table exploded"):
+            service.embed_plain(_ids(1, 8), 1, 8, None)
+        assert service.admission.inflight_output_bytes == 0
+    finally:
+        asyncio.run(service.close())
+    assert batches.done == []
