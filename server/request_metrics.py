@@ -81,6 +81,14 @@ class _Family(Generic[SeriesT]):
     def _new_series(self) -> SeriesT:
         raise NotImplementedError
 
+    def described(self) -> Metric:
+        """This family without samples: its name, help, type and label names."""
+        raise NotImplementedError
+
+    def exposed(self) -> Metric:
+        """This family with a sample set per series, as prometheus_client writes them."""
+        raise NotImplementedError
+
 
 class CounterFamily(_Family[CounterSeries]):
     def __init__(self, name: str, documentation: str, label_names: Sequence[str] = ()) -> None:
@@ -88,6 +96,15 @@ class CounterFamily(_Family[CounterSeries]):
 
     def _new_series(self) -> CounterSeries:
         return CounterSeries()
+
+    def described(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.label_names)
+
+    def exposed(self) -> Metric:
+        counter = self.described()
+        for values, series in self.series.items():
+            counter.add_metric(list(values), series.value, created=series.created)
+        return counter
 
 
 class HistogramFamily(_Family[HistogramSeries]):
@@ -100,9 +117,27 @@ class HistogramFamily(_Family[HistogramSeries]):
     ) -> None:
         super().__init__(name, documentation, label_names)
         self.upper_bounds = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
+        # The "le" labels as prometheus_client writes them ("0.00025", "1.0", "+Inf").
+        self._le_labels = [floatToGoString(b) for b in self.upper_bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
 
     def _new_series(self) -> HistogramSeries:
         return HistogramSeries(self.upper_bounds)
+
+    def described(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+
+    def exposed(self) -> Metric:
+        histogram = self.described()
+        for values, series in self.series.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip(self._le_labels, series.counts, strict=True):
+                cumulative += count
+                buckets.append((bound, float(cumulative)))
+            histogram.add_metric(list(values), buckets, series.sum)
+            # prometheus_client's histograms expose when each series began; so do these.
+            labels = dict(zip(self.label_names, values, strict=True))
+            histogram.samples.append(Sample(f"{self.name}_created", labels, series.created))
+        return histogram
 
 
 class RequestMetricsCollector(Collector):
@@ -123,52 +158,11 @@ class RequestMetricsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         self._apply_pending()  # takes the lock itself, which is not re-entrant
         with self._lock:
-            metrics = [_exposed(family) for family in self._families]
+            metrics = [family.exposed() for family in self._families]
         return iter(metrics)
 
     def describe(self) -> Iterator[Metric]:
         """The families without their samples: the registry learns their names from this
         (a scrape filtered by name, ``/metrics?name[]=...``, selects collectors by them,
         and the registry refuses a second metric of the same name)."""
-        described: list[Metric] = []
-        for family in self._families:
-            names = list(family.label_names)
-            if isinstance(family, CounterFamily):
-                described.append(
-                    CounterMetricFamily(family.name, family.documentation, labels=names)
-                )
-            else:
-                described.append(
-                    HistogramMetricFamily(family.name, family.documentation, labels=names)
-                )
-        return iter(described)
-
-
-def _exposed(family: CounterFamily | HistogramFamily) -> Metric:
-    if isinstance(family, CounterFamily):
-        return _exposed_counter(family)
-    return _exposed_histogram(family)
-
-
-def _exposed_counter(family: CounterFamily) -> Metric:
-    counter = CounterMetricFamily(family.name, family.documentation, labels=family.label_names)
-    for values, series in family.series.items():
-        counter.add_metric(list(values), series.value, created=series.created)
-    return counter
-
-
-def _exposed_histogram(family: HistogramFamily) -> Metric:
-    names = family.label_names
-    histogram = HistogramMetricFamily(family.name, family.documentation, labels=names)
-    # The "le" labels as prometheus_client writes them ("0.00025", "1.0", "+Inf").
-    bounds = [floatToGoString(b) for b in family.upper_bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
-    for values, series in family.series.items():
-        cumulative, buckets = 0, []
-        for bound, count in zip(bounds, series.counts, strict=True):
-            cumulative += count
-            buckets.append((bound, float(cumulative)))
-        histogram.add_metric(list(values), buckets, series.sum)
-        # prometheus_client's histograms expose when each series began; so do these.
-        labels = dict(zip(names, values, strict=True))
-        histogram.samples.append(Sample(f"{family.name}_created", labels, series.created))
-    return histogram
+        return iter([family.described() for family in self._families])
