@@ -237,11 +237,20 @@ class Metrics:
     def rpc_done(self, method: str, code: str, duration_s: float) -> None:
         self._pending.add(self._apply_rpc_done, (method, code, duration_s))
 
-    def answered(self, tokens: int, output_bytes: int, queue_s: float) -> None:
-        self._pending.add(self._apply_answered, (tokens, output_bytes, queue_s))
-
-    def encoded(self, seconds: float) -> None:
-        self._pending.add(self._encode.observe, seconds)
+    def served(
+        self,
+        method: str,
+        duration_s: float,
+        tokens: int,
+        output_bytes: int,
+        queue_s: float,
+        encode_s: float | None,
+    ) -> None:
+        """An RPC (or one EmbedStream answer) served OK: its count and duration, what it
+        answered, and how long its encode took (None: not encoded as one message)."""
+        self._pending.add(
+            self._apply_served, (method, duration_s, tokens, output_bytes, queue_s, encode_s)
+        )
 
     def rejected(self, reason: str) -> None:
         self._pending.add(self.rejections.labels(reason=reason).inc, 1)
@@ -262,11 +271,14 @@ class Metrics:
         series[0].inc(1)
         series[1].observe(duration_s)
 
-    def _apply_answered(self, update: tuple[int, int, float]) -> None:
-        tokens, output_bytes, queue_s = update
+    def _apply_served(self, update: tuple[str, float, int, int, float, float | None]) -> None:
+        method, duration_s, tokens, output_bytes, queue_s, encode_s = update
+        self._apply_rpc_done((method, "OK", duration_s))
         self._tokens.inc(tokens)
         self._output_bytes.inc(output_bytes)
         self._queue_wait.observe(queue_s)
+        if encode_s is not None:
+            self._encode.observe(encode_s)
 
     def _apply_batch_done(self, update: tuple[int, int, float]) -> None:
         requests, tokens, compute_s = update

@@ -158,6 +158,17 @@ class EmbeddingService:
         # The same in float32, when the runtime answers from one (it is the runtime's).
         self._float32_table = float32_table
         self.draining = False
+        # What embed_plain answers: at most this many tokens (within the request limits,
+        # few enough to look up inline, an answer below the offload size), in range.
+        row_bytes = manifest.d_model * _FLOAT32_ITEMSIZE
+        self._plain_max_tokens = min(
+            settings.inline_compute_max_tokens,
+            settings.max_tokens_per_request,
+            settings.max_output_bytes_per_request // row_bytes,
+            (OFFLOAD_MIN_BYTES - 1) // row_bytes,  # embed() gathers those in place
+        )
+        self._plain_row_bytes = row_bytes
+        self._vocab_size = manifest.vocab_size
 
     async def embed(
         self, request: EmbedInput, deadline: float | None, answer_into: AnswerInto | None = None
@@ -223,24 +234,19 @@ class EmbeddingService:
         is wrong. The caller releases the ticket once the answer is sent.
         """
         tokens = batch * seq_len
-        limits = self.info.limits
-        output_bytes = tokens * limits.d_model * _FLOAT32_ITEMSIZE
         if (
             self.draining
             or batch <= 0
             or seq_len <= 0
-            or tokens > self.settings.inline_compute_max_tokens
-            or tokens > limits.max_tokens_per_request
-            or output_bytes > limits.max_output_bytes_per_request
-            or output_bytes >= OFFLOAD_MIN_BYTES  # embed() gathers those in place
+            or tokens > self._plain_max_tokens
             or len(ids) != tokens * _INT64.itemsize
         ):
             return None
         flat = np.frombuffer(ids, dtype=_INT64)
-        if not within_vocabulary(flat, limits.vocab_size):
+        if not within_vocabulary(flat, self._vocab_size):
             return None
         try:
-            ticket = self.admission.admit(tokens, output_bytes)
+            ticket = self.admission.admit(tokens, tokens * self._plain_row_bytes)
         except Overloaded:
             return None  # embed() refuses it the same way, and counts the refusal
         try:

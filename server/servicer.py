@@ -64,23 +64,21 @@ class EmbeddingServicer:
         started = time.perf_counter()
         with self._inflight():
             try:
+                # The commonest request is answered at once (see _answer_plain); any other
+                # goes the general way.
+                plain_payload = self._answer_plain(request, context, started)
+                if plain_payload is not None:
+                    return plain_payload
                 service = self._state.ready_service()
-                deadline = _deadline(context)
-                # The commonest request is answered at once, without the domain objects
-                # (EmbeddingService.embed_plain); any other goes the general way.
-                plain = wire.plain_ids(request)
-                served = None if plain is None else service.embed_plain(*plain, deadline)
                 in_place = None
-                if served is None:
-                    if self._in_place:
-                        in_place = InPlaceAnswer(service, request.request_id, self._allocate)
-                    served = await service.embed(
-                        wire.to_domain(request), deadline, answer_into=in_place
-                    )
-                output, ticket = served
+                if self._in_place:
+                    in_place = InPlaceAnswer(service, request.request_id, self._allocate)
+                output, ticket = await service.embed(
+                    wire.to_domain(request), _deadline(context), answer_into=in_place
+                )
                 # The output bytes stay reserved until gRPC has sent them.
                 _when_sent(ticket.release)
-                payload = await self._encode(
+                payload, encode_s = await self._encode(
                     service, output, request.request_id, started,
                     None if in_place is None else in_place.response,
                 )  # fmt: skip
@@ -92,7 +90,7 @@ class EmbeddingServicer:
             except Exception as exc:
                 logger.exception("Embed failed")
                 await self._abort(context, "Embed", Internal(f"internal error: {exc}"), started)
-            self._succeeded("Embed", output, started)
+            self._succeeded("Embed", output, started, encode_s)
             return payload
 
     async def EmbedStream(
@@ -178,7 +176,7 @@ class EmbeddingServicer:
                 raise
             finally:
                 ticket.release()
-            self._succeeded("EmbedChunked", output, started)
+            self._succeeded("EmbedChunked", output, started, encode_s=None)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest | None, context: grpc.aio.ServicerContext
@@ -229,7 +227,9 @@ class EmbeddingServicer:
             with self._inflight():
                 output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
                 try:
-                    payload = await self._encode(service, output, request.request_id, started)
+                    payload, encode_s = await self._encode(
+                        service, output, request.request_id, started
+                    )
                 except BaseException:
                     ticket.release()
                     raise
@@ -246,7 +246,7 @@ class EmbeddingServicer:
             self._rejected("EmbedStream", "internal", code, started, str(exc))
             answer = wire.encode_stream_error(code.value[0], f"internal error: {exc}", "internal")
             return answer, None
-        self._succeeded("EmbedStream", output, started)
+        self._succeeded("EmbedStream", output, started, encode_s)
         return wire.encode_stream_answer(payload), ticket
 
     def _metadata(
@@ -257,6 +257,35 @@ class EmbeddingServicer:
             output, manifest.name, manifest.version, request_id, time.perf_counter() - started
         )
 
+    def _answer_plain(
+        self, request: wire.ParsedRequest, context: grpc.aio.ServicerContext, started: float
+    ) -> bytes | None:
+        """The commonest request's answer, made flat; None, with nothing done, for any
+        other request (``EmbeddingService.embed_plain`` says which).
+
+        Flat: no await, the encode inline (the answer is small by then) and one metrics
+        update for the RPC. Live, every step and await costs several times what it costs
+        in a loop: with this, a tiny request's handler took 52 us instead of 58 and the
+        server 10-20 us less CPU per request at concurrency 64 (docs/benchmarks). Not
+        while loading or draining: ``ready_service`` refuses those on the general path.
+        """
+        state = self._state
+        service = state.service
+        plain = wire.plain_ids(request)
+        if plain is None or service is None or state.draining:
+            return None
+        served = service.embed_plain(*plain, _deadline(context))
+        if served is None:
+            return None
+        output, ticket = served
+        # The output bytes stay reserved until gRPC has sent them.
+        _when_sent(ticket.release)
+        metadata = self._metadata(service, output, request.request_id, started)
+        encode_started = time.perf_counter()
+        payload = wire.encode_response(output.hidden_states, metadata)
+        self._succeeded("Embed", output, started, time.perf_counter() - encode_started)
+        return payload
+
     async def _encode(
         self,
         service: EmbeddingService,
@@ -264,7 +293,8 @@ class EmbeddingServicer:
         request_id: str,
         started: float,
         in_place: wire.InPlaceResponse | None = None,
-    ) -> bytes:
+    ) -> tuple[bytes, float]:
+        """The response's bytes, and the seconds their encode took."""
         metadata = self._metadata(service, output, request_id, started)
         encode_started = time.perf_counter()
         payload = None if in_place is None else in_place.finish(metadata)
@@ -273,9 +303,7 @@ class EmbeddingServicer:
             payload = await service.offloader.run(
                 array.nbytes, wire.encode_response, array, metadata
             )
-        if self._metrics is not None:
-            self._metrics.encoded(time.perf_counter() - encode_started)
-        return payload
+        return payload, time.perf_counter() - encode_started
 
     def _inflight(self) -> InFlight:
         return InFlight(self._state)
@@ -284,12 +312,18 @@ class EmbeddingServicer:
         if self._metrics is not None:
             self._metrics.rpc_done(method, code.name, time.perf_counter() - started)
 
-    def _succeeded(self, method: str, output: EmbedOutput, started: float) -> None:
-        self._count(method, grpc.StatusCode.OK, started)
+    def _succeeded(
+        self, method: str, output: EmbedOutput, started: float, encode_s: float | None
+    ) -> None:
+        """Count an answer served; ``encode_s``: its encode time (None: chunks, not
+        encoded as one message)."""
         array = output.hidden_states
         if self._metrics is not None:
             tokens = sum(output.lengths) if output.lengths else array.size // array.shape[-1]
-            self._metrics.answered(tokens, array.nbytes, output.timings.queue_s)
+            self._metrics.served(
+                method, time.perf_counter() - started, tokens, array.nbytes,
+                output.timings.queue_s, encode_s,
+            )  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s ok shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d total=%.6fs",

@@ -14,8 +14,7 @@ from tokembed.server.metrics import Metrics, PendingUpdates
 def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, process_collector=False)
-    metrics.rpc_done("Embed", "OK", 0.0002)
-    metrics.answered(tokens=8, output_bytes=16384, queue_s=0.0)
+    metrics.served("Embed", 0.0002, tokens=8, output_bytes=16384, queue_s=0.0, encode_s=2e-5)
     metrics.batch_done(requests=3, tokens=24, compute_s=0.00005)
     metrics.rejected("overloaded")
 
@@ -33,12 +32,15 @@ def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
     assert value("tokembed_tokens_total") == 8
     assert value("tokembed_output_bytes_total") == 16384
     assert value("tokembed_queue_wait_seconds_count") == 1
+    assert value("tokembed_encode_seconds_count") == 1
     assert value("tokembed_batches_total") == 1
     assert value("tokembed_batch_tokens_sum") == 24
     assert value("tokembed_rejections_total", {"reason": "overloaded"}) == 1
     # The text exposition a scrape gets reads through the same collection.
-    metrics.answered(tokens=2, output_bytes=4096, queue_s=0.0)
-    assert b"tokembed_tokens_total 10.0" in generate_latest(registry)
+    metrics.served("Embed", 0.0001, tokens=2, output_bytes=4096, queue_s=0.0, encode_s=None)
+    exposition = generate_latest(registry)
+    assert b"tokembed_tokens_total 10.0" in exposition
+    assert b"tokembed_encode_seconds_count 1.0" in exposition  # None: not encoded as one
 
 
 def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() -> None:
@@ -49,7 +51,7 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
 
     def record() -> None:
         for _ in range(per_thread):
-            metrics.answered(tokens=1, output_bytes=2, queue_s=0.0)
+            metrics.served("Embed", 0.0, tokens=1, output_bytes=2, queue_s=0.0, encode_s=0.0)
 
     def scrape() -> None:
         while not done.is_set():
@@ -68,6 +70,9 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
     assert registry.get_sample_value("tokembed_tokens_total") == total
     assert registry.get_sample_value("tokembed_output_bytes_total") == 2 * total
     assert registry.get_sample_value("tokembed_queue_wait_seconds_count") == total
+    assert registry.get_sample_value("tokembed_encode_seconds_count") == total
+    ok = {"method": "Embed", "code": "OK"}
+    assert registry.get_sample_value("tokembed_requests_total", ok) == total
 
 
 def test_pending_updates_stay_bounded_without_a_scrape() -> None:

@@ -20,13 +20,13 @@ from tokembed.server.metrics import (
 )
 
 # (method, code, seconds): exact bucket edges, values past the last bucket, error codes.
-RPCS = [
-    ("Embed", "OK", 0.0005), ("Embed", "OK", 0.00025), ("Embed", "OK", 1e9),
-    ("Embed", "INVALID_ARGUMENT", 3.0), ("EmbedStream", "CANCELLED", 0.0),
+RPCS = [("Embed", "INVALID_ARGUMENT", 3.0), ("EmbedStream", "CANCELLED", 0.0)]
+# Served: (method, seconds, tokens, bytes, queue seconds, encode seconds or None).
+SERVED = [
+    ("Embed", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01), ("Embed", 0.00025, 256, 524288, 0.002, 2.5e-5),
+    ("Embed", 1e9, 1, 64, 0.0, None), ("EmbedChunked", 0.5, 3, 192, 0.25, None),
 ]  # fmt: skip
-ANSWERS = [(7, 7 * 4 * 16, 0.0), (256, 524288, 0.002)]  # tokens, bytes, queue seconds
 BATCHES = [(1, 7, 1e-5), (3, 70000, 1e-6), (600, 300000, 12.5)]  # requests, tokens, seconds
-ENCODES = [0.01, 2.5e-5]
 
 
 def ours() -> CollectorRegistry:
@@ -34,12 +34,10 @@ def ours() -> CollectorRegistry:
     metrics = Metrics(registry, process_collector=False)
     for rpc in RPCS:
         metrics.rpc_done(*rpc)
-    for answer in ANSWERS:
-        metrics.answered(*answer)
+    for served in SERVED:
+        metrics.served(*served)
     for batch in BATCHES:
         metrics.batch_done(*batch)
-    for seconds in ENCODES:
-        metrics.encoded(seconds)
     return registry
 
 
@@ -92,17 +90,19 @@ def prometheus_clients_own() -> CollectorRegistry:
     for method, code, seconds in RPCS:
         requests.labels(method=method, code=code).inc()
         duration.labels(method=method).observe(seconds)
-    for count, nbytes, queue_s in ANSWERS:
+    for method, seconds, count, nbytes, queue_s, encode_s in SERVED:
+        requests.labels(method=method, code="OK").inc()
+        duration.labels(method=method).observe(seconds)
         tokens.inc(count)
         output_bytes.inc(nbytes)
         queue.observe(queue_s)
+        if encode_s is not None:
+            encode.observe(encode_s)
     for n_requests, n_tokens, seconds in BATCHES:
         batches.inc()
         batch_requests.observe(n_requests)
         batch_tokens.observe(n_tokens)
         compute.observe(seconds)
-    for seconds in ENCODES:
-        encode.observe(seconds)
     return registry
 
 
