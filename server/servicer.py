@@ -188,30 +188,7 @@ class EmbeddingServicer:
             service = self._state.ready_service()
         except EmbedError as error:
             await self._abort(context, "GetModelInfo", error, started)
-        info = service.info
-        manifest = info.model.manifest
-        settings = service.settings
-        answer = pb.ModelInfo(
-            name=manifest.name,
-            version=manifest.version,
-            vocab_size=manifest.vocab_size,
-            d_model=manifest.d_model,
-            scale=manifest.scale,
-            weight_dtype=manifest.weight_dtype,
-            input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
-            output_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16],
-            execution_provider=info.execution_provider,
-            limits=pb.Limits(
-                max_tokens_per_request=settings.max_tokens_per_request,
-                max_output_bytes_per_request=settings.max_output_bytes_per_request,
-                max_batch_tokens=settings.max_batch_tokens,
-                max_message_bytes=settings.max_message_bytes,
-                max_delay_seconds=settings.max_delay_s,
-            ),
-            model_sha256=info.model.model_sha256,
-        )
-        if manifest.padding_idx is not None:
-            answer.padding_id = manifest.padding_idx
+        answer = wire.model_info(service.info, service.settings)
         self._count("GetModelInfo", grpc.StatusCode.OK, started)
         return answer
 

@@ -14,6 +14,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -22,6 +23,10 @@ from tokembed.server import inplace_bytes
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedOutput
 from tokembed.server.errors import InvalidInput
 from tokembed.v1 import embedding_pb2 as pb
+
+if TYPE_CHECKING:
+    from tokembed.server.service import ServedModel
+    from tokembed.server.settings import Settings
 
 _ID_DTYPE_NAMES = {pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int32"}
 _OUTPUT_DTYPE_NAMES = {
@@ -92,6 +97,33 @@ def to_domain(request: ParsedRequest) -> EmbedInput:
         model_name=request.model_name,
         request_id=request.request_id,
     )
+
+
+def model_info(info: ServedModel, settings: Settings) -> pb.ModelInfo:
+    """GetModelInfo's answer: the served model and the limits a caller must respect."""
+    manifest = info.model.manifest
+    answer = pb.ModelInfo(
+        name=manifest.name,
+        version=manifest.version,
+        vocab_size=manifest.vocab_size,
+        d_model=manifest.d_model,
+        scale=manifest.scale,
+        weight_dtype=manifest.weight_dtype,
+        input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
+        output_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16],
+        execution_provider=info.execution_provider,
+        limits=pb.Limits(
+            max_tokens_per_request=settings.max_tokens_per_request,
+            max_output_bytes_per_request=settings.max_output_bytes_per_request,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_message_bytes=settings.max_message_bytes,
+            max_delay_seconds=settings.max_delay_s,
+        ),
+        model_sha256=info.model.model_sha256,
+    )
+    if manifest.padding_idx is not None:
+        answer.padding_id = manifest.padding_idx
+    return answer
 
 
 def plain_ids(request: ParsedRequest) -> tuple[bytes, int, int] | None:
