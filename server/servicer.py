@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from tokembed.server import inplace_bytes, wire
 from tokembed.server.admission import Ticket
-from tokembed.server.domain import EmbedOutput
+from tokembed.server.domain import EmbedOutput, Timings
 from tokembed.server.errors import EmbedError, Internal, InvalidInput
 from tokembed.server.in_place_answer import InPlaceAnswer
 from tokembed.server.metrics import Metrics
@@ -146,7 +147,9 @@ class EmbeddingServicer:
         with self._inflight():
             try:
                 service = self._state.ready_service()
-                output, ticket = await service.embed(wire.to_domain(request), _deadline(context))
+                output, ticket = await service.embed(
+                    wire.to_domain(request), _deadline(context), answer_into=_new_answer_array
+                )
             except EmbedError as error:
                 await self._abort(context, "EmbedChunked", error, started)
             except asyncio.CancelledError:
@@ -359,6 +362,15 @@ def _when_sent(release: Callable[[], None]) -> None:
     task = asyncio.current_task()
     assert task is not None, "This is a bug: gRPC runs every handler in a task."
     task.add_done_callback(lambda _: release())
+
+
+def _new_answer_array(
+    shape: tuple[int, ...], dtype: np.dtype, lengths: tuple[int, ...] | None, known: Timings
+) -> np.ndarray:
+    """Where EmbedChunked's large answers are gathered: straight into the array its
+    chunks are cut from. Otherwise the look-up's rows come first and are then copied into
+    the padded answer, and both are alive at the peak."""
+    return np.empty(shape, dtype=dtype)
 
 
 def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:

@@ -196,3 +196,44 @@ def test_one_failed_heap_trim_does_not_end_trimming(
     while calls.count("ok") < 2:
         assert time.monotonic() < deadline, f"trimming stopped after {calls}"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_large_chunked_answers_are_gathered_straight_into_their_array(
+    small_model_dir: Path,
+    start_server: Any,
+    expected: np.ndarray,
+    dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EmbedChunked's large answers are gathered into the array the chunks are cut from,
+    as unary answers are into their bytes: no rows array in between (at the peak, both
+    were alive). Flat, padded ragged (pad rows) and plain answers stay exact."""
+    gathered_into: list[np.ndarray] = []
+    gather_into = service_module._gather_into
+
+    def recording(table: np.ndarray, job: Any, out: np.ndarray, *args: Any) -> Any:
+        gathered_into.append(out)
+        return gather_into(table, job, out, *args)
+
+    monkeypatch.setattr(service_module, "_gather_into", recording)
+    server = start_server(small_model_dir)
+    rng = np.random.default_rng(10)
+    rows = [rng.integers(0, SMALL_V, n) for n in (TOKENS - 40, 40)]
+    plain = rng.integers(0, SMALL_V, (2, TOKENS // 2))
+    want = expected.astype(dtype)
+    with EmbeddingClient(server.target, chunked_threshold_bytes=1) as client:
+        flat = client.embed(rows, dtype, layout="flat")
+        np.testing.assert_array_equal(flat, want[np.concatenate(rows)])
+        padded = client.embed(rows, dtype)
+        np.testing.assert_array_equal(padded[0], want[rows[0]])
+        np.testing.assert_array_equal(padded[1, :40], want[rows[1]])
+        np.testing.assert_array_equal(padded[1, 40:], np.repeat(want[[SMALL_PAD]], TOKENS - 80, 0))
+        np.testing.assert_array_equal(client.embed(plain, dtype), want[plain])
+        # A small answer is looked up the usual way (no in-place gather), still exact.
+        np.testing.assert_array_equal(client.embed([[1, 2, 3]], dtype), want[[[1, 2, 3]]])
+    assert [answer.shape for answer in gathered_into] == [
+        (TOKENS, SMALL_D), (2, TOKENS - 40, SMALL_D), (2, TOKENS // 2, SMALL_D)
+    ]  # fmt: skip
+    assert all(answer.dtype == dtype for answer in gathered_into)
+    assert server.metric("tokembed_requests_total", {"method": "EmbedChunked", "code": "OK"}) == 4
