@@ -19,9 +19,10 @@ from tokembed.server.metrics import (
     Metrics,
 )
 
-# (method, code, seconds): exact bucket edges, values past the last bucket, error codes.
+# Refused: (method, code, seconds).
 RPCS = [("Embed", "INVALID_ARGUMENT", 3.0), ("EmbedStream", "CANCELLED", 0.0)]
-# Served: (method, seconds, tokens, bytes, queue seconds, encode seconds or None).
+# Served: (method, seconds, tokens, bytes, queue seconds, encode seconds or None); exact
+# bucket edges, values past the last bucket, and answers not encoded as one message.
 SERVED = [
     ("Embed", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01), ("Embed", 0.00025, 256, 524288, 0.002, 2.5e-5),
     ("Embed", 1e9, 1, 64, 0.0, None), ("EmbedChunked", 0.5, 3, 192, 0.25, None),
