@@ -159,7 +159,7 @@ class EmbeddingService:
         self._float32_table = float32_table
         self.draining = False
         # What embed_plain answers: at most this many tokens (within the request limits,
-        # few enough to look up inline, an answer below the offload size), in range.
+        # few enough to look up inline, an answer below the offload size).
         row_bytes = manifest.d_model * _FLOAT32_ITEMSIZE
         self._plain_max_tokens = min(
             settings.inline_compute_max_tokens,
@@ -167,8 +167,6 @@ class EmbeddingService:
             settings.max_output_bytes_per_request // row_bytes,
             (OFFLOAD_MIN_BYTES - 1) // row_bytes,  # embed() gathers those in place
         )
-        self._plain_row_bytes = row_bytes
-        self._vocab_size = manifest.vocab_size
 
     async def embed(
         self, request: EmbedInput, deadline: float | None, answer_into: AnswerInto | None = None
@@ -243,10 +241,11 @@ class EmbeddingService:
         ):
             return None
         flat = np.frombuffer(ids, dtype=_INT64)
-        if not within_vocabulary(flat, self._vocab_size):
+        limits = self.info.limits
+        if not within_vocabulary(flat, limits.vocab_size):
             return None
         try:
-            ticket = self.admission.admit(tokens, tokens * self._plain_row_bytes)
+            ticket = self.admission.admit(tokens, tokens * limits.d_model * _FLOAT32_ITEMSIZE)
         except Overloaded:
             return None  # embed() refuses it the same way, and counts the refusal
         try:

@@ -11,11 +11,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from tokembed.server import inplace_bytes, wire
 from tokembed.server.admission import Ticket
@@ -381,32 +380,19 @@ def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:
             ticket.release()
 
 
-def _parse_model_info_request(data: bytes) -> pb.GetModelInfoRequest | None:
-    """None for bytes that do not parse: answered INVALID_ARGUMENT (a raising deserializer
-    would make gRPC answer UNKNOWN, past our status table)."""
-    try:
-        return pb.GetModelInfoRequest.FromString(data)
-    except DecodeError:
-        return None
-
-
-def _serialize(response: bytes | Any) -> bytes:
-    return response if isinstance(response, bytes) else response.SerializeToString()
-
-
 def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
     handlers: dict[str, grpc.RpcMethodHandler] = {
         "Embed": grpc.unary_unary_rpc_method_handler(
-            servicer.Embed, wire.parse_request, _serialize
+            servicer.Embed, wire.parse_request, wire.serialize_response
         ),
         "EmbedStream": grpc.stream_stream_rpc_method_handler(
-            servicer.EmbedStream, wire.parse_request, _serialize
+            servicer.EmbedStream, wire.parse_request, wire.serialize_response
         ),
         "EmbedChunked": grpc.unary_stream_rpc_method_handler(
-            servicer.EmbedChunked, wire.parse_request, _serialize
+            servicer.EmbedChunked, wire.parse_request, wire.serialize_response
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, _parse_model_info_request, _serialize
+            servicer.GetModelInfo, wire.parse_model_info_request, wire.serialize_response
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -77,6 +77,21 @@ def parse_request(data: bytes) -> ParsedRequest:
         return MalformedRequest(str(exc))
 
 
+def parse_model_info_request(data: bytes) -> pb.GetModelInfoRequest | None:
+    """The deserializer of GetModelInfo. None for bytes that do not parse: answered
+    INVALID_ARGUMENT (a raising deserializer would make gRPC answer UNKNOWN, past our
+    status table)."""
+    try:
+        return pb.GetModelInfoRequest.FromString(data)
+    except DecodeError:
+        return None
+
+
+def serialize_response(response: bytes | pb.ModelInfo) -> bytes:
+    """The serializer of every method: answers already encoded pass through."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
 def to_domain(request: ParsedRequest) -> EmbedInput:
     if isinstance(request, MalformedRequest):
         raise InvalidInput(f"the request is not a valid tokembed.v1.EmbedRequest: {request.error}")
