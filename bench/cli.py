@@ -45,11 +45,6 @@ def run(args: argparse.Namespace) -> int:
     stem = args.name or ("quick" if args.quick else "bench") + (
         "-cuda" if args.device == "cuda" else ""
     )
-    command = (
-        "tokembed " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if len(sys.argv) > 1
-        else "tokembed bench"
-    )
     command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     table = report.markdown(results, targets, command.strip())
     (args.out / f"{stem}.md").write_text(table, encoding="utf-8")
@@ -58,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
     for target in targets:
         measured = "n/a" if target.measured is None else f"{target.measured:.2f}"
         print(f"{target.verdict:12s} {measured:>6s} (wanted {target.wanted}) {target.name}")
+    for d in sorted(results.weights_bytes):
+        steps = report.latency_steps(results, d)
+        if steps is not None:
+            print(f"tiny [1,8] c=1 D={d}, p50 / floor p50, step by step: "
+                  + ", ".join(f"{target} {ratio:.2f}" for target, _, ratio in steps))  # fmt: skip
     print(f"\nwrote {args.out / f'{stem}.md'}" + "".join(f", {p}" for p in written)
           + f" in {time.perf_counter() - started:.0f} s")  # fmt: skip
     errors = sum(c.run.errors for c in results.cells)

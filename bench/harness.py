@@ -7,6 +7,9 @@ concurrency and output dtype:
                streaming for large answers, EmbedStream);
 - no batching: a second ``tokembed serve`` with ``--max-batch-tokens 1``;
 - ceiling:     the same look-up in-process with onnxruntime, no transport at all.
+Tiny requests at concurrency 1 also get two steps in between, to say where the service's
+latency over the floor goes: the floor called with the clients' deadline, and the service
+called by a bare gRPC client (the same request bytes and deadline, no decode).
 Server CPU seconds per request and peak RSS are read from /proc for the server processes.
 """
 
@@ -30,6 +33,7 @@ from tokembed.bench.procstats import PeakRss, cpu_seconds
 from tokembed.bench.runner import Run, run_async, run_threads
 from tokembed.bench.workloads import LARGE, MEDIUM, RAGGED, TINY, Workload
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec
+from tokembed.client._config import METHOD_EMBED
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -38,6 +42,8 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 VOCAB_SIZE = 32000
 CLIENT_MESSAGE_BYTES = 1 << 30
+# The deadline the tokembed clients send with every call (they always send one).
+CLIENT_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -238,10 +244,14 @@ def _measure_width(
                  ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES)],
     )  # fmt: skip
     floor_call = floor_channel.unary_unary(floor_module.METHOD)
+    service_channel = grpc.insecure_channel(service_proc.target)
+    service_bare_call = service_channel.unary_unary(METHOD_EMBED)
     unary = EmbeddingClient(service_proc.target, chunked_threshold_bytes=None,
-                            max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=120)  # fmt: skip
+                            max_message_bytes=CLIENT_MESSAGE_BYTES,
+                            timeout_s=CLIENT_TIMEOUT_S)  # fmt: skip
     chunked = EmbeddingClient(service_proc.target, chunked_threshold_bytes=MiB,
-                              max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=120)  # fmt: skip
+                              max_message_bytes=CLIENT_MESSAGE_BYTES,
+                              timeout_s=CLIENT_TIMEOUT_S)  # fmt: skip
     # The server trims its heap every memory_trim_interval_s; half as long again is enough.
     settle = _SettleBetweenCells(1.5 * Settings().memory_trim_interval_s)
     try:
@@ -261,7 +271,8 @@ def _measure_width(
                         continue  # float16 halves bytes: it matters where bytes dominate
                     yield from _measure_cell(
                         plan, workload, d_model, dtype, concurrency, requests,
-                        floor_call=floor_call, unary=unary, chunked=chunked,
+                        floor_call=floor_call, service_bare_call=service_bare_call,
+                        unary=unary, chunked=chunked,
                         session=session, service_proc=service_proc, nobatch_proc=nobatch_proc,
                         floor_pid=floor_proc.pid, settle=settle,
                     )  # fmt: skip
@@ -269,6 +280,7 @@ def _measure_width(
         unary.close()
         chunked.close()
         floor_channel.close()
+        service_channel.close()
 
 
 def _measure_cell(
@@ -280,6 +292,7 @@ def _measure_cell(
     requests: list[Any],
     *,
     floor_call: Any,
+    service_bare_call: Any,
     unary: EmbeddingClient,
     chunked: EmbeddingClient,
     session: Any,
@@ -313,6 +326,15 @@ def _measure_cell(
     with _ServerMeter(floor_pid) as meter:
         run = run_threads(floor_call, floor_requests, **budget)
     yield cell("floor", run, meter)
+    steps = _latency_steps_wanted(workload, concurrency, dtype)
+
+    def with_client_deadline(call: Any) -> Callable[[object], object]:
+        return lambda request: call(request, timeout=CLIENT_TIMEOUT_S)
+
+    if steps:
+        with _ServerMeter(floor_pid) as meter:
+            run = run_threads(with_client_deadline(floor_call), floor_requests, **budget)
+        yield cell("floor-deadline", run, meter, "the floor, called with the clients' deadline")
 
     def sync_unary(ids: Any) -> object:
         return unary.embed(ids, dtype)
@@ -322,12 +344,18 @@ def _measure_cell(
         run = run_threads(sync_unary, requests, **budget)
     yield cell("service-sync", run, meter)
 
+    if steps:
+        with _ServerMeter(service_proc.pid) as meter:
+            run = run_threads(with_client_deadline(service_bare_call), floor_requests, **budget)
+        bare_notes = "bare gRPC call: the floor's request bytes, the clients' deadline, no decode"
+        yield cell("service-bare", run, meter, bare_notes)
+
     async_client: list[AsyncEmbeddingClient] = []
 
     async def open_async() -> None:
         async_client.append(AsyncEmbeddingClient(
             service_proc.target, chunked_threshold_bytes=None,
-            max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=120,
+            max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=CLIENT_TIMEOUT_S,
         ))  # fmt: skip
 
     async def close_async() -> None:
@@ -365,7 +393,7 @@ def _measure_cell(
     async def open_nobatch() -> None:
         no_batch.append(AsyncEmbeddingClient(
             nobatch_proc.target, chunked_threshold_bytes=None,
-            max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=120,
+            max_message_bytes=CLIENT_MESSAGE_BYTES, timeout_s=CLIENT_TIMEOUT_S,
         ))  # fmt: skip
 
     async def close_nobatch() -> None:
@@ -389,6 +417,11 @@ def _measure_cell(
 
     run = run_threads(in_process, flat_requests, **budget)  # type: ignore[arg-type]
     yield cell("ceiling", run, None, "in-process onnxruntime")
+
+
+def _latency_steps_wanted(workload: Workload, concurrency: int, dtype: str) -> bool:
+    """Where the tiny c=1 target is judged: measure the steps between floor and service."""
+    return workload is TINY and concurrency == 1 and dtype == "float32"
 
 
 def _max_requests(plan: Plan, answer_bytes: float) -> int:

@@ -140,6 +140,44 @@ def _rss_target(results: Results) -> Target:
     return Target(name, "<= 1.0 of the bound, every cell", worst_ratio, 1.0, False, detail)
 
 
+# Tiny requests at concurrency 1, from the floor to the service one step at a time (the
+# harness measures the middle two only there): what the deadline, tokembed's server and
+# tokembed's client each add to the p50 that the first target compares.
+LATENCY_STEPS = (
+    ("floor", "the floor, bare client, no deadline"),
+    ("floor-deadline", "+ the deadline the tokembed clients send"),
+    ("service-bare", "+ tokembed's server (bare client, same request bytes and deadline)"),
+    ("service-sync", "+ tokembed's sync client (the first target's figure)"),
+)
+
+
+def latency_steps(results: Results, d_model: int) -> list[tuple[str, str, float]] | None:
+    """``(target, what, p50 / floor p50)`` for each step at width ``d_model``; None
+    unless the run measured them all."""
+    cells = [results.find(t, "tiny", d_model, "float32", 1) for t, _ in LATENCY_STEPS]
+    if any(c is None or not c.run.requests for c in cells):
+        return None
+    floor_p50 = cells[0].run.percentile_ms(50)  # type: ignore[union-attr]
+    return [
+        (target, what, _ratio(c.run.percentile_ms(50), floor_p50))  # type: ignore[union-attr]
+        for (target, what), c in zip(LATENCY_STEPS, cells, strict=True)
+    ]
+
+
+def _latency_steps_markdown(results: Results) -> list[str]:
+    lines: list[str] = []
+    for d in sorted(results.weights_bytes):
+        steps = latency_steps(results, d)
+        if steps is None:
+            continue
+        if not lines:
+            lines += ["", "## Tiny [1,8] at concurrency 1, step by step", "",
+                      "p50 of each step over the floor's p50, measured in this run.", "",
+                      "| D | step | cell | p50 / floor p50 |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {d} | {what} | {target} | {ratio:.2f} |" for target, what, ratio in steps]
+    return lines
+
+
 def _rss_bound(results: Results, cell: Cell) -> float:
     inflight = cell.concurrency * cell.bytes_per_request
     return results.weights_bytes[cell.d_model] + 2 * inflight + 150 * MB
@@ -162,6 +200,7 @@ def markdown(results: Results, targets: list[Target], command: str) -> str:
     for t in targets:
         measured = "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
         lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
+    lines += _latency_steps_markdown(results)
     lines += [
         "",
         "## All cells",

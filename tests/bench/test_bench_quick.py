@@ -20,10 +20,12 @@ def test_quick_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = (out / "quick.md").read_text()
-    for target in ("floor", "service-sync", "service-async", "service-chunked", "no-batching",
-                   "ceiling"):  # fmt: skip
+    for target in ("floor", "floor-deadline", "service-sync", "service-bare", "service-async",
+                   "service-chunked", "no-batching", "ceiling"):  # fmt: skip
         assert f"| {target} |" in table, f"no {target} cells"
     assert "## Targets" in table
     # Every target line got a verdict from figures of this run.
     assert table.count("| met |") + table.count("| MISSED |") == 6
     assert "tiny [1,8], concurrency 1: service p50 / floor p50" in result.stdout
+    assert "## Tiny [1,8] at concurrency 1, step by step" in table
+    assert "tiny [1,8] c=1 D=512, p50 / floor p50, step by step: floor 1.00" in result.stdout
