@@ -35,7 +35,6 @@ from tokembed.bench.workloads import LARGE, MEDIUM, RAGGED, TINY, Workload
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec
 from tokembed.client._config import METHOD_EMBED
 from tokembed.server.settings import Settings
-from tokembed.v1 import embedding_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -443,11 +442,7 @@ def _flat_ids(ids: Any) -> np.ndarray:
 
 
 def _encode_request(ids: Any, dtype: str) -> bytes:
-    encoded = codec.encode_ids(ids)
-    request = codec.build_request(
-        encoded, dtype=dtype, layout="padded", model_name="", request_id=""
-    )
-    return pb.EmbedRequest.SerializeToString(request)
+    return codec.encode_request(codec.encode_ids(ids), dtype=dtype, layout="padded")
 
 
 def speedup(numerator: float, denominator: float) -> float:

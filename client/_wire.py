@@ -1,4 +1,5 @@
-"""Just enough of the protobuf wire format to find where a bytes field lies in a message.
+"""Just enough of the protobuf wire format to find where a bytes field lies in a message,
+and to write the varints of a request (``codec.encode_request``).
 
 Why: with protobuf's Python runtime (upb), parsing a 32 MiB EmbedResponse copies the
 payload into its arena, and every read of ``tensor.data`` copies it again into a new
@@ -50,6 +51,23 @@ def read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
         if shift >= 70:
             raise WireError("varint longer than 10 bytes")
+
+
+def write_varint(value: int) -> bytes:
+    """The varint encoding of a non-negative ``value``."""
+    if 0 <= value < 0x80:
+        return _ONE_BYTE_VARINTS[value]
+    if value < 0:
+        raise ValueError(f"this is a bug: varint of negative {value}")
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_ONE_BYTE_VARINTS = [bytes([v]) for v in range(0x80)]
 
 
 def fields(buf: bytes | memoryview, start: int, end: int) -> Iterator[Field]:

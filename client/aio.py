@@ -66,16 +66,10 @@ class AsyncEmbeddingClient(ClientBase):
             channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
         else:
             channel = grpc.aio.insecure_channel(s.target, options=s.options)
-        # Raw bytes out (no response deserializer): decoded by codec, without copies.
-        self._embed = channel.unary_unary(
-            METHOD_EMBED, request_serializer=pb.EmbedRequest.SerializeToString
-        )
-        self._embed_chunked = channel.unary_stream(
-            METHOD_EMBED_CHUNKED, request_serializer=pb.EmbedRequest.SerializeToString
-        )
-        self._embed_stream = channel.stream_stream(
-            METHOD_EMBED_STREAM, request_serializer=pb.EmbedRequest.SerializeToString
-        )
+        # Bytes both ways, as in the sync client (encoded by codec, decoded by decode).
+        self._embed = channel.unary_unary(METHOD_EMBED)
+        self._embed_chunked = channel.unary_stream(METHOD_EMBED_CHUNKED)
+        self._embed_stream = channel.stream_stream(METHOD_EMBED_STREAM)
         self._get_model_info = channel.unary_unary(
             METHOD_GET_MODEL_INFO,
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
@@ -110,10 +104,12 @@ class AsyncEmbeddingClient(ClientBase):
         request_id: str = "",
     ) -> npt.NDArray[np.floating]:
         """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
-        result = await self.embed_result(
-            ids, dtype, layout=layout, timeout_s=timeout_s, request_id=request_id
-        )
-        return result.hidden_states
+        call, deadline, chunked = await self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        if chunked:
+            result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
+            return decode.check_array_shape(result.hidden_states, call.leading_shape)
+        raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
+        return decode.check_array_shape(decode.decode_hidden_states(raw), call.leading_shape)
 
     async def embed_result(
         self,
@@ -125,23 +121,13 @@ class AsyncEmbeddingClient(ClientBase):
         request_id: str = "",
     ) -> EmbedResult:
         """See ``EmbeddingClient.embed_result``."""
-        self._ensure_open()
-        layout = codec.check_layout(layout)
-        encoded = codec.encode_ids(ids)
-        request = codec.build_request(
-            encoded,
-            dtype=dtype,
-            layout=layout,
-            model_name=self._settings.model_name,
-            request_id=request_id,
-        )
-        deadline = self._deadline(timeout_s)
-        if self._needs_d_model():
-            await self._fetch_model_info(deadline)
-        rows, itemsize = encoded.output_rows(layout), codec.output_itemsize(dtype)
-        once = self._chunked_once if self._wants_chunked(rows, itemsize) else self._unary_once
-        result = await self._with_retries("Embed", deadline, lambda t: once(request, t))
-        return decode.check_shape(result, decode.leading_shape(encoded, layout))
+        call, deadline, chunked = await self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        if chunked:
+            result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
+        else:
+            raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
+            result = decode.decode_response(raw)
+        return decode.check_shape(result, call.leading_shape)
 
     async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
         """What the server serves, and its limits (always asks the server)."""
@@ -200,24 +186,20 @@ class AsyncEmbeddingClient(ClientBase):
         slots: collections.deque[_Slot] = collections.deque()
         failure: list[BaseException] = []
 
-        async def requests() -> AsyncIterator[pb.EmbedRequest]:
+        async def requests() -> AsyncIterator[bytes]:
             try:
                 async for item in _aiter(inputs):
                     try:
-                        encoded = codec.encode_ids(item)
-                        request = codec.build_request(
-                            encoded,
-                            dtype=dtype,
-                            layout=layout,
-                            model_name=self._settings.model_name,
+                        call = codec.embed_call(
+                            item, dtype, layout, model_name=self._settings.model_name
                         )
                     except EmbeddingError as err:
                         slots.append(err)
                         if not return_exceptions:
                             return
                         continue
-                    slots.append(decode.leading_shape(encoded, layout))
-                    yield request
+                    slots.append(call.leading_shape)
+                    yield call.request
             except Exception as exc:
                 failure.append(exc)
 
@@ -268,19 +250,42 @@ class AsyncEmbeddingClient(ClientBase):
 
     # ------------------------------------------------------------------ internals
 
-    async def _unary_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
-        raw = await self._embed(request, timeout=timeout, metadata=self._settings.metadata)
-        return decode.decode_response(raw)
+    async def _start_embed(
+        self, ids: Any, dtype: Any, layout: str, timeout_s: float | None, request_id: str
+    ) -> tuple[codec.EmbedCall, Deadline, bool]:
+        """See ``EmbeddingClient._start_embed``."""
+        self._ensure_open()
+        call = codec.embed_call(
+            ids, dtype, layout, model_name=self._settings.model_name, request_id=request_id
+        )
+        deadline = self._deadline(timeout_s)
+        if self._needs_d_model():
+            await self._fetch_model_info(deadline)
+        return call, deadline, self._wants_chunked(call.output_rows, call.output_itemsize)
 
-    async def _chunked_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
-        call = self._embed_chunked(request, timeout=timeout, metadata=self._settings.metadata)
-        try:
-            assembler = decode.ChunkAssembler()
-            async for raw in call:
-                assembler.add(raw)
-            return assembler.result()
-        finally:
-            call.cancel()
+    def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], Awaitable[bytes]]:
+        """One Embed attempt with a given timeout: the answer's raw bytes."""
+        embed, request, metadata = self._embed, call.request, self._settings.metadata
+        return lambda timeout: embed(request, timeout=timeout, metadata=metadata)
+
+    def _chunked_attempt(
+        self, call: codec.EmbedCall
+    ) -> Callable[[float | None], Awaitable[EmbedResult]]:
+        """One EmbedChunked attempt with a given timeout: the answer reassembled."""
+
+        async def attempt(timeout: float | None) -> EmbedResult:
+            stream = self._embed_chunked(
+                call.request, timeout=timeout, metadata=self._settings.metadata
+            )
+            try:
+                assembler = decode.ChunkAssembler()
+                async for raw in stream:
+                    assembler.add(raw)
+                return assembler.result()
+            finally:
+                stream.cancel()
+
+        return attempt
 
     async def _fetch_model_info(self, deadline: Deadline) -> ModelInfo:
         message = await self._with_retries(

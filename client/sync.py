@@ -50,17 +50,12 @@ class EmbeddingClient(ClientBase):
             self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
         else:
             self._channel = grpc.insecure_channel(s.target, options=s.options)
-        # No response deserializers: the client gets the raw bytes and decodes them
-        # itself, pointing the array at them instead of copying (see codec/_wire).
-        self._embed = self._channel.unary_unary(
-            METHOD_EMBED, request_serializer=pb.EmbedRequest.SerializeToString
-        )
-        self._embed_chunked = self._channel.unary_stream(
-            METHOD_EMBED_CHUNKED, request_serializer=pb.EmbedRequest.SerializeToString
-        )
-        self._embed_stream = self._channel.stream_stream(
-            METHOD_EMBED_STREAM, request_serializer=pb.EmbedRequest.SerializeToString
-        )
+        # Bytes both ways: requests are encoded by codec.encode_request, and answers
+        # decoded from the raw bytes, pointing the array at them instead of copying
+        # (see decode/_wire).
+        self._embed = self._channel.unary_unary(METHOD_EMBED)
+        self._embed_chunked = self._channel.unary_stream(METHOD_EMBED_CHUNKED)
+        self._embed_stream = self._channel.stream_stream(METHOD_EMBED_STREAM)
         self._get_model_info = self._channel.unary_unary(
             METHOD_GET_MODEL_INFO,
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
@@ -98,9 +93,13 @@ class EmbeddingClient(ClientBase):
         The array is a read-only view of the received bytes (zero-copy); ``.copy()`` it
         to write. ``timeout_s`` overrides the client's default for this call.
         """
-        return self.embed_result(
-            ids, dtype, layout=layout, timeout_s=timeout_s, request_id=request_id
-        ).hidden_states
+        call, deadline, chunked = self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        if chunked:
+            result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
+            return decode.check_array_shape(result.hidden_states, call.leading_shape)
+        raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
+        # The array alone: the result object around it is for embed_result's callers.
+        return decode.check_array_shape(decode.decode_hidden_states(raw), call.leading_shape)
 
     def embed_result(
         self,
@@ -112,23 +111,13 @@ class EmbeddingClient(ClientBase):
         request_id: str = "",
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
-        self._check_open()
-        layout = codec.check_layout(layout)
-        encoded = codec.encode_ids(ids)
-        request = codec.build_request(
-            encoded,
-            dtype=dtype,
-            layout=layout,
-            model_name=self._settings.model_name,
-            request_id=request_id,
-        )
-        deadline = self._deadline(timeout_s)
-        if self._needs_d_model():
-            self._fetch_model_info(deadline)
-        rows, itemsize = encoded.output_rows(layout), codec.output_itemsize(dtype)
-        once = self._chunked_once if self._wants_chunked(rows, itemsize) else self._unary_once
-        result = self._with_retries("Embed", deadline, lambda t: once(request, t))
-        return decode.check_shape(result, decode.leading_shape(encoded, layout))
+        call, deadline, chunked = self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        if chunked:
+            result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
+        else:
+            raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
+            result = decode.decode_response(raw)
+        return decode.check_shape(result, call.leading_shape)
 
     def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
         """What the server serves, and its limits (always asks the server)."""
@@ -192,16 +181,12 @@ class EmbeddingClient(ClientBase):
         slots: collections.deque[_Slot] = collections.deque()
         failure: list[BaseException] = []
 
-        def requests() -> Iterator[pb.EmbedRequest]:
+        def requests() -> Iterator[bytes]:
             try:
                 for item in inputs:
                     try:
-                        encoded = codec.encode_ids(item)
-                        request = codec.build_request(
-                            encoded,
-                            dtype=dtype,
-                            layout=layout,
-                            model_name=self._settings.model_name,
+                        call = codec.embed_call(
+                            item, dtype, layout, model_name=self._settings.model_name
                         )
                     except EmbeddingError as err:
                         slots.append(err)
@@ -210,8 +195,8 @@ class EmbeddingClient(ClientBase):
                         continue
                     # The slot goes in before the request goes out, so it is there when
                     # the answer comes back.
-                    slots.append(decode.leading_shape(encoded, layout))
-                    yield request
+                    slots.append(call.leading_shape)
+                    yield call.request
             except Exception as exc:
                 # gRPC would log this and cancel the call; keep it for the caller instead.
                 failure.append(exc)
@@ -265,19 +250,40 @@ class EmbeddingClient(ClientBase):
 
     # ------------------------------------------------------------------ internals
 
-    def _unary_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
-        raw = self._embed(request, timeout=timeout, metadata=self._settings.metadata)
-        return decode.decode_response(raw)
+    def _start_embed(
+        self, ids: Any, dtype: Any, layout: str, timeout_s: float | None, request_id: str
+    ) -> tuple[codec.EmbedCall, Deadline, bool]:
+        """The call encoded, its deadline, and whether to ask for the answer in chunks."""
+        self._check_open()
+        call = codec.embed_call(
+            ids, dtype, layout, model_name=self._settings.model_name, request_id=request_id
+        )
+        deadline = self._deadline(timeout_s)
+        if self._needs_d_model():
+            self._fetch_model_info(deadline)
+        return call, deadline, self._wants_chunked(call.output_rows, call.output_itemsize)
 
-    def _chunked_once(self, request: pb.EmbedRequest, timeout: float | None) -> EmbedResult:
-        call = self._embed_chunked(request, timeout=timeout, metadata=self._settings.metadata)
-        try:
-            assembler = decode.ChunkAssembler()
-            for raw in call:
-                assembler.add(raw)
-            return assembler.result()
-        finally:
-            call.cancel()
+    def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], bytes]:
+        """One Embed attempt with a given timeout: the answer's raw bytes."""
+        embed, request, metadata = self._embed, call.request, self._settings.metadata
+        return lambda timeout: embed(request, timeout=timeout, metadata=metadata)
+
+    def _chunked_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], EmbedResult]:
+        """One EmbedChunked attempt with a given timeout: the answer reassembled."""
+
+        def attempt(timeout: float | None) -> EmbedResult:
+            stream = self._embed_chunked(
+                call.request, timeout=timeout, metadata=self._settings.metadata
+            )
+            try:
+                assembler = decode.ChunkAssembler()
+                for raw in stream:
+                    assembler.add(raw)
+                return assembler.result()
+            finally:
+                stream.cancel()
+
+        return attempt
 
     def _fetch_model_info(self, deadline: Deadline) -> ModelInfo:
         info = ModelInfo.from_proto(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -18,7 +19,12 @@ from tokembed.client import (
     RequestTooLargeError,
     ServerError,
 )
-from tokembed.client.decode import ZERO_COPY_MIN_BYTES, decode_response, decode_stream_response
+from tokembed.client.decode import (
+    ZERO_COPY_MIN_BYTES,
+    decode_hidden_states,
+    decode_response,
+    decode_stream_response,
+)
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -58,6 +64,9 @@ def test_unary_decode_points_into_the_received_bytes() -> None:
     assert result.timings.batch_requests == 3
     assert (result.model_name, result.model_version, result.request_id) == ("m", "2", "rid")
     assert result.lengths is None
+    # The array alone (what embed returns) is the same zero-copy view.
+    alone = decode_hidden_states(raw)
+    assert np.array_equal(alone, hs) and owner(alone) is raw and not alone.flags.writeable
 
 
 def test_float16_and_lengths() -> None:
@@ -132,9 +141,12 @@ def test_unknown_fields_are_ignored(width: int) -> None:
         ),
     ],
 )
-def test_broken_replies_raise_protocol_errors(raw: bytes, match: str) -> None:
+@pytest.mark.parametrize("decode", [decode_response, decode_hidden_states])
+def test_broken_replies_raise_protocol_errors(
+    raw: bytes, match: str, decode: Callable[[bytes], object]
+) -> None:
     with pytest.raises(ServerError, match=match) as info:
-        decode_response(raw)
+        decode(raw)
     assert info.value.reason == "protocol"
     assert info.value.code is None
 
@@ -147,6 +159,8 @@ def test_small_answers_are_parsed_by_protobuf_and_stay_read_only() -> None:
     assert owner(result.hidden_states) is not raw
     assert not result.hidden_states.flags.writeable
     assert result.timings.batch_requests == 3
+    alone = decode_hidden_states(raw)
+    assert np.array_equal(alone, hs) and not alone.flags.writeable
 
 
 def test_stream_answer_decodes_zero_copy() -> None:
@@ -200,4 +214,6 @@ def test_decode_matches_protobuf(shape: list[int], half: bool, data: st.DataObje
     reference = np.frombuffer(msg.hidden_states.data, dtype).reshape(shape)
     assert np.array_equal(ours.hidden_states, reference)
     assert ours.hidden_states.shape == tuple(shape)
+    assert np.array_equal(decode_hidden_states(raw), reference)
+    assert decode_hidden_states(raw).shape == tuple(shape)
     assert (ours.lengths.tolist() if ours.lengths is not None else []) == list(msg.lengths)

@@ -191,7 +191,8 @@ def test_model_name_mismatch(fake: FakeServer) -> None:
         assert client.embed([[1]]).shape == (1, 1, D)
 
 
-def test_wrong_shape_from_server_is_a_protocol_error(fake: FakeServer) -> None:
+@pytest.mark.parametrize("method", ["embed", "embed_result"])
+def test_wrong_shape_from_server_is_a_protocol_error(fake: FakeServer, method: str) -> None:
     def drop_a_row(response: pb.EmbedResponse) -> pb.EmbedResponse:
         t = response.hidden_states
         b, s, d = t.shape
@@ -204,7 +205,7 @@ def test_wrong_shape_from_server_is_a_protocol_error(fake: FakeServer) -> None:
         client_for(fake, chunked_threshold_bytes=None) as client,
         pytest.raises(ServerError, match="shape") as info,
     ):
-        client.embed([[1, 2, 3]])
+        getattr(client, method)([[1, 2, 3]])
     assert info.value.reason == "protocol"
 
 
