@@ -7,14 +7,17 @@ concurrency and output dtype:
                streaming for large answers, EmbedStream);
 - no batching: a second ``tokembed serve`` with ``--max-batch-tokens 1``;
 - ceiling:     the same look-up in-process with onnxruntime, no transport at all.
-Tiny requests at concurrency 1 also get two steps in between, to say where the service's
-latency over the floor goes: the floor called with the clients' deadline, and the service
-called by a bare gRPC client (the same request bytes and deadline, no decode).
+Tiny requests at concurrency 1, where the first target compares latencies, are measured
+in turns (floor and service alternating, see ``run_interleaved``), with two steps in
+between to say where the service's latency over the floor goes: the floor called with the
+clients' deadline, and the service called by a bare gRPC client (the same request bytes
+and deadline, no decode).
 Server CPU seconds per request and peak RSS are read from /proc for the server processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -30,7 +33,7 @@ import numpy as np
 from tokembed.bench import floor as floor_module
 from tokembed.bench import processes
 from tokembed.bench.procstats import PeakRss, cpu_seconds
-from tokembed.bench.runner import Run, run_async, run_threads
+from tokembed.bench.runner import Run, run_async, run_interleaved, run_threads
 from tokembed.bench.workloads import LARGE, MEDIUM, RAGGED, TINY, Workload
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec
 from tokembed.client._config import METHOD_EMBED
@@ -163,6 +166,23 @@ class _ServerMeter:
             self._rss.__exit__()
             self.cpu_s = cpu_seconds(self._pid) - self._cpu
             self.peak_rss = self._rss.peak
+
+
+class _TurnsMeter:
+    """CPU seconds and peak RSS of a server process summed over several turns (for the
+    cells measured in turns, see run_interleaved)."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self.cpu_s = 0.0
+        self.peak_rss = 0
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        with _ServerMeter(self._pid) as meter:
+            yield
+        self.cpu_s += meter.cpu_s
+        self.peak_rss = max(self.peak_rss, meter.peak_rss)
 
 
 class _SettleBetweenCells:
@@ -309,7 +329,9 @@ def _measure_cell(
         "max_requests": _max_requests(plan, answer_bytes),
     }
 
-    def cell(target: str, run: Run, meter: _ServerMeter | None, notes: str = "") -> Cell:
+    def cell(
+        target: str, run: Run, meter: _ServerMeter | _TurnsMeter | None, notes: str = ""
+    ) -> Cell:
         cpu_per_request = float("nan")
         if meter is not None and run.requests:
             cpu_per_request = meter.cpu_s / run.requests
@@ -322,32 +344,46 @@ def _measure_cell(
 
     # The floor: the same request bytes out, a same-sized answer back, no decoding.
     floor_requests = [_encode_request(r, dtype) for r in requests]
-    with _ServerMeter(floor_pid) as meter:
-        run = run_threads(floor_call, floor_requests, **budget)
-    yield cell("floor", run, meter)
-    steps = _latency_steps_wanted(workload, concurrency, dtype)
-
-    def with_client_deadline(call: Any) -> Callable[[object], object]:
-        return lambda request: call(request, timeout=CLIENT_TIMEOUT_S)
-
-    if steps:
-        with _ServerMeter(floor_pid) as meter:
-            run = run_threads(with_client_deadline(floor_call), floor_requests, **budget)
-        yield cell("floor-deadline", run, meter, "the floor, called with the clients' deadline")
 
     def sync_unary(ids: Any) -> object:
         return unary.embed(ids, dtype)
 
-    settle.before(service_proc.pid, concurrency * answer_bytes)
-    with _ServerMeter(service_proc.pid) as meter:
-        run = run_threads(sync_unary, requests, **budget)
-    yield cell("service-sync", run, meter)
+    if _latency_steps_wanted(workload, concurrency, dtype):
+        # Where the first target compares latencies: the floor, the service, and two
+        # steps between them, taken in turns (see run_interleaved).
+        settle.before(service_proc.pid, concurrency * answer_bytes)
 
-    if steps:
+        def with_client_deadline(call: Any) -> Callable[[object], object]:
+            return lambda request: call(request, timeout=CLIENT_TIMEOUT_S)
+
+        steps: dict[str, tuple[Callable[[object], object], list[Any], int, str]] = {
+            "floor": (floor_call, floor_requests, floor_pid, ""),
+            "floor-deadline": (with_client_deadline(floor_call), floor_requests, floor_pid,
+                               "the floor, called with the clients' deadline"),
+            "service-bare": (with_client_deadline(service_bare_call), floor_requests,
+                             service_proc.pid, "bare gRPC call: the floor's request bytes, "
+                             "the clients' deadline, no decode"),
+            "service-sync": (sync_unary, requests, service_proc.pid, ""),
+        }  # fmt: skip
+        meters = {name: _TurnsMeter(pid) for name, (_, _, pid, _) in steps.items()}
+        runs = run_interleaved(
+            {name: (call, reqs) for name, (call, reqs, _, _) in steps.items()},
+            duration_s=plan.duration_s,
+            max_requests=budget["max_requests"],
+            during=lambda name: meters[name].turn(),
+        )
+        for name, (_, _, _, notes) in steps.items():
+            yield cell(
+                name, runs[name], meters[name], f"{notes}; in turns" if notes else "in turns"
+            )
+    else:
+        with _ServerMeter(floor_pid) as meter:
+            run = run_threads(floor_call, floor_requests, **budget)
+        yield cell("floor", run, meter)
+        settle.before(service_proc.pid, concurrency * answer_bytes)
         with _ServerMeter(service_proc.pid) as meter:
-            run = run_threads(with_client_deadline(service_bare_call), floor_requests, **budget)
-        bare_notes = "bare gRPC call: the floor's request bytes, the clients' deadline, no decode"
-        yield cell("service-bare", run, meter, bare_notes)
+            run = run_threads(sync_unary, requests, **budget)
+        yield cell("service-sync", run, meter)
 
     async_client: list[AsyncEmbeddingClient] = []
 

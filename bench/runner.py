@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +79,51 @@ def run_threads(
     wall = time.perf_counter() - started
     return Run(
         len(latencies), len(errors), wall, np.asarray(latencies), errors[0] if errors else ""
+    )
+
+
+def run_interleaved(
+    calls: Mapping[str, tuple[Callable[[object], object], Sequence[object]]],
+    *,
+    duration_s: float,
+    max_requests: int,
+    rounds: int = 8,
+    seed: int = 0,
+    during: Callable[[str], AbstractContextManager[object]] | None = None,
+) -> dict[str, Run]:
+    """Each ``(call, requests)`` at concurrency 1, in ``rounds`` turns of equal length
+    in a shuffled order each round; each gets ``duration_s`` and ``max_requests`` in all.
+
+    For latencies compared with each other: run one after the other, each in its own
+    seconds, a shared machine's slow moment falls on one of them only (the tiny c=1
+    ratio ranged 1.12-1.47 over ten runs that way); taken in turns it falls on all.
+    ``during(name)``, if given, is entered around each of that call's turns (a meter).
+    """
+    turns: dict[str, list[Run]] = {name: [] for name in calls}
+    order = list(calls)
+    shuffler = random.Random(seed)
+    for _ in range(rounds):
+        shuffler.shuffle(order)
+        for name in order:
+            call, requests = calls[name]
+            with during(name) if during is not None else contextlib.nullcontext():
+                turns[name].append(
+                    run_threads(
+                        call, requests, concurrency=1, duration_s=duration_s / rounds,
+                        max_requests=max(1, max_requests // rounds),
+                    )
+                )  # fmt: skip
+    return {name: _merged(runs) for name, runs in turns.items()}
+
+
+def _merged(runs: list[Run]) -> Run:
+    errors = [run.first_error for run in runs if run.first_error]
+    return Run(
+        requests=sum(run.requests for run in runs),
+        errors=sum(run.errors for run in runs),
+        wall_s=sum(run.wall_s for run in runs),
+        latencies_s=np.concatenate([run.latencies_s for run in runs]),
+        first_error=errors[0] if errors else "",
     )
 
 
