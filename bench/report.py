@@ -154,12 +154,13 @@ LATENCY_STEPS = (
 def latency_steps(results: Results, d_model: int) -> list[tuple[str, str, float]] | None:
     """``(target, what, p50 / floor p50)`` for each step at width ``d_model``; None
     unless the run measured them all."""
-    cells = [results.find(t, "tiny", d_model, "float32", 1) for t, _ in LATENCY_STEPS]
-    if any(c is None or not c.run.requests for c in cells):
+    found = [results.find(t, "tiny", d_model, "float32", 1) for t, _ in LATENCY_STEPS]
+    cells = [c for c in found if c is not None and c.run.requests]
+    if len(cells) != len(LATENCY_STEPS):
         return None
-    floor_p50 = cells[0].run.percentile_ms(50)  # type: ignore[union-attr]
+    floor_p50 = cells[0].run.percentile_ms(50)
     return [
-        (target, what, _ratio(c.run.percentile_ms(50), floor_p50))  # type: ignore[union-attr]
+        (target, what, _ratio(c.run.percentile_ms(50), floor_p50))
         for (target, what), c in zip(LATENCY_STEPS, cells, strict=True)
     ]
 
@@ -171,9 +172,15 @@ def _latency_steps_markdown(results: Results) -> list[str]:
         if steps is None:
             continue
         if not lines:
-            lines += ["", "## Tiny [1,8] at concurrency 1, step by step", "",
-                      "p50 of each step over the floor's p50, measured in this run.", "",
-                      "| D | step | cell | p50 / floor p50 |", "|---|---|---|---|"]  # fmt: skip
+            lines += [
+                "",
+                "## Tiny [1,8] at concurrency 1, step by step",
+                "",
+                "p50 of each step over the floor's p50; the four were measured in turns.",
+                "",
+                "| D | step | cell | p50 / floor p50 |",
+                "|---|---|---|---|",
+            ]
         lines += [f"| {d} | {what} | {target} | {ratio:.2f} |" for target, what, ratio in steps]
     return lines
 
