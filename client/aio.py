@@ -109,7 +109,7 @@ class AsyncEmbeddingClient(ClientBase):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
             return decode.check_array_shape(result.hidden_states, call.leading_shape)
         raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
-        return decode.check_array_shape(decode.decode_hidden_states(raw), call.leading_shape)
+        return decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
 
     async def embed_result(
         self,

@@ -99,7 +99,7 @@ class EmbeddingClient(ClientBase):
             return decode.check_array_shape(result.hidden_states, call.leading_shape)
         raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
         # The array alone: the result object around it is for embed_result's callers.
-        return decode.check_array_shape(decode.decode_hidden_states(raw), call.leading_shape)
+        return decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
 
     def embed_result(
         self,

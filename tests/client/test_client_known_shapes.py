@@ -1,0 +1,185 @@
+"""Calls of a shape seen before: the request frames of ``codec.embed_call`` and the answer
+heads of ``decode.embed_answer`` give exactly what the full encode and decode give."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tokembed.client import InvalidInputError, ServerError, codec, decode
+from tokembed.client.codec import EmbedCall, embed_call, encode_ids, encode_request
+from tokembed.client.decode import decode_hidden_states, embed_answer
+from tokembed.v1 import embedding_pb2 as pb
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches() -> Iterator[None]:
+    """Every test starts with no frame or head known (they are process-wide)."""
+    codec._frames.clear()
+    decode._answer_heads.clear()
+    yield
+    codec._frames.clear()
+    decode._answer_heads.clear()
+
+
+def reference_call(
+    ids: Any, dtype: str = "float32", layout: str = "padded", **kw: str
+) -> EmbedCall:
+    """The call as the full path builds it: checked and encoded from scratch."""
+    encoded = encode_ids(ids)
+    checked = codec.check_layout(layout)
+    return EmbedCall(
+        encode_request(encoded, dtype=dtype, layout=layout, **kw),
+        encoded.leading_shape(checked),
+        encoded.output_rows(checked),
+        codec.output_itemsize(dtype),
+    )
+
+
+shapes = st.one_of(
+    st.tuples(st.integers(1, 4), st.integers(1, 300)),  # [B,S], long rows: 2-byte varints
+    st.tuples(st.integers(1, 40)),  # [S]: one sequence, sent as [1,S]
+)
+
+
+@given(
+    shapes,
+    st.sampled_from(["<i8", "<i4"]),
+    st.sampled_from(["float32", "float16"]),
+    st.sampled_from(["padded", "flat"]),
+    st.sampled_from(["", "modèle-ü"]),
+    st.integers(0, 2**31 - 1),
+)
+def test_a_framed_call_is_the_call_built_from_scratch(
+    shape: tuple[int, ...], id_dtype: str, dtype: str, layout: str, model_name: str, seed: int
+) -> None:
+    codec._frames.clear()
+    rng = np.random.default_rng(seed)
+    first, second = (rng.integers(0, 2**31 - 1, size=shape).astype(id_dtype) for _ in range(2))
+    # Not contiguous: the frame must send it in logical order, as the full path does.
+    third = np.asfortranarray(rng.integers(0, 2**31 - 1, size=shape).astype(id_dtype))
+    for ids in (first, second, third):
+        call = embed_call(ids, dtype, layout, model_name=model_name)
+        assert call == reference_call(ids, dtype, layout, model_name=model_name)
+    assert len(codec._frames) == 1  # the second and third came from the first's frame
+
+
+def test_frames_are_only_for_arrays_sent_as_they_are() -> None:
+    converted = np.array([[1, 2, 3]], dtype=np.uint8)  # sent as int32
+    swapped = np.array([[1, 2, 3]], dtype=">i8")  # sent as little-endian int64
+    for ids in (converted, swapped, [[1, 2, 3]]):
+        for _ in range(2):
+            assert embed_call(ids, "float32", "padded") == reference_call(ids)
+    assert codec._frames == {}
+    # Nor calls with a request id: each would make its own frame.
+    ids = np.array([[1, 2, 3]], dtype=np.int64)
+    for request_id in ("a", "b"):
+        call = embed_call(ids, "float32", "padded", request_id=request_id)
+        assert call == reference_call(ids, request_id=request_id)
+    assert codec._frames == {}
+
+
+def test_a_known_frame_does_not_let_bad_input_through() -> None:
+    embed_call(np.array([[1, 2]], dtype=np.int64), "float32", "padded")
+    assert len(codec._frames) == 1
+    with pytest.raises(InvalidInputError, match="must be integers"):
+        embed_call(np.array([[1.0, 2.0]]), "float32", "padded")
+    with pytest.raises(InvalidInputError, match="float32 or float16"):
+        embed_call(np.array([[1, 2]], dtype=np.int64), "float64", "padded")
+    with pytest.raises(InvalidInputError, match="'padded' or 'flat'"):
+        embed_call(np.array([[1, 2]], dtype=np.int64), "float32", "ragged")
+
+
+def test_no_more_frames_past_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_FRAMES_CACHED", 2)
+    for width in range(1, 6):
+        ids = np.arange(width, dtype=np.int64).reshape(1, width)
+        assert embed_call(ids, "float32", "padded") == reference_call(ids)
+    assert len(codec._frames) == 2
+
+
+# --- answers
+
+
+def answer(hs: np.ndarray, **kwargs: Any) -> bytes:
+    """An EmbedResponse as protobuf writes it (the tensor first, as the server does)."""
+    wire = pb.DTYPE_FLOAT16 if hs.dtype == np.float16 else pb.DTYPE_FLOAT32
+    return pb.EmbedResponse(
+        hidden_states=pb.Tensor(dtype=wire, shape=hs.shape, data=hs.tobytes()),
+        timings=pb.Timings(queue_seconds=0.5, compute_seconds=0.25, batch_requests=3),
+        model_name="m",
+        request_id="rid",
+        **kwargs,
+    ).SerializeToString()
+
+
+@given(
+    st.tuples(st.integers(1, 3), st.integers(1, 200), st.integers(1, 70)),
+    st.sampled_from(["float32", "float16"]),
+    st.integers(0, 2**31 - 1),
+)
+def test_an_answer_of_a_known_shape_is_what_the_full_decode_gives(
+    shape: tuple[int, int, int], dtype: str, seed: int
+) -> None:
+    decode._answer_heads.clear()
+    rng = np.random.default_rng(seed)
+    itemsize = np.dtype(dtype).itemsize
+    for _ in range(3):  # the first is decoded in full; the others through its head
+        hs = rng.standard_normal(shape).astype(dtype)
+        raw = answer(hs)
+        got = embed_answer(raw, shape[:2], itemsize)
+        assert got.shape == hs.shape and got.dtype == hs.dtype
+        assert np.array_equal(got, hs) and np.array_equal(got, decode_hidden_states(raw))
+        assert not got.flags.writeable
+    assert len(decode._answer_heads) == 1
+
+
+def broken_after_a_good_one() -> list[tuple[str, bytes]]:
+    hs = np.arange(2 * 4, dtype=np.float32).reshape(1, 2, 4)
+    # The tensor field alone: the known head, then the data.
+    head_and_data = pb.EmbedResponse(
+        hidden_states=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=hs.shape, data=hs.tobytes())
+    ).SerializeToString()
+    # The tensor field again after the data: protobuf merges it (its packed shape grows).
+    again = pb.EmbedResponse(hidden_states=pb.Tensor(shape=[3], data=b"\0" * 12))
+    return [
+        ("merged", head_and_data + again.SerializeToString()),
+        ("cut short", head_and_data[:-3]),
+        ("garbage after", head_and_data + b"\xff\xff\xff"),
+    ]
+
+
+@pytest.mark.parametrize("case", [name for name, _ in broken_after_a_good_one()])
+def test_an_answer_that_only_begins_like_a_known_one_gets_the_full_decode(case: str) -> None:
+    hs = np.arange(2 * 4, dtype=np.float32).reshape(1, 2, 4)
+    embed_answer(answer(hs), (1, 2), 4)  # learns the head
+    assert len(decode._answer_heads) == 1
+    raw = dict(broken_after_a_good_one())[case]
+    assert raw.startswith(decode._answer_heads[((1, 2), 4)].head)
+    # Whatever the full decode makes of it (an error here, for each), embed_answer too.
+    with pytest.raises(ServerError) as full:
+        decode.check_array_shape(decode_hidden_states(raw), (1, 2))
+    with pytest.raises(ServerError) as known:
+        embed_answer(raw, (1, 2), 4)
+    assert str(known.value) == str(full.value)
+
+
+def test_an_answer_of_another_width_is_decoded_in_full() -> None:
+    # The same request shape, answered by a server of another D (a new replica, say).
+    narrow = np.ones((1, 2, 4), dtype=np.float32)
+    wide = np.full((1, 2, 6), 2.0, dtype=np.float32)
+    assert np.array_equal(embed_answer(answer(narrow), (1, 2), 4), narrow)
+    assert np.array_equal(embed_answer(answer(wide), (1, 2), 4), wide)
+    assert np.array_equal(embed_answer(answer(narrow), (1, 2), 4), narrow)
+
+
+def test_a_wrong_shape_is_refused_either_way() -> None:
+    hs = np.ones((1, 2, 4), dtype=np.float32)
+    embed_answer(answer(hs), (1, 2), 4)
+    with pytest.raises(ServerError, match="for a request of"):
+        embed_answer(answer(np.ones((2, 1, 4), dtype=np.float32)), (1, 2), 4)
