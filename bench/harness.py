@@ -368,8 +368,9 @@ def _measure_cell(
         meters = {name: _TurnsMeter(pid) for name, (_, _, pid, _) in steps.items()}
         runs = run_interleaved(
             {name: (call, reqs) for name, (call, reqs, _, _) in steps.items()},
-            duration_s=plan.duration_s,
-            max_requests=budget["max_requests"],
+            duration_s=LATENCY_STEPS_TIME_FACTOR * plan.duration_s,
+            max_requests=LATENCY_STEPS_TIME_FACTOR * budget["max_requests"],
+            rounds=LATENCY_STEPS_ROUNDS,
             during=lambda name: meters[name].turn(),
         )
         for name, (_, _, _, notes) in steps.items():
@@ -452,6 +453,15 @@ def _measure_cell(
 
     run = run_threads(in_process, flat_requests, **budget)  # type: ignore[arg-type]
     yield cell("ceiling", run, None, "in-process onnxruntime")
+
+
+# The four cells of the tiny c=1 steps get this many times a cell's time (and requests),
+# in this many turns each. Why: the first target compares their p50s, ~0.1 ms apart on
+# ~0.65 ms, and with a cell's time in 8 turns (~1,700 calls each) the service's step over
+# the floor read 1.09-1.30 from run to run, where 30 turns of 250 calls in a script read
+# 1.11-1.14 five times. Tiny calls are cheap: this adds ~10 s per width to a full run.
+LATENCY_STEPS_TIME_FACTOR = 3
+LATENCY_STEPS_ROUNDS = 24
 
 
 def _latency_steps_wanted(workload: Workload, concurrency: int, dtype: str) -> bool:
