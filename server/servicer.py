@@ -242,27 +242,38 @@ class EmbeddingServicer:
         """The commonest request's answer, made flat; None, with nothing done, for any
         other request (``EmbeddingService.embed_plain`` says which).
 
-        Flat: no await, the encode inline (the answer is small by then) and one metrics
-        update for the RPC. Live, every step and await costs several times what it costs
-        in a loop: with this, a tiny request's handler took 52 us instead of 58 and the
-        server 10-20 us less CPU per request at concurrency 64 (docs/benchmarks). Not
-        while loading or draining: ``ready_service`` refuses those on the general path.
+        Flat: no await, the answer's rows joined straight into the response (never an
+        array: see ``RowBytes``), one metrics update for the RPC. Live, every step and
+        await costs several times what it costs in a loop (docs/benchmarks, fifth and
+        seventh rounds). Not while loading or draining: ``ready_service`` refuses those
+        on the general path.
         """
         state = self._state
         service = state.service
         plain = wire.plain_ids(request)
         if plain is None or service is None or state.draining:
             return None
-        served = service.embed_plain(*plain, _deadline(context))
-        if served is None:
+        answer = service.embed_plain(*plain, _deadline(context))
+        if answer is None:
             return None
-        output, ticket = served
         # The output bytes stay reserved until gRPC has sent them.
-        _when_sent(ticket.release)
-        metadata = self._metadata(service, output, request.request_id, started)
+        _when_sent(answer.ticket.release)
+        manifest = service.info.model.manifest
+        metadata = wire.answer_metadata(
+            answer.timings, None, manifest.name, manifest.version, request.request_id,
+            time.perf_counter() - started,
+        )  # fmt: skip
         encode_started = time.perf_counter()
-        payload = wire.encode_response(output.hidden_states, metadata)
-        self._succeeded("Embed", output, started, time.perf_counter() - encode_started)
+        payload = wire.encode_rows_response(answer.shape, answer.pieces, metadata)
+        encode_s = time.perf_counter() - encode_started
+        batch, seq_len, d_model = answer.shape
+        if self._metrics is not None:
+            self._metrics.served(
+                "Embed", time.perf_counter() - started, batch * seq_len,
+                batch * seq_len * d_model * 4, 0.0, encode_s,
+            )  # fmt: skip
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_served("Embed", answer.shape, "float32", answer.timings, started)
         return payload
 
     async def _encode(
@@ -304,13 +315,17 @@ class EmbeddingServicer:
                 output.timings.queue_s, encode_s,
             )  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "%s ok shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d total=%.6fs",
-                method, list(array.shape), array.dtype, output.timings.queue_s,
-                output.timings.compute_s, output.timings.batch_requests,
-                output.timings.batch_tokens, time.perf_counter() - started,
-                extra={"method": method, "code": "OK"},
-            )  # fmt: skip
+            self._log_served(method, array.shape, str(array.dtype), output.timings, started)
+
+    def _log_served(
+        self, method: str, shape: tuple[int, ...], dtype: str, timings: Timings, started: float
+    ) -> None:
+        logger.debug(
+            "%s ok shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d total=%.6fs",
+            method, list(shape), dtype, timings.queue_s, timings.compute_s,
+            timings.batch_requests, timings.batch_tokens, time.perf_counter() - started,
+            extra={"method": method, "code": "OK"},
+        )  # fmt: skip
 
     def _rejected(
         self, method: str, reason: str, code: grpc.StatusCode, started: float, message: str = ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from tokembed.server import inplace_bytes
-from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedOutput
+from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedOutput, Timings
 from tokembed.server.errors import InvalidInput
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -228,6 +228,21 @@ _prefixes: dict[tuple[tuple[int, ...], str], bytes] = {}
 def response_metadata(
     output: EmbedOutput, model_name: str, model_version: str, request_id: str, server_s: float
 ) -> bytes:
+    """Every field of the ``EmbedResponse`` but the tensor, as wire bytes (see
+    :func:`answer_metadata`)."""
+    return answer_metadata(
+        output.timings, output.lengths, model_name, model_version, request_id, server_s
+    )
+
+
+def answer_metadata(
+    timings: Timings,
+    lengths: tuple[int, ...] | None,
+    model_name: str,
+    model_version: str,
+    request_id: str,
+    server_s: float,
+) -> bytes:
     """Every field of the ``EmbedResponse`` but the tensor, as wire bytes.
 
     Written by hand like the tensor: building the two messages and serialising them cost
@@ -235,10 +250,9 @@ def response_metadata(
     empty strings left out but ``timings`` always present, as protobuf itself writes a
     response whose timings were set (tests compare the bytes).
     """
-    timings = output.timings
     parts: list[bytes] = []
-    if output.lengths:
-        packed = b"".join([varint(length) for length in output.lengths])
+    if lengths:
+        packed = b"".join([varint(length) for length in lengths])
         parts += [_LENGTHS_KEY, varint(len(packed)), packed]
     timing_fields = b"".join([
         _double_field(_QUEUE_SECONDS_KEY, timings.queue_s),
@@ -292,6 +306,19 @@ _COMPUTE_SECONDS_KEY = _key(2, _I64)
 _SERVER_SECONDS_KEY = _key(3, _I64)
 _BATCH_REQUESTS_KEY = _key(4, _VARINT)
 _BATCH_TOKENS_KEY = _key(5, _VARINT)
+
+
+def encode_rows_response(
+    shape: tuple[int, ...], pieces: Sequence[memoryview], metadata: bytes
+) -> bytes:
+    """What :func:`encode_response` writes for a float32 array of ``shape`` whose bytes
+    are ``pieces`` joined in order (``EmbeddingService.embed_plain``'s rows): the array
+    is never made, and its bytes are copied once, into the response."""
+    prefix = _response_prefix(shape, _FLOAT32, math.prod(shape) * _FLOAT32.itemsize)
+    return b"".join([prefix, *pieces, metadata])
+
+
+_FLOAT32 = np.dtype("<f4")
 
 
 def encode_response(array: np.ndarray, metadata: bytes) -> bytes:

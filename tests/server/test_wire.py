@@ -138,6 +138,20 @@ def test_metadata_bytes_are_what_protobuf_writes(
     assert got == reference.SerializeToString()
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if len(s) == 3], ids=str)
+def test_a_response_joined_from_row_pieces_is_the_encoded_one(shape: tuple[int, ...]) -> None:
+    """What the plain path sends (rows as slices of a table's bytes) is byte for byte
+    what encode_response writes for the same array."""
+    array = make_array(shape, "float32")
+    rows = array.reshape(-1, shape[-1])
+    pieces = [row.data for row in rows]
+    metadata = wire.answer_metadata(TIMINGS, None, "small", "1.2.3", "req-7", 0.25)
+    assert metadata == wire.response_metadata(make_output(array, None), "small", "1.2.3",
+                                              "req-7", 0.25)  # fmt: skip
+    joined = wire.encode_rows_response(shape, pieces, metadata)
+    assert joined == wire.encode_response(array, metadata)
+
+
 def test_non_contiguous_array_is_refused() -> None:
     array = make_array((4, 8), "float32")[:, ::2]
     metadata = wire.response_metadata(make_output(array, None), "m", "1", "", 0.0)
