@@ -27,17 +27,7 @@ from tokembed.client.decode import (
 )
 from tokembed.v1 import embedding_pb2 as pb
 
-
-def response(hs: np.ndarray, **kwargs: Any) -> pb.EmbedResponse:
-    wire = pb.DTYPE_FLOAT16 if hs.dtype == np.float16 else pb.DTYPE_FLOAT32
-    return pb.EmbedResponse(
-        hidden_states=pb.Tensor(dtype=wire, shape=hs.shape, data=hs.tobytes()),
-        timings=pb.Timings(queue_seconds=0.5, compute_seconds=0.25, batch_requests=3),
-        model_name="m",
-        model_version="2",
-        request_id="rid",
-        **kwargs,
-    )
+from support.replies import response
 
 
 def owner(arr: np.ndarray) -> Any:

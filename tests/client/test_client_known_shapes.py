@@ -16,6 +16,8 @@ from tokembed.client.codec import EmbedCall, embed_call, encode_ids, encode_requ
 from tokembed.client.decode import decode_hidden_states, embed_answer
 from tokembed.v1 import embedding_pb2 as pb
 
+from support.replies import response
+
 
 @pytest.fixture(autouse=True)
 def fresh_caches() -> Iterator[None]:
@@ -106,16 +108,10 @@ def test_no_more_frames_past_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- answers
 
 
-def answer(hs: np.ndarray, **kwargs: Any) -> bytes:
-    """An EmbedResponse as protobuf writes it (the tensor first, as the server does)."""
-    wire = pb.DTYPE_FLOAT16 if hs.dtype == np.float16 else pb.DTYPE_FLOAT32
-    return pb.EmbedResponse(
-        hidden_states=pb.Tensor(dtype=wire, shape=hs.shape, data=hs.tobytes()),
-        timings=pb.Timings(queue_seconds=0.5, compute_seconds=0.25, batch_requests=3),
-        model_name="m",
-        request_id="rid",
-        **kwargs,
-    ).SerializeToString()
+def answer(hs: np.ndarray) -> bytes:
+    """An EmbedResponse's bytes as protobuf writes them (the tensor first, as the server
+    does)."""
+    return response(hs).SerializeToString()
 
 
 @given(
