@@ -15,13 +15,8 @@ import pytest
 from tokembed.server.app import LoadedModel
 from tokembed.server.domain import EmbedInput
 from tokembed.server.errors import Internal
-from tokembed.server.service import (
-    OFFLOAD_MIN_BYTES,
-    EmbeddingService,
-    PlainAnswer,
-    RowBytes,
-    int64_values,
-)
+from tokembed.server.row_bytes import RowBytes, int64_values
+from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService, PlainAnswer
 from tokembed.server.settings import Settings
 
 from support.fixtures import SMALL_D, SMALL_V
