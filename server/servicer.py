@@ -22,6 +22,7 @@ from tokembed.server.domain import EmbedOutput, Timings
 from tokembed.server.errors import EmbedError, Internal, InvalidInput
 from tokembed.server.in_place_answer import InPlaceAnswer
 from tokembed.server.metrics import Metrics
+from tokembed.server.rpc_outcomes import RpcOutcomes
 from tokembed.server.service import EmbeddingService
 from tokembed.server.serving_state import InFlight, ServingState
 from tokembed.server.status import status_of, trailing_metadata
@@ -53,7 +54,7 @@ class EmbeddingServicer:
         """``spare_bytes``: reused for in-place answers (its owner lets it go when idle);
         None: every in-place answer gets fresh bytes."""
         self._state = state
-        self._metrics = metrics
+        self._outcomes = RpcOutcomes(metrics)
         # Whether answers may be built in place on this interpreter (fixed at import).
         self._in_place = wire.InPlaceResponse.available()
         self._allocate = None if spare_bytes is None else spare_bytes.allocate
@@ -90,7 +91,7 @@ class EmbeddingServicer:
             except Exception as exc:
                 logger.exception("Embed failed")
                 await self._abort(context, "Embed", Internal(f"internal error: {exc}"), started)
-            self._succeeded("Embed", output, started, encode_s)
+            self._outcomes.served("Embed", output, started, encode_s)
             return payload
 
     async def EmbedStream(
@@ -178,7 +179,7 @@ class EmbeddingServicer:
                 raise
             finally:
                 ticket.release()
-            self._succeeded("EmbedChunked", output, started, encode_s=None)
+            self._outcomes.served("EmbedChunked", output, started, encode_s=None)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest | None, context: grpc.aio.ServicerContext
@@ -191,7 +192,7 @@ class EmbeddingServicer:
         except EmbedError as error:
             await self._abort(context, "GetModelInfo", error, started)
         answer = wire.model_info(service.info, service.settings)
-        self._count("GetModelInfo", grpc.StatusCode.OK, started)
+        self._outcomes.done("GetModelInfo", grpc.StatusCode.OK, started)
         return answer
 
     # --- helpers
@@ -214,7 +215,7 @@ class EmbeddingServicer:
                     raise
         except EmbedError as error:
             code = status_of(error)
-            self._rejected("EmbedStream", error.reason, code, started, str(error))
+            self._outcomes.rejected("EmbedStream", error.reason, code, started, str(error))
             return wire.encode_stream_error(code.value[0], str(error), error.reason), None
         except asyncio.CancelledError:
             self._gone(context, "EmbedStream", started)
@@ -222,10 +223,10 @@ class EmbeddingServicer:
         except Exception as exc:
             logger.exception("EmbedStream item failed")
             code = grpc.StatusCode.INTERNAL
-            self._rejected("EmbedStream", "internal", code, started, str(exc))
+            self._outcomes.rejected("EmbedStream", "internal", code, started, str(exc))
             answer = wire.encode_stream_error(code.value[0], f"internal error: {exc}", "internal")
             return answer, None
-        self._succeeded("EmbedStream", output, started, encode_s)
+        self._outcomes.served("EmbedStream", output, started, encode_s)
         return wire.encode_stream_answer(payload), ticket
 
     def _metadata(
@@ -265,15 +266,9 @@ class EmbeddingServicer:
         )  # fmt: skip
         encode_started = time.perf_counter()
         payload = wire.encode_rows_response(answer.shape, answer.pieces, metadata)
-        encode_s = time.perf_counter() - encode_started
-        batch, seq_len, d_model = answer.shape
-        if self._metrics is not None:
-            self._metrics.served(
-                "Embed", time.perf_counter() - started, batch * seq_len,
-                batch * seq_len * d_model * 4, 0.0, encode_s,
-            )  # fmt: skip
-        if logger.isEnabledFor(logging.DEBUG):
-            self._log_served("Embed", answer.shape, "float32", answer.timings, started)
+        self._outcomes.served_plain(
+            "Embed", answer.shape, answer.timings, started, time.perf_counter() - encode_started
+        )
         return payload
 
     async def _encode(
@@ -298,46 +293,6 @@ class EmbeddingServicer:
     def _inflight(self) -> InFlight:
         return InFlight(self._state)
 
-    def _count(self, method: str, code: grpc.StatusCode, started: float) -> None:
-        if self._metrics is not None:
-            self._metrics.rpc_done(method, code.name, time.perf_counter() - started)
-
-    def _succeeded(
-        self, method: str, output: EmbedOutput, started: float, encode_s: float | None
-    ) -> None:
-        """Count an answer served; ``encode_s``: its encode time (None: chunks, not
-        encoded as one message)."""
-        array = output.hidden_states
-        if self._metrics is not None:
-            tokens = sum(output.lengths) if output.lengths else array.size // array.shape[-1]
-            self._metrics.served(
-                method, time.perf_counter() - started, tokens, array.nbytes,
-                output.timings.queue_s, encode_s,
-            )  # fmt: skip
-        if logger.isEnabledFor(logging.DEBUG):
-            self._log_served(method, array.shape, str(array.dtype), output.timings, started)
-
-    def _log_served(
-        self, method: str, shape: tuple[int, ...], dtype: str, timings: Timings, started: float
-    ) -> None:
-        logger.debug(
-            "%s ok shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d total=%.6fs",
-            method, list(shape), dtype, timings.queue_s, timings.compute_s,
-            timings.batch_requests, timings.batch_tokens, time.perf_counter() - started,
-            extra={"method": method, "code": "OK"},
-        )  # fmt: skip
-
-    def _rejected(
-        self, method: str, reason: str, code: grpc.StatusCode, started: float, message: str = ""
-    ) -> None:
-        self._count(method, code, started)
-        if self._metrics is not None:
-            self._metrics.rejected(reason)
-        logger.warning(
-            "%s rejected (%s, %s): %s", method, reason, code.name, message,
-            extra={"method": method, "reason": reason, "code": code.name},
-        )  # fmt: skip
-
     def _gone(self, context: grpc.aio.ServicerContext, method: str, started: float) -> None:
         """The handler was cancelled: the caller went away, or its deadline passed.
 
@@ -349,15 +304,17 @@ class EmbeddingServicer:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= DEADLINE_SLACK_S:
             code = grpc.StatusCode.DEADLINE_EXCEEDED
-            self._rejected(method, "deadline_exceeded", code, started, "deadline passed")
+            self._outcomes.rejected(method, "deadline_exceeded", code, started, "deadline passed")
         else:
-            self._rejected(method, "cancelled", grpc.StatusCode.CANCELLED, started, "caller left")
+            self._outcomes.rejected(
+                method, "cancelled", grpc.StatusCode.CANCELLED, started, "caller left"
+            )
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, method: str, error: EmbedError, started: float
     ) -> NoReturn:
         code = status_of(error)
-        self._rejected(method, error.reason, code, started, str(error))
+        self._outcomes.rejected(method, error.reason, code, started, str(error))
         await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
         raise AssertionError("this is a bug: context.abort returned")
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tokembed.client import EmbeddingClient
+from tokembed.server import gather as gather_module
 from tokembed.server import inplace_bytes, wire
 from tokembed.server import service as service_module
 from tokembed.server.app import TokembedServer
@@ -105,15 +106,15 @@ def test_reused_response_bytes_never_mix_answers(
     # Shared gathers too, so that both run together through the real server.
     monkeypatch.setattr(service_module, "SPLIT_GATHER_MIN_BYTES", OFFLOAD_MIN_BYTES)
     shared: list[int] = []  # one per gather the helper thread took half of
-    try_submit = service_module.GatherHelper.try_submit
+    try_submit = gather_module.GatherHelper.try_submit
 
-    def counting(self: service_module.GatherHelper, *args: Any) -> Any:
+    def counting(self: gather_module.GatherHelper, *args: Any) -> Any:
         future = try_submit(self, *args)
         if future is not None:
             shared.append(1)
         return future
 
-    monkeypatch.setattr(service_module.GatherHelper, "try_submit", counting)
+    monkeypatch.setattr(gather_module.GatherHelper, "try_submit", counting)
     server = start_server(small_model_dir)
     assert server.server.spare_bytes is not None
     rng = np.random.default_rng(9)
@@ -210,13 +211,13 @@ def test_large_chunked_answers_are_gathered_straight_into_their_array(
     as unary answers are into their bytes: no rows array in between (at the peak, both
     were alive). Flat, padded ragged (pad rows) and plain answers stay exact."""
     gathered_into: list[np.ndarray] = []
-    gather_into = service_module._gather_into
+    gather_into = service_module.gather_into
 
     def recording(table: np.ndarray, job: Any, out: np.ndarray, *args: Any) -> Any:
         gathered_into.append(out)
         return gather_into(table, job, out, *args)
 
-    monkeypatch.setattr(service_module, "_gather_into", recording)
+    monkeypatch.setattr(service_module, "gather_into", recording)
     server = start_server(small_model_dir)
     rng = np.random.default_rng(10)
     rows = [rng.integers(0, SMALL_V, n) for n in (TOKENS - 40, 40)]

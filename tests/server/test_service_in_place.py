@@ -11,17 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tokembed.server import gather as gather_module
 from tokembed.server import service as service_module
 from tokembed.server.app import LoadedModel
 from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedJob, Timings
 from tokembed.server.errors import DeadlineExceeded
-from tokembed.server.service import (
-    OFFLOAD_MIN_BYTES,
-    EmbeddingService,
-    GatherHelper,
-    _answer_shape,
-    _gather_into,
-)
+from tokembed.server.gather import GatherHelper, gather_into
+from tokembed.server.service import OFFLOAD_MIN_BYTES, EmbeddingService, _answer_shape
 from tokembed.server.settings import Settings
 from tokembed.server.validation import Limits, validate
 
@@ -251,9 +247,9 @@ def test_a_gather_shared_with_a_helper_writes_every_row_exactly(
     assert table is not None
     alone = np.full(_answer_shape(validated, SMALL_D), np.nan, dtype=dtype)
     shared = np.full_like(alone, np.nan)
-    _gather_into(table, validated, alone, small_loaded.pad_row)
+    gather_into(table, validated, alone, small_loaded.pad_row)
     helper = CountingHelper()
-    _gather_into(table, validated, shared, small_loaded.pad_row, helper)
+    gather_into(table, validated, shared, small_loaded.pad_row, helper)
     helper.shutdown()
     assert helper.shares == 1
     assert not np.isnan(shared).any()  # every row was written
@@ -267,13 +263,13 @@ def test_the_service_shares_large_gathers_and_they_stay_exact(
 ) -> None:
     monkeypatch.setattr(service_module, "SPLIT_GATHER_MIN_BYTES", OFFLOAD_MIN_BYTES)
     shares: list[int] = []
-    real = service_module._split_in_two
+    real = gather_module._split_in_two
 
     def counting(*args: Any) -> Any:
         shares.append(1)
         return real(*args)
 
-    monkeypatch.setattr(service_module, "_split_in_two", counting)
+    monkeypatch.setattr(gather_module, "_split_in_two", counting)
     ids = np.random.default_rng(12).integers(0, SMALL_V, (2, LARGE_TOKENS // 2 + 1))
     output = embed(small_loaded, ids_input(ids, "float32"), Recorder())
     np.testing.assert_array_equal(output.hidden_states, small_rows[ids])
@@ -292,7 +288,7 @@ def test_a_busy_helper_leaves_the_whole_gather_to_the_caller(
     ids = np.random.default_rng(13).integers(0, SMALL_V, (3, 101))
     validated, out = float32_answer_to_fill(ids)
     assert small_loaded.float32_table is not None
-    _gather_into(small_loaded.float32_table, validated, out, small_loaded.pad_row, BusyHelper())
+    gather_into(small_loaded.float32_table, validated, out, small_loaded.pad_row, BusyHelper())
     np.testing.assert_array_equal(out, small_rows[ids])
 
 
@@ -304,7 +300,7 @@ def test_a_failing_helper_share_fails_the_gather_once_both_shares_are_over(
     assert small_loaded.float32_table is not None
     helper = FailingHelper()
     with pytest.raises(RuntimeError, match="the helper's share failed"):
-        _gather_into(small_loaded.float32_table, validated, out, small_loaded.pad_row, helper)
+        gather_into(small_loaded.float32_table, validated, out, small_loaded.pad_row, helper)
     # The caller did its own share (the first half) before the failure reached it.
     np.testing.assert_array_equal(out[0], small_rows[ids[0]])
     helper.shutdown()
