@@ -34,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from tokembed.bench import harness, report
+    from tokembed.bench import plan as plans
 
-    plan = harness.QUICK if args.quick else harness.FULL
+    plan = plans.QUICK if args.quick else plans.FULL
     if args.duration_s is not None:
         plan = dataclasses.replace(plan, duration_s=args.duration_s)
     started = time.perf_counter()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokembed.bench.harness import Cell, Results
+from tokembed.bench.plan import TARGETS_D_MODEL, Cell, Results
 
 MB = 1e6
 
@@ -39,7 +39,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def evaluate_targets(results: Results) -> list[Target]:
-    d = 512
+    d = TARGETS_D_MODEL
     find = results.find
     targets: list[Target] = []
 

@@ -7,9 +7,10 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -82,8 +83,77 @@ def run_threads(
     )
 
 
+# One turn of a call measured in turns: given its seconds and its request count, a Run.
+Turn = Callable[[float, int], Run]
+
+
+def threaded_turns(
+    call: Callable[[object], object], requests: Sequence[object], *, warmup: int = 2
+) -> Turn:
+    """``call`` at concurrency 1 on this thread, ``warmup`` unmeasured calls per turn."""
+
+    def turn(duration_s: float, max_requests: int) -> Run:
+        return run_threads(
+            call, requests, concurrency=1, duration_s=duration_s, max_requests=max_requests,
+            warmup=warmup,
+        )  # fmt: skip
+
+    return turn
+
+
+class AsyncTurns:
+    """One event loop kept across turns, for asyncio calls measured in turns.
+
+    An asyncio client is bound to the loop it was opened on, so ``setup`` opens it once
+    here and every turn runs on the same loop: no reconnect per turn, as a caller in a
+    steady loop would not reconnect either.
+    """
+
+    def __init__(
+        self,
+        setup: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        teardown: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        self._setup = setup
+        self._teardown = teardown
+        self._runner: asyncio.Runner | None = None
+
+    def __enter__(self) -> AsyncTurns:
+        self._runner = asyncio.Runner()
+        if self._setup is not None:
+            self._runner.run(self._setup())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        try:
+            if self._teardown is not None:
+                self._runner.run(self._teardown())
+        finally:
+            self._runner.close()
+            self._runner = None
+
+    def turns(
+        self,
+        call: Callable[[object], Awaitable[object]],
+        requests: Sequence[object],
+        *,
+        warmup: int = 2,
+    ) -> Turn:
+        """``call`` at concurrency 1 on this loop, ``warmup`` unmeasured calls per turn."""
+
+        def turn(duration_s: float, max_requests: int) -> Run:
+            assert self._runner is not None, "AsyncTurns.turns used outside its with block"
+            return self._runner.run(
+                _drive_async(call, requests, concurrency=1, duration_s=duration_s,
+                             max_requests=max_requests, warmup=warmup)
+            )  # fmt: skip
+
+        return turn
+
+
 def run_interleaved(
-    calls: Mapping[str, tuple[Callable[[object], object], Sequence[object]]],
+    turns: Mapping[str, Turn],
     *,
     duration_s: float,
     max_requests: int,
@@ -91,29 +161,24 @@ def run_interleaved(
     seed: int = 0,
     during: Callable[[str], AbstractContextManager[object]] | None = None,
 ) -> dict[str, Run]:
-    """Each ``(call, requests)`` at concurrency 1, in ``rounds`` turns of equal length
-    in a shuffled order each round; each gets ``duration_s`` and ``max_requests`` in all.
+    """Each named call (see ``threaded_turns``, ``AsyncTurns``) in ``rounds`` turns of
+    equal length in a shuffled order each round; each gets ``duration_s`` and
+    ``max_requests`` in all.
 
-    For latencies compared with each other: run one after the other, each in its own
+    For figures compared with each other: run one after the other, each in its own
     seconds, a shared machine's slow moment falls on one of them only (the tiny c=1
     ratio ranged 1.12-1.47 over ten runs that way); taken in turns it falls on all.
     ``during(name)``, if given, is entered around each of that call's turns (a meter).
     """
-    turns: dict[str, list[Run]] = {name: [] for name in calls}
-    order = list(calls)
+    taken: dict[str, list[Run]] = {name: [] for name in turns}
+    order = list(turns)
     shuffler = random.Random(seed)
     for _ in range(rounds):
         shuffler.shuffle(order)
         for name in order:
-            call, requests = calls[name]
             with during(name) if during is not None else contextlib.nullcontext():
-                turns[name].append(
-                    run_threads(
-                        call, requests, concurrency=1, duration_s=duration_s / rounds,
-                        max_requests=max(1, max_requests // rounds),
-                    )
-                )  # fmt: skip
-    return {name: _merged(runs) for name, runs in turns.items()}
+                taken[name].append(turns[name](duration_s / rounds, max(1, max_requests // rounds)))
+    return {name: _merged(runs) for name, runs in taken.items()}
 
 
 def _merged(runs: list[Run]) -> Run:
@@ -138,42 +203,56 @@ def run_async(
     setup: Callable[[], Awaitable[None]] | None = None,
     teardown: Callable[[], Awaitable[None]] | None = None,
 ) -> Run:
-    """The same with ``concurrency`` asyncio tasks on one event loop."""
+    """The same as ``run_threads`` with ``concurrency`` asyncio tasks on one event loop."""
 
     async def main() -> Run:
         if setup is not None:
             await setup()
         try:
-            for request in list(requests)[:warmup]:
-                await call(request)
-            latencies: list[float] = []
-            errors: list[str] = []
-            count = [0]
-            deadline = time.perf_counter() + duration_s
-
-            async def worker(offset: int) -> None:
-                index = offset
-                while time.perf_counter() < deadline and count[0] < max_requests:
-                    count[0] += 1
-                    request = requests[index % len(requests)]
-                    index += 1
-                    began = time.perf_counter()
-                    try:
-                        await call(request)
-                    except Exception as exc:
-                        errors.append(f"{type(exc).__name__}: {exc}")
-                        continue
-                    latencies.append(time.perf_counter() - began)
-
-            began = time.perf_counter()
-            await asyncio.gather(*(worker(i) for i in range(concurrency)))
-            wall = time.perf_counter() - began
-            return Run(
-                len(latencies), len(errors), wall, np.asarray(latencies),
-                errors[0] if errors else "",
+            return await _drive_async(
+                call, requests, concurrency=concurrency, duration_s=duration_s,
+                max_requests=max_requests, warmup=warmup,
             )  # fmt: skip
         finally:
             if teardown is not None:
                 await teardown()
 
     return asyncio.run(main())
+
+
+async def _drive_async(
+    call: Callable[[object], Awaitable[object]],
+    requests: Sequence[object],
+    *,
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+    warmup: int,
+) -> Run:
+    for request in list(requests)[:warmup]:
+        await call(request)
+    latencies: list[float] = []
+    errors: list[str] = []
+    count = [0]
+    deadline = time.perf_counter() + duration_s
+
+    async def worker(offset: int) -> None:
+        index = offset
+        while time.perf_counter() < deadline and count[0] < max_requests:
+            count[0] += 1
+            request = requests[index % len(requests)]
+            index += 1
+            began = time.perf_counter()
+            try:
+                await call(request)
+            except Exception as exc:  # counted, reported, never hidden
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            latencies.append(time.perf_counter() - began)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    wall = time.perf_counter() - began
+    return Run(
+        len(latencies), len(errors), wall, np.asarray(latencies), errors[0] if errors else ""
+    )

@@ -24,6 +24,19 @@ def test_quick_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
                    "service-chunked", "no-batching", "ceiling"):  # fmt: skip
         assert f"| {target} |" in table, f"no {target} cells"
     assert "## Targets" in table
+    # Every endpoint's cell has its server's CPU and peak RSS (all but the in-process
+    # ceiling, which has no server), whether measured alone or in turns.
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ")]
+    header = next(row for row in rows if "server CPU ms/req" in "|".join(row))
+    cpu_at = [c.strip() for c in header].index("server CPU ms/req")
+    cells = [row for row in rows if row[1].strip() in ("floor", "service-sync",
+             "service-async", "service-chunked", "no-batching")]  # fmt: skip
+    assert len(cells) >= 15
+    for row in cells:
+        assert row[cpu_at].strip() and row[cpu_at + 1].strip(), f"no server figures: {row}"
+    in_turns = {row[1].strip() for row in cells if row[4].strip() == "float32"
+                and "large" in row[2] and "in turns" in row[-2]}  # fmt: skip
+    assert in_turns == {"floor", "service-sync", "service-async", "service-chunked"}
     # Every target line got a verdict from figures of this run.
     assert table.count("| met |") + table.count("| MISSED |") == 6
     assert "tiny [1,8], concurrency 1: service p50 / floor p50" in result.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokembed.bench.harness import QUICK, Cell, Results
+from tokembed.bench.plan import QUICK, Cell, Results
 from tokembed.bench.report import LATENCY_STEPS, MB, evaluate_targets, latency_steps, markdown
 from tokembed.bench.runner import Run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokembed.bench.harness import QUICK, Cell, Results
+from tokembed.bench.plan import QUICK, Cell, Results
 from tokembed.bench.report import MB, evaluate_targets
 from tokembed.bench.runner import Run
 

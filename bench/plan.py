@@ -1,0 +1,79 @@
+"""What a bench run measures (the plan) and what it found (its cells)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokembed.bench.runner import Run
+from tokembed.bench.workloads import LARGE, MEDIUM, RAGGED, TINY, Workload
+
+MiB = 1 << 20
+# The width at which issue 6's targets are judged (see report.evaluate_targets); the
+# harness measures the large cells that they compare in turns at this width.
+TARGETS_D_MODEL = 512
+
+
+@dataclass(frozen=True)
+class Plan:
+    d_models: tuple[int, ...]
+    workloads: tuple[Workload, ...]
+    concurrencies: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    duration_s: float
+    max_requests: int
+    # Concurrency cap for answers this many bytes or larger (64 x 33.5 MB in flight
+    # measures memory, not transport).
+    large_answer_bytes: int = 16 * MiB
+    large_max_concurrency: int = 8
+
+
+QUICK = Plan(
+    d_models=(512,), workloads=(TINY, LARGE), concurrencies=(1, 64), dtypes=("float32", "float16"),
+    duration_s=0.6, max_requests=3000,
+)  # fmt: skip
+FULL = Plan(
+    d_models=(512, 4096), workloads=(TINY, MEDIUM, LARGE, RAGGED), concurrencies=(1, 8, 64),
+    dtypes=("float32", "float16"), duration_s=2.0, max_requests=20000,
+)  # fmt: skip
+
+
+@dataclass
+class Cell:
+    target: str  # floor, service-sync, service-async, service-chunked, ...
+    workload: str
+    shape: str
+    d_model: int
+    dtype: str
+    concurrency: int
+    run: Run
+    tokens_per_request: float
+    bytes_per_request: float
+    server_cpu_s_per_request: float = float("nan")
+    server_peak_rss_bytes: int = 0
+    notes: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.run.rps * self.tokens_per_request
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.run.rps * self.bytes_per_request / 1e6
+
+
+@dataclass
+class Results:
+    plan: Plan
+    cells: list[Cell] = field(default_factory=list)
+    weights_bytes: dict[int, int] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def find(
+        self, target: str, workload: str, d_model: int, dtype: str, concurrency: int
+    ) -> Cell | None:
+        for cell in self.cells:
+            if (cell.target, cell.workload, cell.d_model, cell.dtype, cell.concurrency) == (
+                target, workload, d_model, dtype, concurrency,
+            ):  # fmt: skip
+                return cell
+        return None
