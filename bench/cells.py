@@ -8,6 +8,8 @@ falls on both sides:
 - tiny requests at concurrency 1, with two steps between the floor and the service that
   say where the service's latency over the floor goes: the floor called with the
   clients' deadline, and the service called by a bare gRPC client;
+- tiny requests at concurrency 64 at the targets' width: the floor and the service's
+  sync and asyncio cells;
 - large float32 requests at concurrency 1 at the targets' width: the floor and the
   service's sync, asyncio and chunked cells.
 """
@@ -39,24 +41,39 @@ CLIENT_MESSAGE_BYTES = 1 << 30
 # The deadline the tokembed clients send with every call (they always send one).
 CLIENT_TIMEOUT_S = 120.0
 
-# The four cells of the tiny c=1 steps get this many times a cell's time (and requests),
-# in this many turns each. Why: the first target compares their p50s, ~0.1 ms apart on
-# ~0.65 ms, and with a cell's time in 8 turns (~1,700 calls each) the service's step over
-# the floor read 1.09-1.30 from run to run, where 30 turns of 250 calls in a script read
-# 1.11-1.14 five times. Tiny calls are cheap: this adds ~10 s per width to a full run.
-LATENCY_STEPS_TIME_FACTOR = 3
-LATENCY_STEPS_ROUNDS = 24
 
-# The large c=1 float32 cells in turns: twice a cell's time, in 6 turns of ~5 calls of
-# 40-90 ms (at D=512), each turn after one unmeasured call, as a cell measured alone
-# starts after its warm-up (the first call after another endpoint's turn pays for pages
-# the server's heap trim gave back meanwhile, which a steady caller never sees). Why:
-# measured one after the other, ~15 calls each, large unary read 0.86-1.06 of the floor
-# over nine runs and chunked once 1.11 (1.58-1.89 otherwise), the floor's and the
-# service's seconds falling on different stretches of the machine. Adds ~6 s per run.
-LARGE_TURNS_TIME_FACTOR = 2
-LARGE_TURNS_ROUNDS = 6
-LARGE_TURNS_WARMUP = 1
+@dataclass(frozen=True)
+class _Turns:
+    """Which of a cell's endpoints are measured in turns (the floor and the sync client
+    always), and how."""
+
+    time_factor: int  # this many times a cell's time (and requests) for each endpoint
+    rounds: int  # in this many turns
+    warmup: int  # unmeasured calls before each turn
+    latency_steps: bool  # also the floor with the clients' deadline and a bare service call
+    asyncio: bool  # also the asyncio client (and EmbedChunked, for answers of 4 MiB and up)
+
+
+# Tiny requests at c=1, where the first target compares p50s ~0.1 ms apart on ~0.65 ms,
+# with the steps between floor and service, at every width: 3x a cell's time in 24
+# turns. With a cell's time in 8 turns (~1,700 calls each) the service's step over the
+# floor read 1.09-1.30 from run to run, where 30 turns of 250 calls in a script read
+# 1.11-1.14 five times. Tiny calls are cheap: this adds ~10 s per width to a full run.
+LATENCY_STEPS = _Turns(time_factor=3, rounds=24, warmup=2, latency_steps=True, asyncio=False)
+# Tiny requests at c=64 (the second target, req/s), at the targets' width: twice a
+# cell's time in 4 turns of ~0.6 s (~1,500 calls). One after the other, the floor read
+# 2,200-3,400 req/s from run to run and the ratio 0.70-1.02; D1 of the eighth round read
+# 0.81 with the floor at its fastest yet. Each turn starts and ends its 64 callers, which
+# costs the side with the longer latencies a little more: if anything, against the service.
+CONTENTION_TURNS = _Turns(time_factor=2, rounds=4, warmup=2, latency_steps=False, asyncio=True)
+# Large float32 requests at c=1 (the large unary and chunked targets, and float16's
+# reference), at the targets' width: twice a cell's time in 6 turns of ~5 calls of
+# 40-90 ms, each turn after one unmeasured call, as a cell measured alone starts after
+# its warm-up (the first call after another endpoint's turn pays for pages the server's
+# heap trim gave back meanwhile, which a steady caller never sees). One after the other,
+# ~15 calls each, large unary read 0.86-1.06 of the floor over nine runs and chunked once
+# 1.11 (1.58-1.89 otherwise). Adds ~6 s to a run.
+LARGE_TURNS = _Turns(time_factor=2, rounds=6, warmup=1, latency_steps=False, asyncio=True)
 
 
 @dataclass(frozen=True)
@@ -95,49 +112,8 @@ def measure_cell(
         return at.chunked.embed(ids, dtype)
 
     chunked_wanted = measure.answer_bytes >= 4 * MiB
-    large_in_turns = _large_turns_wanted(workload, concurrency, dtype, d_model)
-    if _latency_steps_wanted(workload, concurrency, dtype):
-        at.settle.before(service_pid, measure.inflight_bytes)
-
-        def with_client_deadline(call: Any) -> Callable[[object], object]:
-            return lambda request: call(request, timeout=CLIENT_TIMEOUT_S)
-
-        yield from measure.in_turns(
-            {
-                "floor": (threaded_turns(at.floor_call, floor_requests), at.floor_pid, ""),
-                "floor-deadline": (
-                    threaded_turns(with_client_deadline(at.floor_call), floor_requests),
-                    at.floor_pid, "the floor, called with the clients' deadline",
-                ),
-                "service-bare": (
-                    threaded_turns(with_client_deadline(at.service_bare_call), floor_requests),
-                    service_pid, "bare gRPC call: the floor's request bytes, the clients' "
-                    "deadline, no decode",
-                ),
-                "service-sync": (threaded_turns(sync_unary, requests), service_pid, ""),
-            },
-            time_factor=LATENCY_STEPS_TIME_FACTOR, rounds=LATENCY_STEPS_ROUNDS,
-        )  # fmt: skip
-    elif large_in_turns:
-        at.settle.before(service_pid, measure.inflight_bytes)
-        client = _AsyncClient(at.service_proc.target, dtype)
-        warm = LARGE_TURNS_WARMUP
-        with AsyncTurns(setup=client.open, teardown=client.close) as loop:
-            large_cells = measure.in_turns(
-                {
-                    "floor": (threaded_turns(at.floor_call, floor_requests, warmup=warm),
-                              at.floor_pid, ""),
-                    "service-sync": (threaded_turns(sync_unary, requests, warmup=warm),
-                                     service_pid, ""),
-                    "service-async": (loop.turns(client.embed, requests, warmup=warm),
-                                      service_pid, ""),
-                    "service-chunked": (threaded_turns(sync_chunked, requests, warmup=warm),
-                                        service_pid, "EmbedChunked, 1 MiB slices"),
-                },
-                time_factor=LARGE_TURNS_TIME_FACTOR, rounds=LARGE_TURNS_ROUNDS,
-            )  # fmt: skip
-        yield from large_cells
-    else:
+    turns = _turns_for(workload, concurrency, dtype, d_model)
+    if turns is None:
         with ServerMeter(at.floor_pid) as meter:
             run = measure.threads(at.floor_call, floor_requests)
         yield measure.cell("floor", run, meter)
@@ -145,8 +121,47 @@ def measure_cell(
         with ServerMeter(service_pid) as meter:
             run = measure.threads(sync_unary, requests)
         yield measure.cell("service-sync", run, meter)
+    else:
+        at.settle.before(service_pid, measure.inflight_bytes)
+        client = _AsyncClient(at.service_proc.target, dtype)
+        with (
+            AsyncTurns(setup=client.open, teardown=client.close) if turns.asyncio else AsyncTurns()
+        ) as loop:
 
-    if not large_in_turns:
+            def threads(call: Callable[[Any], object], reqs: list[Any]) -> Turn:
+                return threaded_turns(call, reqs, concurrency=concurrency, warmup=turns.warmup)
+
+            def with_client_deadline(call: Any) -> Callable[[object], object]:
+                return lambda request: call(request, timeout=CLIENT_TIMEOUT_S)
+
+            steps = {"floor": (threads(at.floor_call, floor_requests), at.floor_pid, "")}
+            if turns.latency_steps:
+                steps["floor-deadline"] = (
+                    threads(with_client_deadline(at.floor_call), floor_requests), at.floor_pid,
+                    "the floor, called with the clients' deadline",
+                )  # fmt: skip
+                steps["service-bare"] = (
+                    threads(with_client_deadline(at.service_bare_call), floor_requests),
+                    service_pid,
+                    "bare gRPC call: the floor's request bytes, the clients' deadline, no decode",
+                )  # fmt: skip
+            steps["service-sync"] = (threads(sync_unary, requests), service_pid, "")
+            if turns.asyncio:
+                steps["service-async"] = (
+                    loop.turns(client.embed, requests, concurrency=concurrency,
+                               warmup=turns.warmup),
+                    service_pid, "",
+                )  # fmt: skip
+                if chunked_wanted:
+                    steps["service-chunked"] = (
+                        threads(sync_chunked, requests),
+                        service_pid,
+                        "EmbedChunked, 1 MiB slices",
+                    )
+            cells_in_turns = measure.in_turns(steps, turns)
+        yield from cells_in_turns
+
+    if turns is None or not turns.asyncio:
         client = _AsyncClient(at.service_proc.target, dtype)
         with ServerMeter(service_pid) as meter:
             run = measure.asyncio(client.embed, requests, client)
@@ -220,16 +235,14 @@ class _CellMeasure:
             max_requests=self.max_requests, setup=client.open, teardown=client.close,
         )  # fmt: skip
 
-    def in_turns(
-        self, steps: dict[str, tuple[Turn, int, str]], *, time_factor: int, rounds: int
-    ) -> list[Cell]:
+    def in_turns(self, steps: dict[str, tuple[Turn, int, str]], turns: _Turns) -> list[Cell]:
         """``steps``: name -> (its turn, the server pid it loads, notes)."""
         meters = {name: TurnsMeter(pid) for name, (_, pid, _) in steps.items()}
         runs = run_interleaved(
             {name: turn for name, (turn, _, _) in steps.items()},
-            duration_s=time_factor * self.duration_s,
-            max_requests=time_factor * self.max_requests,
-            rounds=rounds,
+            duration_s=turns.time_factor * self.duration_s,
+            max_requests=turns.time_factor * self.max_requests,
+            rounds=turns.rounds,
             during=lambda name: meters[name].turn(),
         )
         return [
@@ -276,19 +289,19 @@ class _AsyncClient:
         return await self._client.embed(ids, self._dtype)
 
 
-def _latency_steps_wanted(workload: Workload, concurrency: int, dtype: str) -> bool:
-    """Where the tiny c=1 target is judged: measure the steps between floor and service."""
-    return workload is TINY and concurrency == 1 and dtype == "float32"
-
-
-def _large_turns_wanted(workload: Workload, concurrency: int, dtype: str, d_model: int) -> bool:
-    """Where the large unary and chunked targets are judged (and float16's reference)."""
-    return (
-        workload is LARGE
-        and concurrency == 1
-        and dtype == "float32"
-        and (d_model == TARGETS_D_MODEL)
-    )
+def _turns_for(workload: Workload, concurrency: int, dtype: str, d_model: int) -> _Turns | None:
+    """Where a target compares two figures of float32 cells: measure them in turns."""
+    if dtype != "float32":
+        return None
+    if workload is TINY and concurrency == 1:
+        return LATENCY_STEPS
+    if d_model != TARGETS_D_MODEL:
+        return None
+    if workload is TINY and concurrency == 64:
+        return CONTENTION_TURNS
+    if workload is LARGE and concurrency == 1:
+        return LARGE_TURNS
+    return None
 
 
 def _max_requests(plan: Plan, answer_bytes: float) -> int:

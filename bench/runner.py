@@ -88,14 +88,18 @@ Turn = Callable[[float, int], Run]
 
 
 def threaded_turns(
-    call: Callable[[object], object], requests: Sequence[object], *, warmup: int = 2
+    call: Callable[[object], object],
+    requests: Sequence[object],
+    *,
+    concurrency: int = 1,
+    warmup: int = 2,
 ) -> Turn:
-    """``call`` at concurrency 1 on this thread, ``warmup`` unmeasured calls per turn."""
+    """``call`` from ``concurrency`` threads, ``warmup`` unmeasured calls per turn."""
 
     def turn(duration_s: float, max_requests: int) -> Run:
         return run_threads(
-            call, requests, concurrency=1, duration_s=duration_s, max_requests=max_requests,
-            warmup=warmup,
+            call, requests, concurrency=concurrency, duration_s=duration_s,
+            max_requests=max_requests, warmup=warmup,
         )  # fmt: skip
 
     return turn
@@ -138,14 +142,16 @@ class AsyncTurns:
         call: Callable[[object], Awaitable[object]],
         requests: Sequence[object],
         *,
+        concurrency: int = 1,
         warmup: int = 2,
     ) -> Turn:
-        """``call`` at concurrency 1 on this loop, ``warmup`` unmeasured calls per turn."""
+        """``call`` from ``concurrency`` tasks on this loop, ``warmup`` unmeasured calls
+        per turn."""
 
         def turn(duration_s: float, max_requests: int) -> Run:
             assert self._runner is not None, "AsyncTurns.turns used outside its with block"
             return self._runner.run(
-                _drive_async(call, requests, concurrency=1, duration_s=duration_s,
+                _drive_async(call, requests, concurrency=concurrency, duration_s=duration_s,
                              max_requests=max_requests, warmup=warmup)
             )  # fmt: skip
 
@@ -161,9 +167,9 @@ def run_interleaved(
     seed: int = 0,
     during: Callable[[str], AbstractContextManager[object]] | None = None,
 ) -> dict[str, Run]:
-    """Each named call (see ``threaded_turns``, ``AsyncTurns``) in ``rounds`` turns of
-    equal length in a shuffled order each round; each gets ``duration_s`` and
-    ``max_requests`` in all.
+    """Each named call (see ``threaded_turns``, ``AsyncTurns``, which also say at what
+    concurrency) in ``rounds`` turns of equal length in a shuffled order each round; each
+    gets ``duration_s`` and ``max_requests`` in all.
 
     For figures compared with each other: run one after the other, each in its own
     seconds, a shared machine's slow moment falls on one of them only (the tiny c=1

@@ -34,9 +34,15 @@ def test_quick_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
     assert len(cells) >= 15
     for row in cells:
         assert row[cpu_at].strip() and row[cpu_at + 1].strip(), f"no server figures: {row}"
-    in_turns = {row[1].strip() for row in cells if row[4].strip() == "float32"
-                and "large" in row[2] and "in turns" in row[-2]}  # fmt: skip
-    assert in_turns == {"floor", "service-sync", "service-async", "service-chunked"}
+
+    def in_turns(workload: str, concurrency: int) -> set[str]:
+        return {row[1].strip() for row in cells if row[4].strip() == "float32"
+                and workload in row[2] and row[5].strip() == str(concurrency)
+                and "in turns" in row[-2]}  # fmt: skip
+
+    assert in_turns("large", 1) == {"floor", "service-sync", "service-async", "service-chunked"}
+    assert in_turns("tiny", 64) == {"floor", "service-sync", "service-async"}
+    assert in_turns("tiny", 1) == {"floor", "service-sync"}  # and the two steps between
     # Every target line got a verdict from figures of this run.
     assert table.count("| met |") + table.count("| MISSED |") == 6
     assert "tiny [1,8], concurrency 1: service p50 / floor p50" in result.stdout
