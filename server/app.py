@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from tokembed.export.errors import ModelDirError
 from tokembed.export.model_dir import ModelDir, load_model_dir
 from tokembed.server import inplace_bytes
+from tokembed.server.answer_arrays import AnswerArrays
 from tokembed.server.auth import BearerTokenInterceptor, read_token
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
@@ -156,12 +157,20 @@ class TokembedServer:
             if self.settings.memory_trim_interval_s > 0 and inplace_bytes.reusable()
             else None
         )
+        # EmbedChunked's answer arrays, kept for the next answers; as the spare, only
+        # where the heap trim lets idle ones go (see answer_arrays.AnswerArrays).
+        self._answer_arrays = AnswerArrays() if self.settings.memory_trim_interval_s > 0 else None
         self._stopped = asyncio.Event()
 
     @property
     def spare_bytes(self) -> inplace_bytes.SpareBytes | None:
         """The bytes kept for the next in-place answer (None: not kept here)."""
         return self._spare_bytes
+
+    @property
+    def answer_arrays(self) -> AnswerArrays | None:
+        """The arrays kept for EmbedChunked's next answers (None: not kept here)."""
+        return self._answer_arrays
 
     # --- start
 
@@ -193,7 +202,13 @@ class TokembedServer:
             ],
         )
         self._server.add_generic_rpc_handlers(
-            [generic_handler(EmbeddingServicer(self.state, self.metrics, self._spare_bytes))]
+            [
+                generic_handler(
+                    EmbeddingServicer(
+                        self.state, self.metrics, self._spare_bytes, self._answer_arrays
+                    )
+                )
+            ]
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -303,6 +318,8 @@ class TokembedServer:
     def _release_memory(self) -> None:
         if self._spare_bytes is not None:
             self._spare_bytes.release_idle()
+        if self._answer_arrays is not None:
+            self._answer_arrays.release_idle()
         release_free_memory()
 
     async def wait_ready(self) -> None:
@@ -352,6 +369,8 @@ class TokembedServer:
             await self.state.service.close()
         if self._spare_bytes is not None:
             self._spare_bytes.release()  # the trimmer that let it go is stopped
+        if self._answer_arrays is not None:
+            self._answer_arrays.release()
         if self._stop_metrics is not None:
             self._stop_metrics()
         self._stopped.set()

@@ -18,6 +18,7 @@ import numpy as np
 
 from tokembed.server import inplace_bytes, wire
 from tokembed.server.admission import Ticket
+from tokembed.server.answer_arrays import AnswerArrays
 from tokembed.server.domain import EmbedOutput, Timings
 from tokembed.server.errors import EmbedError, Internal, InvalidInput
 from tokembed.server.in_place_answer import InPlaceAnswer
@@ -50,14 +51,17 @@ class EmbeddingServicer:
         state: ServingState,
         metrics: Metrics | None = None,
         spare_bytes: inplace_bytes.SpareBytes | None = None,
+        answer_arrays: AnswerArrays | None = None,
     ) -> None:
         """``spare_bytes``: reused for in-place answers (its owner lets it go when idle);
-        None: every in-place answer gets fresh bytes."""
+        None: every in-place answer gets fresh bytes. ``answer_arrays``: the same for
+        EmbedChunked's answers; None: each gets a new array."""
         self._state = state
         self._outcomes = RpcOutcomes(metrics)
         # Whether answers may be built in place on this interpreter (fixed at import).
         self._in_place = wire.InPlaceResponse.available()
         self._allocate = None if spare_bytes is None else spare_bytes.allocate
+        self._answer_arrays = answer_arrays
 
     # --- RPCs
 
@@ -148,7 +152,7 @@ class EmbeddingServicer:
             try:
                 service = self._state.ready_service()
                 output, ticket = await service.embed(
-                    wire.to_domain(request), _deadline(context), answer_into=_new_answer_array
+                    wire.to_domain(request), _deadline(context), answer_into=self._answer_array
                 )
             except EmbedError as error:
                 await self._abort(context, "EmbedChunked", error, started)
@@ -290,6 +294,20 @@ class EmbeddingServicer:
             )
         return payload, time.perf_counter() - encode_started
 
+    def _answer_array(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        lengths: tuple[int, ...] | None,
+        known: Timings,
+    ) -> np.ndarray:
+        """Where EmbedChunked's large answers are gathered: straight into the array its
+        chunks are cut from. Otherwise the look-up's rows come first and are then copied
+        into the padded answer, and both are alive at the peak."""
+        if self._answer_arrays is None:
+            return np.empty(shape, dtype=dtype)
+        return self._answer_arrays.take(shape, dtype)
+
     def _inflight(self) -> InFlight:
         return InFlight(self._state)
 
@@ -333,15 +351,6 @@ def _when_sent(release: Callable[[], None]) -> None:
     task = asyncio.current_task()
     assert task is not None, "This is a bug: gRPC runs every handler in a task."
     task.add_done_callback(lambda _: release())
-
-
-def _new_answer_array(
-    shape: tuple[int, ...], dtype: np.dtype, lengths: tuple[int, ...] | None, known: Timings
-) -> np.ndarray:
-    """Where EmbedChunked's large answers are gathered: straight into the array its
-    chunks are cut from. Otherwise the look-up's rows come first and are then copied into
-    the padded answer, and both are alive at the peak."""
-    return np.empty(shape, dtype=dtype)
 
 
 def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:
