@@ -61,18 +61,19 @@ class _Turns:
 # 1.11-1.14 five times. Tiny calls are cheap: this adds ~10 s per width to a full run.
 LATENCY_STEPS = _Turns(time_factor=3, rounds=24, warmup=2, latency_steps=True, asyncio=False)
 # Tiny requests at c=64 (the second target, req/s), at the targets' width: twice a
-# cell's time in 4 turns of ~0.6 s (~1,500 calls). One after the other, the floor read
-# 2,200-3,400 req/s from run to run and the ratio 0.70-1.02; D1 of the eighth round read
-# 0.81 with the floor at its fastest yet. Each turn starts and ends its 64 callers, which
-# costs the side with the longer latencies a little more: if anything, against the service.
+# cell's time in 4 turns (of ~0.6 s and ~1,500 calls at --duration-s 1.2). One after the
+# other, the floor read 2,200-3,400 req/s from run to run and the ratio 0.70-1.02; D1 of
+# the eighth round read 0.81 with the floor at its fastest yet. Each turn starts and ends
+# its 64 callers, which costs the side with the longer latencies a little more: if
+# anything, against the service.
 CONTENTION_TURNS = _Turns(time_factor=2, rounds=4, warmup=2, latency_steps=False, asyncio=True)
 # Large float32 requests at c=1 (the large unary and chunked targets, and float16's
-# reference), at the targets' width: twice a cell's time in 6 turns of ~5 calls of
-# 40-90 ms, each turn after one unmeasured call, as a cell measured alone starts after
-# its warm-up (the first call after another endpoint's turn pays for pages the server's
-# heap trim gave back meanwhile, which a steady caller never sees). One after the other,
-# ~15 calls each, large unary read 0.86-1.06 of the floor over nine runs and chunked once
-# 1.11 (1.58-1.89 otherwise). Adds ~6 s to a run.
+# reference), at the targets' width: twice a cell's time in 6 turns (of ~5 calls of
+# 40-90 ms at --duration-s 1.2), each turn after one unmeasured call, as a cell measured
+# alone starts after its warm-up (the first call after another endpoint's turn pays for
+# pages the server's heap trim gave back meanwhile, which a steady caller never sees).
+# One after the other, ~15 calls each, large unary read 0.86-1.06 of the floor over nine
+# runs and chunked once 1.11 (1.58-1.89 otherwise).
 LARGE_TURNS = _Turns(time_factor=2, rounds=6, warmup=1, latency_steps=False, asyncio=True)
 
 
@@ -123,9 +124,9 @@ def measure_cell(
         yield measure.cell("service-sync", run, meter)
     else:
         at.settle.before(service_pid, measure.inflight_bytes)
-        client = _AsyncClient(at.service_proc.target, dtype)
+        client = _AsyncClient(at.service_proc.target, dtype) if turns.asyncio else None
         with (
-            AsyncTurns(setup=client.open, teardown=client.close) if turns.asyncio else AsyncTurns()
+            AsyncTurns(setup=client.open, teardown=client.close) if client else AsyncTurns()
         ) as loop:
 
             def threads(call: Callable[[Any], object], reqs: list[Any]) -> Turn:
@@ -146,7 +147,7 @@ def measure_cell(
                     "bare gRPC call: the floor's request bytes, the clients' deadline, no decode",
                 )  # fmt: skip
             steps["service-sync"] = (threads(sync_unary, requests), service_pid, "")
-            if turns.asyncio:
+            if client is not None:
                 steps["service-async"] = (
                     loop.turns(client.embed, requests, concurrency=concurrency,
                                warmup=turns.warmup),
@@ -255,7 +256,8 @@ class _CellMeasure:
     ) -> Cell:
         cpu_per_request = float("nan")
         if meter is not None and run.requests:
-            cpu_per_request = meter.cpu_s / run.requests
+            # The meter ran around the warm-up calls too (one per turn for cells in turns).
+            cpu_per_request = meter.cpu_s / (run.requests + run.warmups)
         return Cell(
             target=target, workload=self.workload.name, shape=self.workload.shape_text,
             d_model=self.d_model, dtype=self.dtype, concurrency=self.concurrency, run=run,

@@ -12,7 +12,6 @@ Server CPU seconds per request and peak RSS are read from /proc for the server p
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,8 +29,6 @@ from tokembed.bench.workloads import LARGE, MEDIUM, Workload
 from tokembed.client import EmbeddingClient
 from tokembed.client._config import METHOD_EMBED
 from tokembed.server.settings import Settings
-
-logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 32000
 

@@ -22,6 +22,9 @@ class Run:
     wall_s: float
     latencies_s: np.ndarray
     first_error: str = ""
+    # Unmeasured calls made before the measured ones (their server CPU is in a meter
+    # around the run, their time is not in ``wall_s``).
+    warmups: int = 0
 
     @property
     def rps(self) -> float:
@@ -43,7 +46,8 @@ def run_threads(
     warmup: int = 2,
 ) -> Run:
     """``concurrency`` threads call ``call(request)`` in a loop until time or count runs out."""
-    for request in list(requests)[:warmup]:
+    warmups = list(requests)[:warmup]
+    for request in warmups:
         call(request)
     latencies: list[float] = []
     errors: list[str] = []
@@ -79,7 +83,12 @@ def run_threads(
         thread.join()
     wall = time.perf_counter() - started
     return Run(
-        len(latencies), len(errors), wall, np.asarray(latencies), errors[0] if errors else ""
+        len(latencies),
+        len(errors),
+        wall,
+        np.asarray(latencies),
+        errors[0] if errors else "",
+        warmups=len(warmups),
     )
 
 
@@ -120,22 +129,29 @@ class AsyncTurns:
     ) -> None:
         self._setup = setup
         self._teardown = teardown
-        self._runner: asyncio.Runner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def __enter__(self) -> AsyncTurns:
-        self._runner = asyncio.Runner()
-        if self._setup is not None:
-            self._runner.run(self._setup())
+        loop = asyncio.new_event_loop()  # not asyncio.Runner: Python 3.10 is supported
+        try:
+            if self._setup is not None:
+                loop.run_until_complete(self._setup())
+        except BaseException:
+            loop.close()
+            raise
+        self._loop = loop
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._runner is not None
+        loop = self._loop
+        assert loop is not None
+        self._loop = None
         try:
             if self._teardown is not None:
-                self._runner.run(self._teardown())
+                loop.run_until_complete(self._teardown())
         finally:
-            self._runner.close()
-            self._runner = None
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
     def turns(
         self,
@@ -149,8 +165,8 @@ class AsyncTurns:
         per turn."""
 
         def turn(duration_s: float, max_requests: int) -> Run:
-            assert self._runner is not None, "AsyncTurns.turns used outside its with block"
-            return self._runner.run(
+            assert self._loop is not None, "AsyncTurns.turns used outside its with block"
+            return self._loop.run_until_complete(
                 _drive_async(call, requests, concurrency=concurrency, duration_s=duration_s,
                              max_requests=max_requests, warmup=warmup)
             )  # fmt: skip
@@ -195,6 +211,7 @@ def _merged(runs: list[Run]) -> Run:
         wall_s=sum(run.wall_s for run in runs),
         latencies_s=np.concatenate([run.latencies_s for run in runs]),
         first_error=errors[0] if errors else "",
+        warmups=sum(run.warmups for run in runs),
     )
 
 
@@ -235,7 +252,8 @@ async def _drive_async(
     max_requests: int,
     warmup: int,
 ) -> Run:
-    for request in list(requests)[:warmup]:
+    warmups = list(requests)[:warmup]
+    for request in warmups:
         await call(request)
     latencies: list[float] = []
     errors: list[str] = []
@@ -260,5 +278,10 @@ async def _drive_async(
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     wall = time.perf_counter() - began
     return Run(
-        len(latencies), len(errors), wall, np.asarray(latencies), errors[0] if errors else ""
+        len(latencies),
+        len(errors),
+        wall,
+        np.asarray(latencies),
+        errors[0] if errors else "",
+        warmups=len(warmups),
     )

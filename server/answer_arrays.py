@@ -18,11 +18,12 @@ running on a worker thread holds the answer too: while any of them is alive, the
 is not reused. No explicit give-back, so no path (a cancelled stream, an error between
 two chunks) can return an array that someone still reads.
 
-Memory: the arrays in use are answers in flight (which admission bounds). Free ones are
-of the latest size asked for only (a free array of another size is let go before a new
-one is allocated), and ``release_idle``, called with every heap trim, lets go of each
+Memory: the arrays in use are answers in flight (which admission bounds). When an
+answer finds no free array of its size, the free arrays of other sizes are let go before
+a new one is made, and ``release_idle``, called with every heap trim, lets go of each
 free array that no answer took since the previous call: a burst leaves none behind
-after two trims.
+after two trims. Answers whose sizes keep changing (mixed shapes) gain nothing: each
+gets a new array, as it would without these.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ def test_every_call_gets_every_round_and_its_turns_are_merged() -> None:
     )  # fmt: skip
     # Each name had 4 turns, each bounded by 40 // 4 = 10 measured calls (plus warm-up).
     assert sorted(entered) == ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    # Warm-ups: up to 2 per turn, as many as there are requests to warm up with.
+    assert (runs["a"].warmups, runs["b"].warmups, runs["c"].warmups) == (8, 4, 4)
     for name in "abc":
         assert runs[name].requests == 40
         assert runs[name].latencies_s.size == 40
@@ -63,6 +65,7 @@ def test_asyncio_calls_take_turns_on_one_loop_opened_and_closed_once() -> None:
     loops: set[int] = set()
 
     async def open_client() -> None:
+        loops.add(id(asyncio.get_running_loop()))
         events.append("open")
 
     async def close_client() -> None:
@@ -85,6 +88,7 @@ def test_asyncio_calls_take_turns_on_one_loop_opened_and_closed_once() -> None:
     # 3 turns of 12 // 3 = 4 measured calls, each after 1 warm-up call.
     for name in ("async", "threads"):
         assert runs[name].requests == 12 and runs[name].errors == 0
+        assert runs[name].warmups == 3
     assert events.count("async 5") == 15 and events.count("threads 6") == 15
     assert len(loops) == 1  # every turn ran on the loop the client was opened on
     # Interleaved: some threaded call falls between the first and last asyncio calls.

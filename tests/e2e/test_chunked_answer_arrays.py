@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tokembed.client import EmbeddingClient
+from tokembed.server.answer_arrays import AnswerArrays
 from tokembed.server.service import OFFLOAD_MIN_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
@@ -72,46 +73,77 @@ def test_answers_side_by_side_never_share_an_array(
     assert server.server.answer_arrays.held_bytes > 0
 
 
-def test_a_stream_cancelled_halfway_leaves_later_answers_exact(
+def _chunked_request(ids: np.ndarray) -> pb.EmbedRequest:
+    return pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(ids.shape), data=ids.tobytes())
+    )
+
+
+def test_an_answer_still_being_sent_is_never_refilled_for_another(
     small_model_dir: Path, start_server: Any, expected: np.ndarray
 ) -> None:
-    server = start_server(small_model_dir)
+    # Small chunks: a reader that stops reading leaves most of its answer unsent (gRPC's
+    # flow control holds the server's stream at a yield, the answer's array still cut
+    # from), so answers of the same size asked for meanwhile must get other arrays.
+    server = start_server(small_model_dir, stream_chunk_bytes=16 * 1024)
     rng = np.random.default_rng(13)
-    first = rng.integers(0, SMALL_V, (1, TOKENS))
-    request = pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(first.shape), data=first.tobytes())
-    )
+    paused_ids = rng.integers(0, SMALL_V, (1, TOKENS))
     with grpc.insecure_channel(server.target) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
-        stream = stub.EmbedChunked(request, timeout=30)
-        assert next(stream).HasField("header")
-        assert len(next(stream).data) > 0  # one chunk read, the rest left unsent
-        stream.cancel()
+        paused = stub.EmbedChunked(_chunked_request(paused_ids), timeout=30)
+        received = [next(paused), next(paused)]
+        assert received[0].HasField("header") and len(received[1].data) > 0
+        with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
+            for _ in range(4):
+                ids = rng.integers(0, SMALL_V, (1, TOKENS))
+                np.testing.assert_array_equal(client.embed(ids), expected[ids])
+        received.extend(paused)  # the rest of the paused answer, read only now
+        data = b"".join(chunk.data for chunk in received[1:])
+        got = np.frombuffer(data, dtype=np.float32).reshape(1, TOKENS, SMALL_D)
+        np.testing.assert_array_equal(got, expected[paused_ids])
+        # And a stream cancelled halfway harms nothing after it.
+        cancelled = stub.EmbedChunked(_chunked_request(paused_ids), timeout=30)
+        assert next(cancelled).HasField("header") and len(next(cancelled).data) > 0
+        cancelled.cancel()
     with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
-        for _ in range(4):
+        for _ in range(2):
             ids = rng.integers(0, SMALL_V, (1, TOKENS))
             np.testing.assert_array_equal(client.embed(ids), expected[ids])
 
 
-def test_the_arrays_are_let_go_once_the_server_is_idle_and_when_it_stops(
-    small_model_dir: Path, start_server: Any
+def test_the_arrays_are_let_go_once_the_server_is_idle(
+    small_model_dir: Path, start_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # What each heap trim found held, and left held (whenever the trims come).
+    trims: list[tuple[int, int]] = []
+    release_idle = AnswerArrays.release_idle
+
+    def recording(self: AnswerArrays) -> None:
+        before = self.held_bytes
+        release_idle(self)
+        trims.append((before, self.held_bytes))
+
+    monkeypatch.setattr(AnswerArrays, "release_idle", recording)
     server = start_server(small_model_dir, memory_trim_interval_s=0.1)
-    arrays = server.server.answer_arrays
     ids = np.arange(TOKENS).reshape(1, TOKENS) % SMALL_V
     with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
         client.embed(ids)
-        assert arrays.held_bytes >= TOKENS * SMALL_D * 4
         deadline = time.monotonic() + 5
-        while arrays.held_bytes:
-            assert time.monotonic() < deadline, "the arrays were never let go"
+        while not any(held >= TOKENS * SMALL_D * 4 and left == 0 for held, left in trims):
+            assert time.monotonic() < deadline, f"the arrays were never let go: {trims}"
             time.sleep(0.05)
-    kept = start_server(small_model_dir, memory_trim_interval_s=60)  # no trim meanwhile
-    with EmbeddingClient(kept.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
+    assert server.server.answer_arrays.held_bytes == 0
+
+
+def test_a_stopped_server_lets_the_arrays_go(small_model_dir: Path, start_server: Any) -> None:
+    server = start_server(small_model_dir, memory_trim_interval_s=60)  # no trim meanwhile
+    ids = np.arange(TOKENS).reshape(1, TOKENS) % SMALL_V
+    with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
         client.embed(ids)
-    assert kept.server.answer_arrays.held_bytes >= TOKENS * SMALL_D * 4
-    kept.stop()
-    assert kept.server.answer_arrays.held_bytes == 0
+    arrays = server.server.answer_arrays
+    assert arrays.held_bytes >= TOKENS * SMALL_D * 4
+    server.stop()
+    assert arrays.held_bytes == 0
 
 
 def test_no_arrays_kept_without_the_heap_trim_to_let_them_go(
