@@ -91,6 +91,11 @@ class AnswerArrays:
         with self._lock:
             self._slots = [s for s in self._slots if not s.is_free()]
 
+    @staticmethod
+    def reusable() -> bool:
+        """Whether arrays may be kept and reused on this interpreter (checked once)."""
+        return _REUSABLE
+
     @property
     def held_bytes(self) -> int:
         """Bytes of the arrays kept, in use or not."""
@@ -105,3 +110,29 @@ def _refcount_held_by_a_slot_alone() -> int:
 
 
 _HELD_BY_ITS_SLOT_ALONE = _refcount_held_by_a_slot_alone()
+
+
+def _reuse_self_check() -> bool:
+    """Whether the rules hold on this interpreter (refcounts are an implementation
+    detail): an array in use is not handed out again, nor one that only a chunk cut from
+    its answer still reads, and a free one is."""
+    try:
+        arrays = AnswerArrays()
+        shape, dtype = (4, 4), np.dtype(np.float32)
+        held = arrays.take(shape, dtype)
+        second = arrays.take(shape, dtype)
+        if np.shares_memory(held, second):
+            return False
+        chunk = held.data.cast("B")[:16]
+        address = held.__array_interface__["data"][0]
+        del held
+        third = arrays.take(shape, dtype)
+        if third.__array_interface__["data"][0] == address or np.shares_memory(third, second):
+            return False
+        del chunk
+        return bool(arrays.take(shape, dtype).__array_interface__["data"][0] == address)
+    except Exception:  # any failure means: do not keep arrays here
+        return False
+
+
+_REUSABLE = _reuse_self_check()

@@ -159,7 +159,11 @@ class TokembedServer:
         )
         # EmbedChunked's answer arrays, kept for the next answers; as the spare, only
         # where the heap trim lets idle ones go (see answer_arrays.AnswerArrays).
-        self._answer_arrays = AnswerArrays() if self.settings.memory_trim_interval_s > 0 else None
+        self._answer_arrays = (
+            AnswerArrays()
+            if self.settings.memory_trim_interval_s > 0 and AnswerArrays.reusable()
+            else None
+        )
         self._stopped = asyncio.Event()
 
     @property

@@ -154,3 +154,14 @@ def test_no_arrays_kept_without_the_heap_trim_to_let_them_go(
     ids = np.arange(TOKENS).reshape(1, TOKENS) % SMALL_V
     with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
         np.testing.assert_array_equal(client.embed(ids), expected[ids])
+
+
+def test_no_arrays_kept_where_the_rules_do_not_hold(
+    small_model_dir: Path, start_server: Any, expected: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(AnswerArrays, "reusable", staticmethod(lambda: False))
+    server = start_server(small_model_dir)
+    assert server.server.answer_arrays is None
+    ids = np.arange(TOKENS).reshape(1, TOKENS) % SMALL_V
+    with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
+        np.testing.assert_array_equal(client.embed(ids), expected[ids])

@@ -103,3 +103,8 @@ def test_answers_of_the_mmap_threshold_and_up_are_neither_kept_nor_reused() -> N
     below = arrays.take((KEEP_BELOW_BYTES // 4 - 1,), np.dtype(np.float32))
     assert arrays.held_bytes == KEEP_BELOW_BYTES - 4
     del large, below
+
+
+def test_the_rules_hold_on_this_interpreter() -> None:
+    # Checked once at import; where it fails, the server keeps no arrays (no reuse at all).
+    assert AnswerArrays.reusable()
