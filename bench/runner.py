@@ -82,14 +82,7 @@ def run_threads(
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
-    return Run(
-        len(latencies),
-        len(errors),
-        wall,
-        np.asarray(latencies),
-        errors[0] if errors else "",
-        warmups=len(warmups),
-    )
+    return _run_of(latencies, errors, wall, len(warmups))
 
 
 # One turn of a call measured in turns: given its seconds and its request count, a Run.
@@ -203,6 +196,13 @@ def run_interleaved(
     return {name: _merged(runs) for name, runs in taken.items()}
 
 
+def _run_of(latencies: list[float], errors: list[str], wall_s: float, warmups: int) -> Run:
+    return Run(
+        len(latencies), len(errors), wall_s, np.asarray(latencies), errors[0] if errors else "",
+        warmups=warmups,
+    )  # fmt: skip
+
+
 def _merged(runs: list[Run]) -> Run:
     errors = [run.first_error for run in runs if run.first_error]
     return Run(
@@ -277,11 +277,4 @@ async def _drive_async(
     began = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     wall = time.perf_counter() - began
-    return Run(
-        len(latencies),
-        len(errors),
-        wall,
-        np.asarray(latencies),
-        errors[0] if errors else "",
-        warmups=len(warmups),
-    )
+    return _run_of(latencies, errors, wall, len(warmups))

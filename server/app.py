@@ -32,6 +32,7 @@ from tokembed.server.answer_arrays import AnswerArrays
 from tokembed.server.auth import BearerTokenInterceptor, read_token
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.errors import ServerConfigError
+from tokembed.server.kept_answers import KeptAnswers
 from tokembed.server.memory import release_free_memory, tune_malloc
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
 from tokembed.server.runtime import CPU, EmbeddingRuntime, RuntimeOptions, expects_cpu
@@ -150,31 +151,18 @@ class TokembedServer:
         self._stop_metrics: Callable[[], None] | None = None
         self._loading: asyncio.Task[None] | None = None
         self._trimmer: asyncio.Future[None] | None = None
-        # The latest in-place answer's bytes, for the next one of that size; let go by
-        # the heap trim, so only where there is one (see inplace_bytes.SpareBytes).
-        self._spare_bytes = (
-            inplace_bytes.SpareBytes()
-            if self.settings.memory_trim_interval_s > 0 and inplace_bytes.reusable()
-            else None
-        )
-        # EmbedChunked's answer arrays, kept for the next answers; as the spare, only
-        # where the heap trim lets idle ones go (see answer_arrays.AnswerArrays).
-        self._answer_arrays = (
-            AnswerArrays()
-            if self.settings.memory_trim_interval_s > 0 and AnswerArrays.reusable()
-            else None
-        )
+        self._kept = KeptAnswers(self.settings.memory_trim_interval_s)
         self._stopped = asyncio.Event()
 
     @property
     def spare_bytes(self) -> inplace_bytes.SpareBytes | None:
         """The bytes kept for the next in-place answer (None: not kept here)."""
-        return self._spare_bytes
+        return self._kept.spare_bytes
 
     @property
     def answer_arrays(self) -> AnswerArrays | None:
         """The arrays kept for EmbedChunked's next answers (None: not kept here)."""
-        return self._answer_arrays
+        return self._kept.answer_arrays
 
     # --- start
 
@@ -209,7 +197,10 @@ class TokembedServer:
             [
                 generic_handler(
                     EmbeddingServicer(
-                        self.state, self.metrics, self._spare_bytes, self._answer_arrays
+                        self.state,
+                        self.metrics,
+                        self._kept.spare_bytes,
+                        self._kept.answer_arrays,
                     )
                 )
             ]
@@ -281,7 +272,7 @@ class TokembedServer:
         self.state.service = service
         release_free_memory()  # what loading allocated and dropped, before serving
         if self.settings.memory_trim_interval_s > 0:
-            self._trimmer = asyncio.ensure_future(self._trim_forever())
+            self._trimmer = asyncio.ensure_future(self._kept.trim_forever())
         if self.state.draining:
             return
         await self._set_health(SERVING)
@@ -305,26 +296,6 @@ class TokembedServer:
             "(float32 look-ups); 0: not kept, onnxruntime answers",
             float16_bytes, loaded.float32_table_bytes,
         )  # fmt: skip
-
-    async def _trim_forever(self) -> None:
-        """Give freed heap memory back every second (off the event loop: malloc_trim walks
-        the heap, 2-6 ms here). Without it, resident memory stays at the highest peak of
-        answers in flight ever seen, which is bounded by admission but hides what is live;
-        every 5 s instead of 1 s, the soak's RSS swung +-4% between 10 s windows."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.settings.memory_trim_interval_s)
-            try:
-                await loop.run_in_executor(None, self._release_memory)
-            except Exception:  # one failed trim must not end trimming for good
-                logger.exception("releasing free memory failed; trying again next time")
-
-    def _release_memory(self) -> None:
-        if self._spare_bytes is not None:
-            self._spare_bytes.release_idle()
-        if self._answer_arrays is not None:
-            self._answer_arrays.release_idle()
-        release_free_memory()
 
     async def wait_ready(self) -> None:
         """Return once SERVING; raise ``ServerConfigError`` if the model failed to load."""
@@ -371,10 +342,7 @@ class TokembedServer:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
         if self.state.service is not None:
             await self.state.service.close()
-        if self._spare_bytes is not None:
-            self._spare_bytes.release()  # the trimmer that let it go is stopped
-        if self._answer_arrays is not None:
-            self._answer_arrays.release()
+        self._kept.release()  # the trimmer that let idle ones go is stopped
         if self._stop_metrics is not None:
             self._stop_metrics()
         self._stopped.set()

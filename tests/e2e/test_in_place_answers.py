@@ -16,7 +16,7 @@ from tokembed.client import EmbeddingClient
 from tokembed.server import gather as gather_module
 from tokembed.server import inplace_bytes, wire
 from tokembed.server import service as service_module
-from tokembed.server.app import TokembedServer
+from tokembed.server.kept_answers import KeptAnswers
 from tokembed.server.service import OFFLOAD_MIN_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
@@ -182,16 +182,16 @@ def test_one_failed_heap_trim_does_not_end_trimming(
     small_model_dir: Path, start_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    release = TokembedServer._release_memory
+    release = KeptAnswers.release_idle
 
-    def failing_once(self: TokembedServer) -> None:
+    def failing_once(self: KeptAnswers) -> None:
         if not calls:
             calls.append("failed")
             raise OSError("malloc_trim exploded")
         calls.append("ok")
         release(self)
 
-    monkeypatch.setattr(TokembedServer, "_release_memory", failing_once)
+    monkeypatch.setattr(KeptAnswers, "release_idle", failing_once)
     start_server(small_model_dir, memory_trim_interval_s=0.05)
     deadline = time.monotonic() + 5
     while calls.count("ok") < 2:
