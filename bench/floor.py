@@ -16,8 +16,8 @@ import sys
 import grpc
 import numpy as np
 
-from tokembed.server import wire
-from tokembed.server.domain import EmbedOutput, Timings
+from tokembed.server.core.types import Answer, Timings
+from tokembed.server.edge import responses
 from tokembed.v1 import embedding_pb2 as pb
 
 METHOD = "/tokembed.bench.Floor/Embed"
@@ -42,11 +42,12 @@ class Floor:
         dtype = "float16" if request.output_dtype == pb.DTYPE_FLOAT16 else "float32"
         key = (self._shape(request), dtype)
         if key not in self._cache:
-            array = np.zeros(key[0], dtype=dtype)
-            output = EmbedOutput(array, None, Timings(0.0, 0.0, 1, 0))
-            self._cache[key] = wire.encode_response(
-                array, wire.response_metadata(output, "floor", "0", "", 0.0)
-            )
+            array = np.zeros(key[0], dtype=np.dtype(dtype).newbyteorder("<"))
+            answer = Answer(
+                array.shape, array.dtype, [array.data.cast("B")], None,
+                Timings(0.0, 0.0, 1, 0), array.size // array.shape[-1], array.nbytes,
+            )  # fmt: skip
+            self._cache[key] = responses.embed_response(answer, "floor", "0", "", 0.0)
         return self._cache[key]
 
     async def embed(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

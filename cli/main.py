@@ -54,7 +54,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     try:
-        from tokembed.server.errors import ServerConfigError
+        from tokembed.server.core.errors import ServerConfigError
 
         errors.append(ServerConfigError)
     except ImportError:
@@ -65,10 +65,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # Started from the command line, this process is the command's own: it may restart
-    # itself (tokembed serve does, to tune glibc's allocator). Called from Python with
-    # arguments, it belongs to its caller and must not.
-    args.owns_process = argv is None
     try:
         return int(args.run(args))
     except _user_errors() as exc:

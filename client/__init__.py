@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import EmbedResult as EmbedResult
     from tokembed.client.results import Limits as Limits
     from tokembed.client.results import ModelInfo as ModelInfo
+    from tokembed.client.results import ModelList as ModelList
     from tokembed.client.results import Timings as Timings
     from tokembed.client.sync import EmbeddingClient as EmbeddingClient
 
@@ -38,6 +39,7 @@ _EXPORTS = {
     "AsyncEmbeddingClient": "tokembed.client.aio",
     "EmbedResult": "tokembed.client.results",
     "ModelInfo": "tokembed.client.results",
+    "ModelList": "tokembed.client.results",
     "Limits": "tokembed.client.results",
     "Timings": "tokembed.client.results",
     "EmbeddingError": "tokembed.client.errors",

@@ -23,6 +23,7 @@ from tokembed.client.errors import (
     EmbeddingError,
     OverloadedError,
     UnavailableError,
+    client_invalid_input,
 )
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -49,6 +50,7 @@ METHOD_EMBED = f"/{_SERVICE}/Embed"
 METHOD_EMBED_STREAM = f"/{_SERVICE}/EmbedStream"
 METHOD_EMBED_CHUNKED = f"/{_SERVICE}/EmbedChunked"
 METHOD_GET_MODEL_INFO = f"/{_SERVICE}/GetModelInfo"
+METHOD_LIST_MODELS = f"/{_SERVICE}/ListModels"
 
 PemSource = str | os.PathLike[str] | bytes
 
@@ -267,8 +269,9 @@ class ClientBase:
         CA file is given); ``client_certificate`` + ``client_key``: mutual TLS;
         ``tls_server_name`` overrides the name checked against the server's certificate.
         ``token``: sent as ``authorization: Bearer <token>``. ``chunked_threshold_bytes``:
-        above this many output bytes use EmbedChunked (None: never). ``model_name``: when
-        set, the server refuses requests if it serves another model.
+        above this many output bytes use EmbedChunked (None: never). ``model_name``: the
+        model for calls that name none with ``model=`` ("": the server's default model);
+        a name the server does not serve raises ModelNotFoundError.
         """
         self._settings = make_settings(
             target,
@@ -290,7 +293,10 @@ class ClientBase:
             keepalive_time_s=keepalive_time_s,
             channel_options=tuple(channel_options),
         )
-        self._d_model: int | None = None  # learnt from GetModelInfo, for the chunked choice
+        # Each model's D, learnt from GetModelInfo once per model, for the chunked choice:
+        # keyed by the name as asked ("" for the server's default), not by info.name, so
+        # that a call finds its D without knowing what the default resolves to.
+        self._d_models: dict[str, int] = {}
         self._closed = False
         self._open()
 
@@ -304,14 +310,23 @@ class ClientBase:
     def _deadline(self, timeout_s: float | None) -> Deadline:
         return Deadline(self._settings.timeout_s if timeout_s is None else timeout_s)
 
-    def _needs_d_model(self) -> bool:
-        return self._settings.chunked_threshold_bytes is not None and self._d_model is None
+    def _model(self, model: str | None) -> str:
+        """The model a call is for: its own ``model``, else the client's ``model_name``."""
+        if model is None:
+            return self._settings.model_name
+        if not isinstance(model, str):
+            raise client_invalid_input(f"model must be a str or None, got {type(model).__name__}")
+        return model
 
-    def _wants_chunked(self, rows: int, itemsize: int) -> bool:
+    def _needs_d_model(self, model: str) -> bool:
+        return self._settings.chunked_threshold_bytes is not None and model not in self._d_models
+
+    def _wants_chunked(self, model: str, rows: int, itemsize: int) -> bool:
         threshold = self._settings.chunked_threshold_bytes
-        if threshold is None or self._d_model is None:
+        d_model = self._d_models.get(model)
+        if threshold is None or d_model is None:
             return False
-        return rows * self._d_model * itemsize > threshold
+        return rows * d_model * itemsize > threshold
 
     def _check_open(self) -> None:
         if self._closed:

@@ -27,12 +27,13 @@ from tokembed.client._config import (
     METHOD_EMBED_CHUNKED,
     METHOD_EMBED_STREAM,
     METHOD_GET_MODEL_INFO,
+    METHOD_LIST_MODELS,
     ClientBase,
     Deadline,
     give_up,
 )
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
-from tokembed.client.results import EmbedResult, ModelInfo
+from tokembed.client.results import EmbedResult, ModelInfo, ModelList
 from tokembed.client.sync import _emit, _import_health, _pop_refused, _Slot
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -75,6 +76,11 @@ class AsyncEmbeddingClient(ClientBase):
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
             response_deserializer=pb.ModelInfo.FromString,
         )
+        self._list_models = channel.unary_unary(
+            METHOD_LIST_MODELS,
+            request_serializer=pb.ListModelsRequest.SerializeToString,
+            response_deserializer=pb.ListModelsResponse.FromString,
+        )
         self._channel, self._loop = channel, loop
 
     # ------------------------------------------------------------------ lifecycle
@@ -100,11 +106,14 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> npt.NDArray[np.floating]:
         """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
-        call, deadline, chunked = await self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        call, deadline, chunked = await self._start_embed(
+            ids, dtype, layout, model, timeout_s, request_id
+        )
         if chunked:
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
             return decode.check_array_shape(result.hidden_states, call.leading_shape)
@@ -117,11 +126,14 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> EmbedResult:
         """See ``EmbeddingClient.embed_result``."""
-        call, deadline, chunked = await self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        call, deadline, chunked = await self._start_embed(
+            ids, dtype, layout, model, timeout_s, request_id
+        )
         if chunked:
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
         else:
@@ -129,10 +141,24 @@ class AsyncEmbeddingClient(ClientBase):
             result = decode.decode_response(raw)
         return decode.check_shape(result, call.leading_shape)
 
-    async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
-        """What the server serves, and its limits (always asks the server)."""
+    async def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
+        """See ``EmbeddingClient.info``."""
         self._ensure_open()
-        return await self._fetch_model_info(self._deadline(timeout_s))
+        return await self._fetch_model_info(self._model(model), self._deadline(timeout_s))
+
+    model_info = info  # the name of releases before several models; the same method
+
+    async def models(self, *, timeout_s: float | None = None) -> ModelList:
+        """See ``EmbeddingClient.models``."""
+        self._ensure_open()
+        message = await self._with_retries(
+            "ListModels",
+            self._deadline(timeout_s),
+            lambda t: self._list_models(
+                pb.ListModelsRequest(), timeout=t, metadata=self._settings.metadata
+            ),
+        )
+        return ModelList.from_proto(message)
 
     async def embed_stream(
         self,
@@ -140,11 +166,12 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[npt.NDArray[np.floating]]:
         """See ``EmbeddingClient.embed_stream``; ``inputs`` may also be async."""
         async for result in self.embed_stream_results(
-            inputs, dtype, layout=layout, timeout_s=timeout_s
+            inputs, dtype, layout=layout, model=model, timeout_s=timeout_s
         ):
             yield result.hidden_states
 
@@ -155,6 +182,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[False] = ...,
     ) -> AsyncIterator[EmbedResult]: ...
@@ -166,6 +194,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[True],
     ) -> AsyncIterator[EmbedResult | EmbeddingError]: ...
@@ -176,6 +205,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
     ) -> AsyncIterator[EmbedResult | EmbeddingError]:
@@ -183,6 +213,7 @@ class AsyncEmbeddingClient(ClientBase):
         self._ensure_open()
         layout = codec.check_layout(layout)
         codec.output_dtype_code(dtype)
+        model_name = self._model(model)
         slots: collections.deque[_Slot] = collections.deque()
         failure: list[BaseException] = []
 
@@ -190,9 +221,7 @@ class AsyncEmbeddingClient(ClientBase):
             try:
                 async for item in _aiter(inputs):
                     try:
-                        call = codec.embed_call(
-                            item, dtype, layout, model_name=self._settings.model_name
-                        )
+                        call = codec.embed_call(item, dtype, layout, model_name=model_name)
                     except EmbeddingError as err:
                         slots.append(err)
                         if not return_exceptions:
@@ -251,17 +280,23 @@ class AsyncEmbeddingClient(ClientBase):
     # ------------------------------------------------------------------ internals
 
     async def _start_embed(
-        self, ids: Any, dtype: Any, layout: str, timeout_s: float | None, request_id: str
+        self,
+        ids: Any,
+        dtype: Any,
+        layout: str,
+        model: str | None,
+        timeout_s: float | None,
+        request_id: str,
     ) -> tuple[codec.EmbedCall, Deadline, bool]:
         """See ``EmbeddingClient._start_embed``."""
         self._ensure_open()
-        call = codec.embed_call(
-            ids, dtype, layout, model_name=self._settings.model_name, request_id=request_id
-        )
+        model_name = self._model(model)
+        call = codec.embed_call(ids, dtype, layout, model_name=model_name, request_id=request_id)
         deadline = self._deadline(timeout_s)
-        if self._needs_d_model():
-            await self._fetch_model_info(deadline)
-        return call, deadline, self._wants_chunked(call.output_rows, call.output_itemsize)
+        if self._needs_d_model(model_name):
+            await self._fetch_model_info(model_name, deadline)
+        chunked = self._wants_chunked(model_name, call.output_rows, call.output_itemsize)
+        return call, deadline, chunked
 
     def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], Awaitable[bytes]]:
         """One Embed attempt with a given timeout: the answer's raw bytes."""
@@ -287,16 +322,15 @@ class AsyncEmbeddingClient(ClientBase):
 
         return attempt
 
-    async def _fetch_model_info(self, deadline: Deadline) -> ModelInfo:
+    async def _fetch_model_info(self, model_name: str, deadline: Deadline) -> ModelInfo:
+        request = pb.GetModelInfoRequest(model_name=model_name)
         message = await self._with_retries(
             "GetModelInfo",
             deadline,
-            lambda t: self._get_model_info(
-                pb.GetModelInfoRequest(), timeout=t, metadata=self._settings.metadata
-            ),
+            lambda t: self._get_model_info(request, timeout=t, metadata=self._settings.metadata),
         )
         info = ModelInfo.from_proto(message)
-        self._d_model = info.d_model
+        self._d_models[model_name] = info.d_model
         return info
 
     async def _with_retries(

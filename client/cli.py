@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokembed.client.results import ModelInfo
     from tokembed.client.sync import EmbeddingClient
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -66,6 +67,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help='token ids separated by spaces or commas; ";" separates sequences, which may '
         'differ in length (e.g. "5 6 7 8; 9 10")',
     )
+    embed.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the served model to embed with (default: the server's default model)",
+    )
     embed.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     embed.add_argument(
         "--layout",
@@ -80,7 +87,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "info",
         parents=[common],
         help="print what a running server serves, and its limits",
-        description="Call GetModelInfo and print the model, its execution provider and limits.",
+        description="Call GetModelInfo and print one model, its backend, execution provider "
+        "and limits; with --all, call ListModels and print every served model.",
+    )
+    which = info.add_mutually_exclusive_group()
+    which.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the served model to describe (default: the server's default model)",
+    )
+    which.add_argument(
+        "--all", action="store_true", help="every served model, the default one marked"
     )
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.add_argument("--timeout-s", type=float, default=10.0, help="per call (default 10)")
@@ -145,7 +163,7 @@ def run_embed(args: argparse.Namespace) -> int:
 
     ids = parse_ids(args.ids)
     with _client(args) as client:
-        result = client.embed_result(ids, args.dtype, layout=args.layout)
+        result = client.embed_result(ids, args.dtype, layout=args.layout, model=args.model)
     hs = result.hidden_states
     print(
         f"hidden_states {list(hs.shape)} {hs.dtype}, "
@@ -165,14 +183,38 @@ def run_embed(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    if args.all:
+        return _run_info_all(args)
     with _client(args) as client:
-        info = client.model_info()
+        info = client.info(args.model)
     if args.json:
         print(json.dumps(asdict(info), indent=2))
         return 0
+    print("\n".join(_info_lines(info)))
+    return 0
+
+
+def _run_info_all(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        served = client.models()
+    if args.json:
+        models = [asdict(info) for info in served]
+        print(json.dumps({"default_model": served.default_model, "models": models}, indent=2))
+        return 0
+    blocks = []
+    for info in served:
+        lines = _info_lines(info)
+        if info.name == served.default_model:
+            lines[0] += " (default)"
+        blocks.append("\n".join(lines))
+    print("\n\n".join(blocks))
+    return 0
+
+
+def _info_lines(info: ModelInfo) -> list[str]:
     lim = info.limits
     padding = "none" if info.padding_id is None else str(info.padding_id)
-    lines = [
+    return [
         f"model              {info.name} {info.version}",
         f"vocab_size (V)     {info.vocab_size}",
         f"d_model (D)        {info.d_model}",
@@ -181,6 +223,7 @@ def run_info(args: argparse.Namespace) -> int:
         f"weight_dtype       {info.weight_dtype}",
         f"input_dtypes       {', '.join(info.input_dtypes)}",
         f"output_dtypes      {', '.join(info.output_dtypes)}",
+        f"backend            {info.backend or '?'}",
         f"provider           {info.execution_provider}",
         f"model_sha256       {info.model_sha256}",
         f"max tokens/request {lim.max_tokens_per_request}",
@@ -189,8 +232,6 @@ def run_info(args: argparse.Namespace) -> int:
         f"max message bytes  {lim.max_message_bytes}",
         f"max delay          {lim.max_delay_seconds * 1e3:g} ms",
     ]
-    print("\n".join(lines))
-    return 0
 
 
 def run_health(args: argparse.Namespace) -> int:

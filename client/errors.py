@@ -6,7 +6,7 @@ Everything the client raises derives from :class:`EmbeddingError`::
     ├── InvalidInputError          INVALID_ARGUMENT: bad ids, dtype, shape, lengths, empty
     ├── RequestTooLargeError       RESOURCE_EXHAUSTED/too_large: never retried
     ├── OverloadedError            RESOURCE_EXHAUSTED/overloaded: retried if asked
-    ├── ModelNotFoundError         NOT_FOUND: model_name does not match the served model
+    ├── ModelNotFoundError         NOT_FOUND: the model named is not served here
     ├── UnavailableError           UNAVAILABLE: unreachable, draining, not ready; retried
     ├── DeadlineExceededError      DEADLINE_EXCEEDED
     ├── RequestCancelledError      CANCELLED (not named CancelledError: asyncio has one)
@@ -80,7 +80,8 @@ class OverloadedError(EmbeddingError):
 
 
 class ModelNotFoundError(EmbeddingError):
-    """The request named a model that this server does not serve (NOT_FOUND)."""
+    """The call named a model that this server does not serve (NOT_FOUND); the server's
+    message lists the models it serves."""
 
 
 class UnavailableError(EmbeddingError):

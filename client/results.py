@@ -5,6 +5,7 @@ Plain frozen dataclasses, free of protobuf and gRPC, so callers never touch gene
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,11 @@ class Limits:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What is served: the table's size, scale, dtypes, provider and limits."""
+    """One served model: the table's size, scale, dtypes, provider, backend and limits.
+
+    ``backend`` is how the server answers look-ups, chosen at load: "table" or
+    "onnxruntime" ("" from a server older than several models per process).
+    """
 
     name: str
     version: str
@@ -89,6 +94,7 @@ class ModelInfo:
     execution_provider: str
     limits: Limits
     model_sha256: str
+    backend: str = ""  # last, with a default: code that builds a ModelInfo keeps working
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -112,7 +118,57 @@ class ModelInfo:
                 max_delay_seconds=lim.max_delay_seconds,
             ),
             model_sha256=msg.model_sha256,
+            backend=msg.backend,
         )
+
+
+@dataclass(frozen=True)
+class ModelList:
+    """Every model a server serves (ListModels), in the order the server was given them.
+
+    Iterating gives the :class:`ModelInfo` of each; ``len()`` counts them; ``names`` lists
+    their names; ``models_list["dec"]`` (or ``.get("dec")``) finds one by name, and
+    ``"dec" in models_list`` asks whether it is served. ``default_model`` names the model
+    that answers calls naming none.
+    """
+
+    models: tuple[ModelInfo, ...]
+    default_model: str
+
+    @classmethod
+    def from_proto(cls, msg: pb.ListModelsResponse) -> ModelList:
+        return cls(
+            models=tuple(ModelInfo.from_proto(m) for m in msg.models),
+            default_model=msg.default_model,
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.models)
+
+    def get(self, name: str) -> ModelInfo | None:
+        """The info of the model called ``name``, or None if it is not served."""
+        for info in self.models:
+            if info.name == name:
+                return info
+        return None
+
+    def __getitem__(self, name: str) -> ModelInfo:
+        info = self.get(name)
+        if info is None:
+            raise KeyError(f"no model {name!r} among {list(self.names)}")
+        return info
+
+    def __contains__(self, name: object) -> bool:
+        # By name: without this, ``"dec" in models`` would compare "dec" with each
+        # ModelInfo that iteration yields, and always be False.
+        return any(info.name == name for info in self.models)
+
+    def __iter__(self) -> Iterator[ModelInfo]:
+        return iter(self.models)
+
+    def __len__(self) -> int:
+        return len(self.models)
 
 
 _DTYPE_NAMES: dict[int, str] = {

@@ -24,12 +24,13 @@ from tokembed.client._config import (
     METHOD_EMBED_CHUNKED,
     METHOD_EMBED_STREAM,
     METHOD_GET_MODEL_INFO,
+    METHOD_LIST_MODELS,
     ClientBase,
     Deadline,
     give_up,
 )
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
-from tokembed.client.results import EmbedResult, ModelInfo
+from tokembed.client.results import EmbedResult, ModelInfo, ModelList
 from tokembed.v1 import embedding_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ class EmbeddingClient(ClientBase):
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
             response_deserializer=pb.ModelInfo.FromString,
         )
+        self._list_models = self._channel.unary_unary(
+            METHOD_LIST_MODELS,
+            request_serializer=pb.ListModelsRequest.SerializeToString,
+            response_deserializer=pb.ListModelsResponse.FromString,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -84,6 +90,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> npt.NDArray[np.floating]:
@@ -91,9 +98,13 @@ class EmbeddingClient(ClientBase):
         the padding id's row) or ``[N,D]`` with ``layout="flat"``.
 
         The array is a read-only view of the received bytes (zero-copy); ``.copy()`` it
-        to write. ``timeout_s`` overrides the client's default for this call.
+        to write. ``model`` names the model for this call (None: the client's
+        ``model_name``; "": the server's default). ``timeout_s`` overrides the client's
+        default for this call.
         """
-        call, deadline, chunked = self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        call, deadline, chunked = self._start_embed(
+            ids, dtype, layout, model, timeout_s, request_id
+        )
         if chunked:
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
             return decode.check_array_shape(result.hidden_states, call.leading_shape)
@@ -107,11 +118,14 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
-        call, deadline, chunked = self._start_embed(ids, dtype, layout, timeout_s, request_id)
+        call, deadline, chunked = self._start_embed(
+            ids, dtype, layout, model, timeout_s, request_id
+        )
         if chunked:
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
         else:
@@ -119,10 +133,25 @@ class EmbeddingClient(ClientBase):
             result = decode.decode_response(raw)
         return decode.check_shape(result, call.leading_shape)
 
-    def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
-        """What the server serves, and its limits (always asks the server)."""
+    def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
+        """One served model and its limits: ``model`` (None: the client's ``model_name``;
+        "": the server's default). Always asks the server."""
         self._check_open()
-        return self._fetch_model_info(self._deadline(timeout_s))
+        return self._fetch_model_info(self._model(model), self._deadline(timeout_s))
+
+    model_info = info  # the name of releases before several models; the same method
+
+    def models(self, *, timeout_s: float | None = None) -> ModelList:
+        """Every model the server serves, and its default (ListModels)."""
+        self._check_open()
+        message = self._with_retries(
+            "ListModels",
+            self._deadline(timeout_s),
+            lambda t: self._list_models(
+                pb.ListModelsRequest(), timeout=t, metadata=self._settings.metadata
+            ),
+        )
+        return ModelList.from_proto(message)
 
     def embed_stream(
         self,
@@ -130,6 +159,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[npt.NDArray[np.floating]]:
         """Embed each input over one EmbedStream; yields one array per input, in order.
@@ -137,9 +167,13 @@ class EmbeddingClient(ClientBase):
         A failed input raises its typed error when its turn comes (answers before it have
         been yielded) and ends the stream. ``inputs`` is consumed by a gRPC thread.
         ``timeout_s`` bounds the whole stream; the default is no deadline. Streams are not
-        retried (the inputs are consumed as they go).
+        retried (the inputs are consumed as they go). ``model``: as for :meth:`embed`, for
+        every input of the stream.
         """
-        for result in self.embed_stream_results(inputs, dtype, layout=layout, timeout_s=timeout_s):
+        results = self.embed_stream_results(
+            inputs, dtype, layout=layout, model=model, timeout_s=timeout_s
+        )
+        for result in results:
             yield result.hidden_states
 
     @overload
@@ -149,6 +183,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[False] = ...,
     ) -> Iterator[EmbedResult]: ...
@@ -160,6 +195,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[True],
     ) -> Iterator[EmbedResult | EmbeddingError]: ...
@@ -170,6 +206,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        model: str | None = None,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
     ) -> Iterator[EmbedResult | EmbeddingError]:
@@ -178,6 +215,7 @@ class EmbeddingClient(ClientBase):
         self._check_open()
         layout = codec.check_layout(layout)
         codec.output_dtype_code(dtype)
+        model_name = self._model(model)
         slots: collections.deque[_Slot] = collections.deque()
         failure: list[BaseException] = []
 
@@ -185,9 +223,7 @@ class EmbeddingClient(ClientBase):
             try:
                 for item in inputs:
                     try:
-                        call = codec.embed_call(
-                            item, dtype, layout, model_name=self._settings.model_name
-                        )
+                        call = codec.embed_call(item, dtype, layout, model_name=model_name)
                     except EmbeddingError as err:
                         slots.append(err)
                         if not return_exceptions:
@@ -251,17 +287,23 @@ class EmbeddingClient(ClientBase):
     # ------------------------------------------------------------------ internals
 
     def _start_embed(
-        self, ids: Any, dtype: Any, layout: str, timeout_s: float | None, request_id: str
+        self,
+        ids: Any,
+        dtype: Any,
+        layout: str,
+        model: str | None,
+        timeout_s: float | None,
+        request_id: str,
     ) -> tuple[codec.EmbedCall, Deadline, bool]:
         """The call encoded, its deadline, and whether to ask for the answer in chunks."""
         self._check_open()
-        call = codec.embed_call(
-            ids, dtype, layout, model_name=self._settings.model_name, request_id=request_id
-        )
+        model_name = self._model(model)
+        call = codec.embed_call(ids, dtype, layout, model_name=model_name, request_id=request_id)
         deadline = self._deadline(timeout_s)
-        if self._needs_d_model():
-            self._fetch_model_info(deadline)
-        return call, deadline, self._wants_chunked(call.output_rows, call.output_itemsize)
+        if self._needs_d_model(model_name):
+            self._fetch_model_info(model_name, deadline)
+        chunked = self._wants_chunked(model_name, call.output_rows, call.output_itemsize)
+        return call, deadline, chunked
 
     def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], bytes]:
         """One Embed attempt with a given timeout: the answer's raw bytes."""
@@ -285,17 +327,18 @@ class EmbeddingClient(ClientBase):
 
         return attempt
 
-    def _fetch_model_info(self, deadline: Deadline) -> ModelInfo:
+    def _fetch_model_info(self, model_name: str, deadline: Deadline) -> ModelInfo:
+        request = pb.GetModelInfoRequest(model_name=model_name)
         info = ModelInfo.from_proto(
             self._with_retries(
                 "GetModelInfo",
                 deadline,
                 lambda t: self._get_model_info(
-                    pb.GetModelInfoRequest(), timeout=t, metadata=self._settings.metadata
+                    request, timeout=t, metadata=self._settings.metadata
                 ),
             )
         )
-        self._d_model = info.d_model
+        self._d_models[model_name] = info.d_model
         return info
 
     def _with_retries(

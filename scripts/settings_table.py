@@ -20,7 +20,8 @@ def settings_table() -> str:
     for spec in fields(Settings):
         flag = "--" + spec.name.replace("_", "-")
         env = ENV_PREFIX + spec.name.upper()
-        default = "unset" if spec.default is None else f"`{shown(spec.default)}`"
+        default = shown(spec.default)
+        default = default if default == "unset" else f"`{default}`"
         meaning = str(spec.metadata["help"]).replace("|", "\\|")
         rows.append(f"| `{flag}` | `{env}` | {default} | {meaning} |")
     return "\n".join(rows) + "\n"

@@ -1,8 +1,9 @@
-"""The server's lifecycle: bind, load, warm, serve, drain.
+"""The server's lifecycle: bind, load, serve, drain.
 
-    start()       bind the gRPC port (health NOT_SERVING) and the metrics port,
-                  then load and warm the model in a thread
-    wait_ready()  health SERVING once the model answers; raises if loading failed
+    start()       bind the gRPC port (health NOT_SERVING) and the metrics port, then load
+                  every model in a thread, one after the other; each model's own health
+                  name is SERVING once it is loaded
+    wait_ready()  the whole server SERVING once every model answers; raises if one failed
     stop()        health NOT_SERVING, refuse new requests (UNAVAILABLE), let the
                   in-flight ones finish within the grace period, close
 
@@ -17,28 +18,27 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from tokembed.export.errors import ModelDirError
-from tokembed.export.model_dir import ModelDir, load_model_dir
-from tokembed.server import inplace_bytes
-from tokembed.server.answer_arrays import AnswerArrays
-from tokembed.server.auth import BearerTokenInterceptor, read_token
+from tokembed.server.core.admission import OutputBudget
+from tokembed.server.core.engine import BatchLimits, Engine
+from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.core.policy import Policy
+from tokembed.server.core.registry import ModelRegistry
+from tokembed.server.core.validation import Limits
 from tokembed.server.default_model import ensure_default_model
-from tokembed.server.errors import ServerConfigError
-from tokembed.server.kept_answers import KeptAnswers
-from tokembed.server.memory import release_free_memory, tune_malloc
+from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
+from tokembed.server.edge.calls import Calls
+from tokembed.server.edge.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
+from tokembed.server.loading import LoadedModel, ModelLoader, load_model
+from tokembed.server.memory import release_free_memory, trim_forever
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
-from tokembed.server.runtime import CPU, EmbeddingRuntime, RuntimeOptions, expects_cpu
-from tokembed.server.service import EmbeddingService
-from tokembed.server.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
-from tokembed.server.serving_state import ServingState
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2
 
@@ -48,86 +48,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DRAIN_QUIET_S = 0.1
 DRAIN_SETTLE_MAX_S = 1.0
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: ModelDir
-    runtime: EmbeddingRuntime
-    warm_up_s: float
-    # What padded positions of ragged answers hold: the padding id's row as the model
-    # computes it, zeros when the model has no padding id.
-    pad_row: np.ndarray
-    # float16 answers come from this [V, D] table when present (see settings).
-    float16_table: np.ndarray | None = None
-    # The float32 table the runtime answers look-ups from (None: onnxruntime answers);
-    # large answers are gathered from it by the service itself (see EmbeddingService).
-    float32_table: np.ndarray | None = None
-
-    @property
-    def float32_table_bytes(self) -> int:
-        return 0 if self.float32_table is None else int(self.float32_table.nbytes)
-
-
-ModelLoader = Callable[[Settings], LoadedModel]
-
-
-def load_model(settings: Settings) -> LoadedModel:
-    """Validate the model directory, open the session, warm it up (blocking)."""
-    directory = settings.model_dir
-    if directory is None:
-        directory = ensure_default_model(settings.default_model_dir)
-    try:
-        model = load_model_dir(directory)
-    except ModelDirError as exc:
-        raise ServerConfigError(f"invalid model directory: {exc}") from exc
-    shape = (model.manifest.vocab_size, model.manifest.d_model)
-    float32_table_fits = settings.float32_table_bytes(*shape) > 0
-    try:
-        runtime = EmbeddingRuntime(
-            model,
-            RuntimeOptions(
-                device=settings.device,
-                intra_op_threads=settings.intra_op_threads,
-                inter_op_threads=settings.inter_op_threads,
-                batch_output_bytes=settings.max_batch_tokens * model.manifest.d_model * 4,
-                # On CPU with the float32 table, onnxruntime only computes the row tables
-                # at load: no arena then, so what it allocates is given back (16-32 MB
-                # stayed resident).
-                cpu_arena=not (float32_table_fits and expects_cpu(settings.device)),
-            ),
-        )
-        started = time.perf_counter()
-        if runtime.provider == CPU and float32_table_fits:
-            # The table's chunked runs warm the session; a full-batch warm-up would make
-            # an arena region resident (2 batches) that no look-up uses afterwards.
-            runtime.keep_float32_table()
-        else:
-            runtime.warm_up()
-        warm_up_s = time.perf_counter() - started
-    except ServerConfigError:
-        raise
-    except Exception as exc:
-        # Fix: onnxruntime can still refuse a directory the checks above accept (external
-        # weights cut short before the manifest was written): say so in one line, not
-        # with a traceback.
-        message = " ".join(str(exc).split())
-        raise ServerConfigError(
-            f"onnxruntime cannot load the model in {directory}: {message}"
-        ) from exc
-    padding_id = model.manifest.padding_idx
-    pad_row = (
-        runtime.run(np.array([padding_id], dtype=np.int64))[0]
-        if padding_id is not None
-        else np.zeros(model.manifest.d_model, dtype=np.float32)
-    )
-    float16_table = None
-    if runtime.provider == CPU and settings.float16_table_bytes(*shape):
-        float16_table = runtime.float16_table()
-    return LoadedModel(
-        model=model, runtime=runtime, warm_up_s=warm_up_s, pad_row=pad_row,
-        float16_table=float16_table, float32_table=runtime.float32_table,
-    )  # fmt: skip
+# Threads for off-loop look-ups and encodes, shared by every model: the large ones are
+# memory-bound copies, so more threads than this only queue behind each other here.
+WORKER_THREADS = 2
 
 
 class TokembedServer:
@@ -141,8 +64,12 @@ class TokembedServer:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.state = ServingState()
-        self.metrics.track_inflight(lambda: self.state.active_requests)
+        self.models = ModelRegistry(settings.default_model)
+        self.calls = Calls(self.metrics)
+        self.metrics.track_inflight(lambda: self.calls.active)
+        self._budget = OutputBudget(settings.max_inflight_output_bytes)
+        self.metrics.inflight_output_bytes.set_function(lambda: float(self._budget.inflight_bytes))
+        self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="tokembed-work")
         self._loader = loader
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -151,18 +78,7 @@ class TokembedServer:
         self._stop_metrics: Callable[[], None] | None = None
         self._loading: asyncio.Task[None] | None = None
         self._trimmer: asyncio.Future[None] | None = None
-        self._kept = KeptAnswers(self.settings.memory_trim_interval_s)
         self._stopped = asyncio.Event()
-
-    @property
-    def spare_bytes(self) -> inplace_bytes.SpareBytes | None:
-        """The bytes kept for the next in-place answer (None: not kept here)."""
-        return self._kept.spare_bytes
-
-    @property
-    def answer_arrays(self) -> AnswerArrays | None:
-        """The arrays kept for EmbedChunked's next answers (None: not kept here)."""
-        return self._kept.answer_arrays
 
     # --- start
 
@@ -193,18 +109,11 @@ class TokembedServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
             ],
         )
-        self._server.add_generic_rpc_handlers(
-            [
-                generic_handler(
-                    EmbeddingServicer(
-                        self.state,
-                        self.metrics,
-                        self._kept.spare_bytes,
-                        self._kept.answer_arrays,
-                    )
-                )
-            ]
-        )
+        servicer = EmbeddingServicer(
+            self.models, self.calls, chunk_bytes=settings.stream_chunk_bytes,
+            max_message_bytes=settings.max_message_bytes,
+        )  # fmt: skip
+        self._server.add_generic_rpc_handlers([generic_handler(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             [
@@ -228,7 +137,7 @@ class TokembedServer:
             f"http://{settings.metrics_host}:{self.metrics_port}/metrics"
             if self.metrics_port is not None else "(disabled)",
         )  # fmt: skip
-        self._loading = asyncio.ensure_future(self._load())
+        self._loading = asyncio.ensure_future(self._load_all())
 
     def _bind(self, server: grpc.aio.Server, settings: Settings) -> int:
         address = f"{settings.host}:{settings.port}"
@@ -246,59 +155,86 @@ class TokembedServer:
             raise ServerConfigError(f"cannot bind the gRPC port at {address}")
         return int(port)
 
-    async def _load(self) -> None:
+    async def _load_all(self) -> None:
         started = time.perf_counter()
-        loaded = await asyncio.get_running_loop().run_in_executor(None, self._loader, self.settings)
-        manifest = loaded.model.manifest
-        service = EmbeddingService(
-            loaded.model, loaded.runtime.run, loaded.runtime.provider, self.settings,
-            observer=self.metrics, to_float16=loaded.runtime.to_float16, pad_row=loaded.pad_row,
-            float16_table=loaded.float16_table, float32_table=loaded.float32_table,
-            # A table gather costs the same per row in one call or many: give each answer
-            # its own rows (see Batcher), freed as soon as it is sent.
-            rows_per_request=loaded.float32_table_bytes > 0,
-        )  # fmt: skip
-        self.metrics.track_queue(lambda: service.batcher.queued_tokens)
-        self.metrics.inflight_output_bytes.set_function(
-            lambda: float(service.admission.inflight_output_bytes)
-        )
-        self.metrics.set_model(
-            ModelLabels(
-                name=manifest.name, version=manifest.version, vocab_size=manifest.vocab_size,
-                d_model=manifest.d_model, dtype=manifest.weight_dtype,
-                execution_provider=loaded.runtime.provider,
-            )
-        )  # fmt: skip
-        self.state.service = service
+        loop = asyncio.get_running_loop()
+        directories = self.settings.model_dir
+        if not directories:
+            default = self.settings.default_model_dir
+            directories = (await loop.run_in_executor(None, ensure_default_model, default),)
+        for directory in directories:
+            loaded = await loop.run_in_executor(None, self._loader, directory, self.settings)
+            engine = self._engine(loaded)
+            self.models.add(engine)
+            self.metrics.add_model(_labels(engine), engine.queued_tokens)
+            await self.health.set(engine.name, SERVING)
+            self._log_loaded(engine, loaded, directory)
+        self.models.loaded()
         release_free_memory()  # what loading allocated and dropped, before serving
         if self.settings.memory_trim_interval_s > 0:
-            self._trimmer = asyncio.ensure_future(self._kept.trim_forever())
-        if self.state.draining:
+            self._trimmer = asyncio.ensure_future(
+                trim_forever(self.settings.memory_trim_interval_s)
+            )
+        if self.models.draining:
             return
         await self._set_health(SERVING)
         self.metrics.ready.set(1)
         settings = self.settings
+        names = [engine.name for engine in self.models]
         logger.info(
-            "serving model %s v%s (V=%d D=%d scale=%g %s, sha256 %s) from %s on %s; "
-            "loaded and warmed in %.2fs; limits: %d tokens and %d output bytes per request, "
-            "batches of %d tokens after at most %.1f ms, %d queued tokens, %d in-flight "
-            "output bytes",
-            manifest.name, manifest.version, manifest.vocab_size, manifest.d_model,
-            manifest.scale, manifest.weight_dtype, loaded.model.model_sha256,
-            loaded.model.path, loaded.runtime.provider, time.perf_counter() - started,
-            settings.max_tokens_per_request, settings.max_output_bytes_per_request,
-            settings.max_batch_tokens, settings.max_delay_ms, settings.max_queued_tokens,
+            "serving model%s %s (default %s), loaded in %.2fs; limits: %d tokens and %d "
+            "output bytes per request, batches of %d tokens after at most %.1f ms, %d queued "
+            "tokens per model, %d in-flight output bytes",
+            "" if len(names) == 1 else "s", ", ".join(names), self.models.default_name,
+            time.perf_counter() - started, settings.max_tokens_per_request,
+            settings.max_output_bytes_per_request, settings.max_batch_tokens,
+            settings.max_delay_ms, settings.max_queued_tokens,
             settings.max_inflight_output_bytes,
         )  # fmt: skip
-        float16_bytes = 0 if loaded.float16_table is None else loaded.float16_table.nbytes
+
+    def _engine(self, loaded: LoadedModel) -> Engine:
+        settings = self.settings
+        manifest = loaded.model.manifest
+        return Engine(
+            loaded.model,
+            loaded.backend,
+            limits=Limits(
+                vocab_size=manifest.vocab_size,
+                d_model=manifest.d_model,
+                max_tokens_per_request=settings.max_tokens_per_request,
+                max_output_bytes_per_request=settings.max_output_bytes_per_request,
+            ),
+            batch=BatchLimits(
+                max_batch_tokens=settings.max_batch_tokens,
+                max_delay_s=settings.max_delay_s,
+                max_concurrent_batches=settings.max_concurrent_batches,
+                max_queued_tokens=settings.max_queued_tokens,
+            ),
+            policy=Policy(
+                batches=loaded.backend.batches,
+                inline_max_tokens=settings.inline_compute_max_tokens,
+            ),
+            budget=self._budget,
+            workers=self._workers,
+            observer=self.metrics,
+        )
+
+    def _log_loaded(self, engine: Engine, loaded: LoadedModel, directory: Path) -> None:
+        manifest = loaded.model.manifest
+        tables = getattr(loaded.backend, "table_bytes", {})
         logger.info(
-            "row tables in memory: float16 %d bytes (float16 answers), float32 %d bytes "
-            "(float32 look-ups); 0: not kept, onnxruntime answers",
-            float16_bytes, loaded.float32_table_bytes,
+            "loaded model %s v%s (V=%d D=%d scale=%g %s, sha256 %s) from %s: %s backend "
+            "on %s%s, in %.2fs",
+            manifest.name, manifest.version, manifest.vocab_size, manifest.d_model,
+            manifest.scale, manifest.weight_dtype, loaded.model.model_sha256, directory,
+            engine.served.backend, engine.served.execution_provider,
+            "".join(f", {dtype} table {size} bytes" for dtype, size in tables.items()),
+            loaded.load_s,
+            extra={"model": manifest.name, "backend": engine.served.backend},
         )  # fmt: skip
 
     async def wait_ready(self) -> None:
-        """Return once SERVING; raise ``ServerConfigError`` if the model failed to load."""
+        """Return once SERVING; raise ``ServerConfigError`` if a model failed to load."""
         if self._loading is None:
             raise RuntimeError("this is a bug: wait_ready() before start()")
         await self._loading
@@ -316,33 +252,33 @@ class TokembedServer:
         grace = self.settings.grace_s if grace_s is None else grace_s
         drain_started = time.monotonic()
         deadline = drain_started + grace
-        self.state.draining = True
+        self.models.draining = True
         self.metrics.ready.set(0)
         await self._set_health(NOT_SERVING)
-        if self.state.service is not None:
-            self.state.service.draining = True
+        for engine in self.models:
+            await self.health.set(engine.name, NOT_SERVING)
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self._trimmer is not None:
             self._trimmer.cancel()
-        finished = await self.state.wait_idle(max(0.0, deadline - time.monotonic()))
+        finished = await self.calls.wait_idle(max(0.0, deadline - time.monotonic()))
         if not finished:
             logger.warning(
                 "grace period of %.1fs over with %d requests in flight; cancelling them",
-                grace, self.state.active_requests,
+                grace, self.calls.active,
             )  # fmt: skip
-        # Fix: calls gRPC has taken in but not yet handed to a handler (the event loop was
+        # Calls gRPC has taken in but not yet handed to a handler (the event loop was
         # busy) are CANCELLED by server.stop() (grpc/grpc#41785), where a drain should
         # answer UNAVAILABLE. Keep refusing until no call has come for DRAIN_QUIET_S since
         # the drain began (at most DRAIN_SETTLE_MAX_S, within the grace), so that few are
         # left waiting inside gRPC when it stops.
         settle_until = min(deadline, time.monotonic() + DRAIN_SETTLE_MAX_S)
-        await self.state.wait_quiet(DRAIN_QUIET_S, drain_started, settle_until)
+        await self.calls.wait_quiet(DRAIN_QUIET_S, drain_started, settle_until)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
-        if self.state.service is not None:
-            await self.state.service.close()
-        self._kept.release()  # the trimmer that let idle ones go is stopped
+        for engine in self.models:
+            await engine.close()
+        self._workers.shutdown(wait=False)
         if self._stop_metrics is not None:
             self._stop_metrics()
         self._stopped.set()
@@ -352,9 +288,17 @@ class TokembedServer:
         await self._stopped.wait()
 
 
+def _labels(engine: Engine) -> ModelLabels:
+    manifest = engine.served.model.manifest
+    return ModelLabels(
+        name=manifest.name, version=manifest.version, vocab_size=manifest.vocab_size,
+        d_model=manifest.d_model, dtype=manifest.weight_dtype,
+        execution_provider=engine.served.execution_provider, backend=engine.served.backend,
+    )  # fmt: skip
+
+
 async def serve(settings: Settings) -> int:
     """``tokembed serve``: run until SIGTERM/SIGINT, then drain and return 0."""
-    tune_malloc(settings.malloc_mmap_threshold_bytes)
     server = TokembedServer(settings)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -30,13 +30,6 @@ def run(args: argparse.Namespace) -> int:
     from tokembed.server.settings import Settings
 
     settings = Settings.from_args(args, os.environ)
-    if settings.malloc_huge_pages and getattr(args, "owns_process", False):
-        from tokembed.server.memory import environ_with_huge_page_malloc, restart_with
-
-        environ = environ_with_huge_page_malloc(os.environ)
-        if environ is not None:
-            restart_with(environ)  # returns only if the restart failed; the restarted
-            # process finds the tunable set and gets None here
     configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:
         from tokembed.server.workers import run_workers

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tokembed.export.manifest import MANIFEST_NAME
-from tokembed.server.errors import ServerConfigError
+from tokembed.server.core.errors import ServerConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ BATCH_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 16384, 32768, 65536, 262144)
 
 # The RPCs of tokembed.v1.EmbeddingService, as they appear in the `method` label, and
-# the gRPC status codes the server answers with (status.py's table, plus OK).
-RPC_METHODS = ("Embed", "EmbedStream", "EmbedChunked", "GetModelInfo")
+# the gRPC status codes the server answers with (edge/status_codes.py's table, plus OK).
+RPC_METHODS = ("Embed", "EmbedStream", "EmbedChunked", "GetModelInfo", "ListModels")
 RPC_CODES = (
     "OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
     "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE",
@@ -108,6 +108,25 @@ class ModelLabels:
     d_model: int
     dtype: str
     execution_provider: str
+    backend: str
+
+
+class _ModelSeries:
+    """The series of one model that every served request or batch updates, looked up
+    once (resolving a labelled series costs more than updating it)."""
+
+    __slots__ = ("batch_requests", "batch_tokens", "batches", "compute", "encode",
+                 "output_bytes", "queue_wait", "tokens")  # fmt: skip
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.queue_wait = metrics.queue_wait.labels(model)
+        self.compute = metrics.compute.labels(model)
+        self.encode = metrics.encode.labels(model)
+        self.batch_requests = metrics.batch_requests.labels(model)
+        self.batch_tokens = metrics.batch_tokens.labels(model)
+        self.batches = metrics.batches.labels(model)
+        self.tokens = metrics.tokens.labels(model)
+        self.output_bytes = metrics.output_bytes.labels(model)
 
 
 class Metrics:
@@ -117,72 +136,66 @@ class Metrics:
         self._pending = PendingUpdates()
         registry.register(self._pending)
         # Resolving a labelled series costs more than updating it: keep them, per
-        # (method, code), as (requests, request_duration).
-        self._rpc_series: dict[tuple[str, str], tuple[CounterSeries, HistogramSeries]] = {}
+        # (method, code, model) as (requests, request_duration), and per model.
+        self._rpc_series: dict[tuple[str, str, str], tuple[CounterSeries, HistogramSeries]] = {}
+        self._model_series: dict[str, _ModelSeries] = {}
         # The series every served request updates: plain numbers (see request_metrics),
         # exposed by one collector, read under the lock their updates are applied under.
         self.requests = CounterFamily(
             "tokembed_requests",
-            "RPCs finished, by method and gRPC status code (EmbedStream: one per request)",
-            ["method", "code"],
+            "RPCs finished, by method, gRPC status code and model (EmbedStream: one per request)",
+            ["method", "code", "model"],
         )
         self.request_duration = HistogramFamily(
             "tokembed_request_duration_seconds",
             "Server time of an RPC, from decoding the request to handing the answer to gRPC",
             LATENCY_BUCKETS_S,
-            ["method"],
+            ["method", "model"],
         )
         self.queue_wait = HistogramFamily(
             "tokembed_queue_wait_seconds",
             "Time a served request waited in the batcher before its batch's look-up started",
             LATENCY_BUCKETS_S,
+            ["model"],
         )
         self.compute = HistogramFamily(
             "tokembed_compute_seconds",
-            "Look-up time of one batch: the onnxruntime run, or the float32 table gather",
+            "Look-up time of one batch: the rows sliced from a table, or an onnxruntime run",
             LATENCY_BUCKETS_S,
+            ["model"],
         )
         self.encode = HistogramFamily(
             "tokembed_encode_seconds",
             "Time to encode one response's bytes (Embed and EmbedStream answers)",
             LATENCY_BUCKETS_S,
+            ["model"],
         )
         self.batch_requests = HistogramFamily(
-            "tokembed_batch_requests", "Requests per batch", BATCH_REQUESTS_BUCKETS
+            "tokembed_batch_requests", "Requests per batch", BATCH_REQUESTS_BUCKETS, ["model"]
         )
         self.batch_tokens = HistogramFamily(
-            "tokembed_batch_tokens", "Tokens per batch", BATCH_TOKENS_BUCKETS
+            "tokembed_batch_tokens", "Tokens per batch", BATCH_TOKENS_BUCKETS, ["model"]
         )
-        self.batches = CounterFamily("tokembed_batches", "Batches computed")
-        self.tokens = CounterFamily("tokembed_tokens", "Tokens embedded")
+        self.batches = CounterFamily("tokembed_batches", "Batches computed", ["model"])
+        self.tokens = CounterFamily("tokembed_tokens", "Tokens embedded", ["model"])
         self.output_bytes = CounterFamily(
-            "tokembed_output_bytes", "Bytes of hidden_states returned"
+            "tokembed_output_bytes", "Bytes of hidden_states returned", ["model"]
         )
         families = (
             self.requests, self.request_duration, self.queue_wait, self.compute,
             self.encode, self.batch_requests, self.batch_tokens, self.batches, self.tokens,
             self.output_bytes,
         )  # fmt: skip
-        for family in families[2:]:
-            family.labels()  # the unlabelled ones: their one series, at 0 from the start
         registry.register(
             RequestMetricsCollector(families, self._pending.lock, self._pending.apply)
         )
-        # The one series of each unlabelled family, looked up once.
-        self._queue_wait = self.queue_wait.labels()
-        self._compute = self.compute.labels()
-        self._encode = self.encode.labels()
-        self._batch_requests = self.batch_requests.labels()
-        self._batch_tokens = self.batch_tokens.labels()
-        self._batches = self.batches.labels()
-        self._tokens = self.tokens.labels()
-        self._output_bytes = self.output_bytes.labels()
         self.inflight = Gauge(
             "tokembed_inflight_requests", "RPCs being served now", registry=registry
         )
         self.queued_tokens = Gauge(
             "tokembed_queued_tokens",
-            "Tokens waiting in the batcher for a batch",
+            "Tokens waiting in a model's batcher for a batch",
+            ["model"],
             registry=registry,
         )
         self.inflight_output_bytes = Gauge(
@@ -198,19 +211,20 @@ class Metrics:
         )
         self.batcher_dropped = Counter(
             "tokembed_batcher_dropped",
-            "Queued requests dropped before compute, by reason",
-            ["reason"],
+            "Queued requests dropped before compute, by model and reason",
+            ["model", "reason"],
             registry=registry,
         )
         self.model_info = Gauge(
             "tokembed_model_info",
-            "The served model (value 1)",
-            ["name", "version", "vocab_size", "d_model", "dtype", "execution_provider"],
+            "A served model (value 1)",
+            ["name", "version", "vocab_size", "d_model", "dtype", "execution_provider",
+             "backend"],
             registry=registry,
-        )
+        )  # fmt: skip
         self.ready = Gauge(
             "tokembed_ready",
-            "1 when the model is loaded and warmed and not draining",
+            "1 when every model is loaded and warmed and the server is not draining",
             registry=registry,
         )
         if process_collector:
@@ -221,25 +235,30 @@ class Metrics:
             GCCollector(registry=registry)
         # Series that exist from the start at 0, so that rate() and increase() count the
         # first events after a (re)start: a series born at 3 shows no increase at all.
-        # (go-grpc-prometheus's InitializeMetrics does the same.)
-        for method in RPC_METHODS:
-            self.request_duration.labels(method)
-            for code in RPC_CODES:
-                self.requests.labels(method, code)
+        # (go-grpc-prometheus's InitializeMetrics does the same.) Those of each model
+        # start when it is added; model "" counts requests that name no served model.
+        self._start_rpc_series("")
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
+
+    def _start_rpc_series(self, model: str) -> None:
+        for method in RPC_METHODS:
+            self.request_duration.labels(method, model)
+            for code in RPC_CODES:
+                self.requests.labels(method, code, model)
 
     # --- the request path: deferred updates (see PendingUpdates)
 
     # One pending update per call, applied later as several series updates: the request
     # path pays one append, whatever the number of series.
 
-    def rpc_done(self, method: str, code: str, duration_s: float) -> None:
-        self._pending.add(self._apply_rpc_done, (method, code, duration_s))
+    def rpc_done(self, method: str, model: str, code: str, duration_s: float) -> None:
+        self._pending.add(self._apply_rpc_done, (method, code, model, duration_s))
 
     def served(
         self,
         method: str,
+        model: str,
         duration_s: float,
         tokens: int,
         output_bytes: int,
@@ -249,52 +268,64 @@ class Metrics:
         """An RPC (or one EmbedStream answer) served OK: its count and duration, what it
         answered, and how long its encode took (None: not encoded as one message)."""
         self._pending.add(
-            self._apply_served, (method, duration_s, tokens, output_bytes, queue_s, encode_s)
+            self._apply_served,
+            (method, model, duration_s, tokens, output_bytes, queue_s, encode_s),
         )
 
     def rejected(self, reason: str) -> None:
         self._pending.add(self.rejections.labels(reason=reason).inc, 1)
 
-    # --- the batcher's observer
+    # --- the engines' observer
 
-    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
-        self._pending.add(self._apply_batch_done, (requests, tokens, compute_s))
+    def batch_done(self, model: str, requests: int, tokens: int, compute_s: float) -> None:
+        self._pending.add(self._apply_batch_done, (model, requests, tokens, compute_s))
+
+    def dropped(self, model: str, reason: str) -> None:
+        # Rejections are counted once, at the RPC edge; this counts the look-ups saved.
+        self.batcher_dropped.labels(model=model, reason=reason).inc()
 
     # --- applied by PendingUpdates.apply, under its lock
 
-    def _apply_rpc_done(self, update: tuple[str, str, float]) -> None:
-        method, code, duration_s = update
-        series = self._rpc_series.get((method, code))
+    def _apply_rpc_done(self, update: tuple[str, str, str, float]) -> None:
+        method, code, model, duration_s = update
+        series = self._rpc_series.get((method, code, model))
         if series is None:
-            series = (self.requests.labels(method, code), self.request_duration.labels(method))
-            self._rpc_series[(method, code)] = series
+            series = (
+                self.requests.labels(method, code, model),
+                self.request_duration.labels(method, model),
+            )
+            self._rpc_series[(method, code, model)] = series
         series[0].inc(1)
         series[1].observe(duration_s)
 
-    def _apply_served(self, update: tuple[str, float, int, int, float, float | None]) -> None:
-        method, duration_s, tokens, output_bytes, queue_s, encode_s = update
-        self._apply_rpc_done((method, "OK", duration_s))
-        self._tokens.inc(tokens)
-        self._output_bytes.inc(output_bytes)
-        self._queue_wait.observe(queue_s)
+    def _apply_served(self, update: tuple[str, str, float, int, int, float, float | None]) -> None:
+        method, model, duration_s, tokens, output_bytes, queue_s, encode_s = update
+        self._apply_rpc_done((method, "OK", model, duration_s))
+        series = self._series(model)
+        series.tokens.inc(tokens)
+        series.output_bytes.inc(output_bytes)
+        series.queue_wait.observe(queue_s)
         if encode_s is not None:
-            self._encode.observe(encode_s)
+            series.encode.observe(encode_s)
 
-    def _apply_batch_done(self, update: tuple[int, int, float]) -> None:
-        requests, tokens, compute_s = update
-        self._batches.inc(1)
-        self._batch_requests.observe(requests)
-        self._batch_tokens.observe(tokens)
-        self._compute.observe(compute_s)
+    def _apply_batch_done(self, update: tuple[str, int, int, float]) -> None:
+        model, requests, tokens, compute_s = update
+        series = self._series(model)
+        series.batches.inc(1)
+        series.batch_requests.observe(requests)
+        series.batch_tokens.observe(tokens)
+        series.compute.observe(compute_s)
 
-    def dropped(self, reason: str) -> None:
-        # Rejections are counted once, at the RPC edge; this counts the look-ups saved.
-        self.batcher_dropped.labels(reason=reason).inc()
+    def _series(self, model: str) -> _ModelSeries:
+        series = self._model_series.get(model)
+        if series is None:
+            series = self._model_series[model] = _ModelSeries(self, model)
+        return series
 
     # --- wiring
 
-    def set_model(self, labels: ModelLabels) -> None:
-        self.model_info.clear()
+    def add_model(self, labels: ModelLabels, queued_tokens: Callable[[], int]) -> None:
+        """A model is served: its info series, its queue gauge, its series at 0."""
         self.model_info.labels(
             name=labels.name,
             version=labels.version,
@@ -302,10 +333,13 @@ class Metrics:
             d_model=str(labels.d_model),
             dtype=labels.dtype,
             execution_provider=labels.execution_provider,
+            backend=labels.backend,
         ).set(1)
-
-    def track_queue(self, queued_tokens: Callable[[], int]) -> None:
-        self.queued_tokens.set_function(lambda: float(queued_tokens()))
+        self.queued_tokens.labels(model=labels.name).set_function(lambda: float(queued_tokens()))
+        # Under the lock: a scrape may be reading the families meanwhile.
+        with self._pending.lock:
+            self._start_rpc_series(labels.name)
+            self._series(labels.name)
 
     def track_inflight(self, active_requests: Callable[[], int]) -> None:
         # Read at scrape time: no update at all on the request path.

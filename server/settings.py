@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tokembed.server.errors import ServerConfigError
+from tokembed.server.core.errors import ServerConfigError
 
 ENV_PREFIX = "TOKEMBED_"
 MiB = 1024 * 1024
@@ -29,10 +29,17 @@ def _setting(default: Any, help: str, **extra: Any) -> Any:
 @dataclass(frozen=True)
 class Settings:
     # --- model
-    model_dir: Path | None = _setting(
+    model_dir: tuple[Path, ...] = _setting(
+        (),
+        "model directory to serve (model.onnx + manifest.json), each under its manifest's "
+        "name; give the flag once per model (the variable: paths separated by commas). "
+        "Unset: the built-in default model (V=32000, D=512, seed 0) in default_model_dir, "
+        "created there on first start",
+        many=True,
+    )
+    default_model: str | None = _setting(
         None,
-        "model directory to serve (model.onnx + manifest.json). Unset: the built-in default "
-        "model (V=32000, D=512, seed 0) in default_model_dir, exported there on first start",
+        "name of the model that answers requests naming none (default: the first model_dir)",
     )
     default_model_dir: Path = _setting(
         Path("models/default"),
@@ -64,8 +71,9 @@ class Settings:
     max_concurrent_batches: int = _setting(1, "batches computing at the same time")
     inline_compute_max_tokens: int = _setting(
         256,
-        "batches up to this many tokens are looked up on the event loop itself: a tiny "
-        "look-up (~10 us) costs less than the hop to a worker thread (0: always off-loop)",
+        "look-ups (and batches) of up to this many tokens, under 1 MiB of answer, run on "
+        "the event loop itself: a tiny look-up (~10 us) costs less than the hop to a worker "
+        "thread (0: always off-loop)",
     )
     # --- limits and admission
     max_tokens_per_request: int = _setting(65536, "tokens one request may carry")
@@ -79,36 +87,21 @@ class Settings:
         1024 * MiB, "output bytes of all admitted, unfinished requests; past it RESOURCE_EXHAUSTED"
     )
     stream_chunk_bytes: int = _setting(MiB, "slice size of EmbedChunked answers")
-    float16_table_max_bytes: int = _setting(
-        512 * MiB,
-        "on CPU, keep a float16 copy of the scaled table (V x D x 2 bytes) for float16 "
-        "answers if it is at most this big; 0 disables it",
-    )
     float32_table_max_bytes: int = _setting(
         512 * MiB,
-        "on CPU, keep a float32 copy of the scaled table (V x D x 4 bytes) and answer "
-        "float32 look-ups from it instead of an onnxruntime run, if it is at most this "
-        "big; 0 disables it",
+        "on CPU, serve a model from a table of its rows (V x D x 4 bytes, computed by the "
+        "model at load: the table backend) if it is at most this big; else, and on CUDA, "
+        "the model runs for every batch (the onnxruntime backend); 0: never a table",
+    )
+    float16_table_max_bytes: int = _setting(
+        512 * MiB,
+        "with the table backend, keep a float16 table too (V x D x 2 bytes) for float16 "
+        "answers if it is at most this big; else they are cast from the float32 rows",
     )
     memory_trim_interval_s: float = _setting(
         1.0,
         "hand free heap memory back to the OS this often, so resident memory follows what "
-        "is live rather than the highest peak seen; the bytes of the latest large answer, "
-        "kept to be filled again by the next one of its size, are let go then too if "
-        "unused (0: never, and no bytes are kept)",
-    )
-    malloc_mmap_threshold_bytes: int = _setting(
-        0,
-        "if > 0, glibc malloc serves blocks below this from its heap and reuses freed ones "
-        "instead of fresh zero-filled pages: large unary answers ~25% faster, but freed blocks "
-        "stay resident until the next heap trim (in the bench, 1-2 cells of 87 went 2-3% over "
-        "the RSS bound) (0: glibc's default)",
-    )
-    malloc_huge_pages: bool = _setting(
-        True,
-        "glibc only: restart once at start with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so "
-        "large blocks (encoded answers, gRPC's copies) fault in 2 MiB pages, not 4 KiB: "
-        "large unary answers cost ~40% less server CPU (no-op if GLIBC_TUNABLES sets it)",
+        "is live rather than the highest peak seen (0: never)",
     )
     # --- lifecycle and logs
     max_connection_age_s: float = _setting(
@@ -164,6 +157,14 @@ class Settings:
         """
         return self.max_tokens_per_request * (8 + 10) + MiB
 
+    def __post_init__(self) -> None:
+        # One directory may be given as it is (Settings(model_dir=path), as tests and
+        # embedders write it): it is a tuple of one.
+        if isinstance(self.model_dir, (str, os.PathLike)):
+            object.__setattr__(self, "model_dir", (Path(self.model_dir),))
+        else:
+            object.__setattr__(self, "model_dir", tuple(Path(d) for d in self.model_dir))
+
     def validate(self) -> Settings:
         positive = (
             "max_batch_tokens",
@@ -184,7 +185,6 @@ class Settings:
             "intra_op_threads",
             "inter_op_threads",
             "inline_compute_max_tokens",
-            "malloc_mmap_threshold_bytes",
             "float16_table_max_bytes",
             "float32_table_max_bytes",
             "max_connection_age_s",
@@ -209,6 +209,8 @@ class Settings:
             raise ServerConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.workers > 1 and self.port == 0:
             raise ServerConfigError("workers > 1 needs a fixed port to share")
+        if self.default_model is not None and not self.default_model:
+            raise ServerConfigError("default_model must be a model's name, got ''")
         return self
 
     def replace(self, **changes: Any) -> Settings:
@@ -227,8 +229,9 @@ class Settings:
                 dest=spec.name,
                 type=kind,
                 default=None,
+                action="append" if spec.metadata.get("many") else "store",
                 choices=spec.metadata.get("choices"),
-                metavar=spec.name.upper() if kind is not parse_bool else "{on,off}",
+                metavar=spec.name.upper(),
                 # argparse formats help with %: a literal percent sign must be doubled.
                 help=f"{spec.metadata['help']} [env {env}; default {shown(spec.default)}]".replace(
                     "%", "%%"
@@ -244,10 +247,13 @@ class Settings:
                 raw = environ.get(ENV_PREFIX + spec.name.upper())
                 if raw is None or raw == "":
                     continue
-                given = _parse_env(
-                    spec.name, raw, _value_type(spec.type), spec.metadata.get("choices")
-                )
-            values[spec.name] = given
+                kind, choices = _value_type(spec.type), spec.metadata.get("choices")
+                if spec.metadata.get("many"):
+                    given = [_parse_env(spec.name, part.strip(), kind, choices)
+                             for part in raw.split(",") if part.strip()]  # fmt: skip
+                else:
+                    given = _parse_env(spec.name, raw, kind, choices)
+            values[spec.name] = tuple(given) if spec.metadata.get("many") else given
         return cls(**values).validate()
 
     @classmethod
@@ -262,26 +268,10 @@ class Settings:
 
 
 def shown(default: Any) -> str:
-    """A default as the flags take it (yes/no settings as on/off)."""
-    if isinstance(default, bool):
-        return "on" if default else "off"
+    """A default as the flags take it (nothing given as "unset")."""
+    if default is None or default == ():
+        return "unset"
     return str(default)
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def parse_bool(raw: str) -> bool:
-    """A yes/no setting, from a flag or a variable (argparse's ``type=bool`` would take
-    "false" as True)."""
-    text = raw.strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    # ArgumentTypeError: argparse then prints this message, not "invalid parse_bool value".
-    raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
 
 
 def _value_type(annotation: object) -> Any:
@@ -292,8 +282,6 @@ def _value_type(annotation: object) -> Any:
         return int
     if text.startswith("float"):
         return float
-    if text.startswith("bool"):
-        return parse_bool
     return str
 
 
@@ -301,9 +289,8 @@ def _parse_env(name: str, raw: str, kind: Any, choices: Sequence[str] | None) ->
     env = ENV_PREFIX + name.upper()
     try:
         value = kind(raw)
-    except (ValueError, argparse.ArgumentTypeError):
-        kind_name = "yes/no value" if kind is parse_bool else kind.__name__
-        raise ServerConfigError(f"{env}={raw!r} is not a valid {kind_name}") from None
+    except ValueError:
+        raise ServerConfigError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
     if choices is not None and value not in choices:
         raise ServerConfigError(f"{env}={raw!r} is not one of {list(choices)}")
     return value

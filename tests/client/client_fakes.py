@@ -3,8 +3,9 @@
 The fake stands in for the real server only because the real one (server/) is being
 written at the same time; end-to-end tests against the real server live in tests/e2e/.
 It implements the protocol as the proto documents it (unary, stream, chunked, model
-info, ragged layouts, float16) with a table that makes every value checkable:
-E[id]*scale is replaced by ``row(id) = id * D + arange(D)`` (distinct for every id).
+info, ListModels, ragged layouts, float16, several models chosen by ``model_name``) with
+a table that makes every value checkable: E[id]*scale is replaced by
+``row(id) = id * D + arange(D)`` (distinct for every id, and D differs between models).
 
 Each test scripts failures by pushing actions onto ``FakeService.script``; every call is
 recorded (method, request, metadata, arrival time, deadline left) in ``FakeService.calls``.
@@ -69,7 +70,9 @@ class Call:
 
 @dataclass
 class FakeService(pb_grpc.EmbeddingServiceServicer):
-    d_model: int = D
+    d_model: int = D  # the default model's (FAKE_NAME's)
+    # Models served beside the default one, name -> D; requests name them in model_name.
+    more_models: dict[str, int] = field(default_factory=dict)
     chunk_bytes: int = 1000
     required_token: str | None = None
     script: list[Any] = field(default_factory=list)
@@ -81,6 +84,22 @@ class FakeService(pb_grpc.EmbeddingServiceServicer):
     # ---------------------------------------------------------------- helpers
     def count(self, method: str) -> int:
         return sum(1 for c in self.calls if c.method == method)
+
+    def served(self) -> dict[str, int]:
+        """Every model served, name -> D, the default first."""
+        return {FAKE_NAME: self.d_model, **self.more_models}
+
+    def resolve(self, name: str) -> tuple[str, int] | Abort:
+        """The model a request names ("": the default) and its D, or the NOT_FOUND."""
+        served = self.served()
+        name = name or FAKE_NAME
+        if name not in served:
+            return Abort(
+                grpc.StatusCode.NOT_FOUND,
+                "not_found",
+                f"model {name!r} is not served here (this server serves {sorted(served)})",
+            )
+        return name, served[name]
 
     def _enter(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
         metadata = {k: v for k, v in context.invocation_metadata()}
@@ -103,18 +122,21 @@ class FakeService(pb_grpc.EmbeddingServiceServicer):
         return action
 
     def answer(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        model = self.resolve(request.model_name)
+        assert not isinstance(model, Abort), "checked before answering"
+        name, d = model
         ids = np.frombuffer(request.input_ids.data, _NP[request.input_ids.dtype])
         out_dtype = np.float16 if request.output_dtype == pb.DTYPE_FLOAT16 else np.float32
         lengths = list(request.lengths)
         if not lengths:
-            hs = rows(ids.reshape(tuple(request.input_ids.shape)), self.d_model, out_dtype)
+            hs = rows(ids.reshape(tuple(request.input_ids.shape)), d, out_dtype)
         elif request.ragged_layout == pb.RAGGED_LAYOUT_FLAT:
-            hs = rows(ids, self.d_model, out_dtype)
+            hs = rows(ids, d, out_dtype)
         else:
-            hs = np.zeros((len(lengths), max(lengths), self.d_model), out_dtype)
+            hs = np.zeros((len(lengths), max(lengths), d), out_dtype)
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
-                hs[b, :n] = rows(ids[s : s + n], self.d_model, out_dtype)
+                hs[b, :n] = rows(ids[s : s + n], d, out_dtype)
         response = pb.EmbedResponse(
             hidden_states=pb.Tensor(
                 dtype=pb.DTYPE_FLOAT16 if out_dtype == np.float16 else pb.DTYPE_FLOAT32,
@@ -129,15 +151,16 @@ class FakeService(pb_grpc.EmbeddingServiceServicer):
                 batch_requests=1,
                 batch_tokens=ids.size,
             ),
-            model_name=FAKE_NAME,
+            model_name=name,
             model_version=FAKE_VERSION,
             request_id=request.request_id,
         )
         return self.mutate(response) if self.mutate else response
 
     def _check(self, request: pb.EmbedRequest) -> Abort | None:
-        if request.model_name and request.model_name != FAKE_NAME:
-            return Abort(grpc.StatusCode.NOT_FOUND, "not_found", f"no model {request.model_name}")
+        model = self.resolve(request.model_name)
+        if isinstance(model, Abort):
+            return model
         ids = np.frombuffer(request.input_ids.data, _NP[request.input_ids.dtype])
         if ids.size and ids.min() < 0:
             return Abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", "negative id")
@@ -194,11 +217,27 @@ class FakeService(pb_grpc.EmbeddingServiceServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext
     ) -> pb.ModelInfo:
         self._enter("GetModelInfo", request, context)
+        model = self.resolve(request.model_name)
+        if isinstance(model, Abort):
+            _abort(context, model)
+        assert not isinstance(model, Abort)
+        return self.model_info(*model)
+
+    def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.ServicerContext
+    ) -> pb.ListModelsResponse:
+        _act(context, self._enter("ListModels", request, context))
+        return pb.ListModelsResponse(
+            models=[self.model_info(name, d) for name, d in self.served().items()],
+            default_model=FAKE_NAME,
+        )
+
+    def model_info(self, name: str, d_model: int) -> pb.ModelInfo:
         return pb.ModelInfo(
-            name=FAKE_NAME,
+            name=name,
             version=FAKE_VERSION,
             vocab_size=32000,
-            d_model=self.d_model,
+            d_model=d_model,
             scale=1.0,
             padding_id=0,
             weight_dtype="float32",
@@ -213,6 +252,7 @@ class FakeService(pb_grpc.EmbeddingServiceServicer):
                 max_delay_seconds=0.002,
             ),
             model_sha256="ab" * 32,
+            backend="table" if name == FAKE_NAME else "onnxruntime",
         )
 
 

@@ -119,7 +119,7 @@ def test_a_bad_request_among_good_ones_fails_alone(
     small_model_dir: Path, start_server: Any
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
     good = [np.array([[i, i + 1, i + 2]]) for i in range(0, 60, 3)]
 
     async def scenario() -> tuple[list[Any], BaseException | None]:
@@ -142,15 +142,15 @@ def test_a_bad_request_among_good_ones_fails_alone(
     assert error is not None and "-1" in str(error)
     for ids, got in zip(good, results, strict=True):
         np.testing.assert_array_equal(got, SMALL_ROWS[ids])
-    assert loader.runtime is not None
-    assert all(np.all(call >= 0) for call in loader.runtime.calls)  # -1 never reached compute
+    assert loader.backend is not None
+    assert all(np.all(call >= 0) for call in loader.backend.calls)  # -1 never reached compute
 
 
 def test_cancelled_and_expired_requests_disturb_nobody(
     small_model_dir: Path, start_server: Any
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
 
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, retries=0) as client:
@@ -171,8 +171,8 @@ def test_cancelled_and_expired_requests_disturb_nobody(
     results = asyncio.run(scenario())
     for index, got in enumerate(results):
         np.testing.assert_array_equal(got, SMALL_ROWS[[[1 if index == 0 else index + 1]]])
-    assert loader.runtime is not None
-    computed = np.concatenate([call.ravel() for call in loader.runtime.calls])
+    assert loader.backend is not None
+    computed = np.concatenate([call.ravel() for call in loader.backend.calls])
     assert 888 not in computed and 777 not in computed  # dropped before compute
     assert wait_for(
         lambda: server.metric("tokembed_batcher_dropped_total", {"reason": "cancelled"}) == 1, 5
@@ -211,9 +211,9 @@ def test_a_look_up_failure_fails_its_batch_with_internal_and_the_server_goes_on(
     small_model_dir: Path, start_server: Any
 ) -> None:
     loader = GatedLoader()
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
-    assert loader.runtime is not None
-    loader.runtime.fail_next = True
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    assert loader.backend is not None
+    loader.backend.fail_next = True
     with EmbeddingClient(server.target, retries=0) as client:
         with pytest.raises(Exception) as failed:
             client.embed([[1, 2]])
@@ -250,7 +250,7 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
 ) -> None:
     """A chunked answer computed in a batch with others is correct and independent."""
     loader = GatedLoader(open_look_ups=False)
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
 
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, chunked_threshold_bytes=1) as client:

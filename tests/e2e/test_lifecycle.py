@@ -54,7 +54,7 @@ def test_health_walks_not_serving_serving_not_serving_while_draining(
     with EmbeddingClient(server.target, retries=0) as client:
         held = threading.Thread(target=lambda: results.append(client.embed([[3, 4]])))
         held.start()
-        assert loader.runtime is not None and loader.runtime.entered.wait(10)
+        assert loader.backend is not None and loader.backend.entered.wait(10)
         stopping = server.submit(server.server.stop(10))
         assert wait_for(lambda: _health(server.target) == NOT_SERVING, 5)
         with pytest.raises(UnavailableError):

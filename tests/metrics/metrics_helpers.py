@@ -1,5 +1,5 @@
 """Helpers of the metrics tests: requests through the plain generated stubs, a valve that
-holds the runtime's look-ups so a test can fill the queue behind a batch, and a reader
+holds the backend's look-ups so a test can fill the queue behind a batch, and a reader
 for the Prometheus text format.
 
 The tests talk to the server with the raw stubs any gRPC client has, so what they count
@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokembed.server.app import LoadedModel, ModelLoader, load_model
+from tokembed.server.backends.base import Backend, Rows
+from tokembed.server.core.types import TokenIds
+from tokembed.server.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
@@ -101,34 +104,41 @@ class Valve:
                 raise RuntimeError("the valve was left closed for 30 s")
 
 
-class ValvedRuntime:
-    """The real runtime with a valve in front of ``run``; everything else passes through."""
+class ValvedBackend(Backend):
+    """The real backend with a valve in front of its look-ups."""
 
-    def __init__(self, runtime: Any, valve: Valve) -> None:
-        self._runtime = runtime
+    def __init__(self, inner: Backend, valve: Valve) -> None:
+        self._inner = inner
         self._valve = valve
+        self.kind = inner.kind
+        self.execution_provider = inner.execution_provider
+        self.d_model = inner.d_model
+        self.batches = inner.batches
 
-    def run(self, ids: np.ndarray) -> np.ndarray:
+    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
         self._valve.pass_through()
-        result: np.ndarray = self._runtime.run(ids)
-        return result
+        return self._inner.look_up(ids, dtype)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runtime, name)
+    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+        self._valve.pass_through()
+        return self._inner.look_up_batch(requests)
+
+    def pad_row(self, dtype: np.dtype) -> bytes:
+        return self._inner.pad_row(dtype)
 
 
 def valved_loader(valve: Valve) -> ModelLoader:
-    """``app.load_model`` (validate, open, warm up), then the valve in front of the runtime."""
+    """``load_model`` (validate, choose the backend, load), then the valve in front of it."""
 
-    def load(settings: Settings) -> LoadedModel:
-        loaded = load_model(settings)
-        runtime: Any = ValvedRuntime(loaded.runtime, valve)
-        return dataclasses.replace(loaded, runtime=runtime)
+    def load(directory: Path, settings: Settings) -> LoadedModel:
+        loaded = load_model(directory, settings)
+        return dataclasses.replace(loaded, backend=ValvedBackend(loaded.backend, valve))
 
     return load
 
 
-# Settings for a server whose batches go through the valve: every look-up leaves the event
-# loop (a look-up inline on the loop, as small ones are by default, would hold the loop
-# itself while the valve is closed).
-VALVED = {"inline_compute_max_tokens": 0}
+# Settings for a server whose batches go through the valve: the onnxruntime backend, which
+# batches (so requests queue behind a held batch), and every look-up off the event loop
+# (a look-up inline on the loop, as small ones are by default, would hold the loop itself
+# while the valve is closed).
+VALVED = {"inline_compute_max_tokens": 0, "float32_table_max_bytes": 0}

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.server.metrics import REJECTION_REASONS, RPC_CODES, RPC_METHODS, Metrics
-from tokembed.server.status import STATUS_BY_ERROR
+from tokembed.server.edge.status_codes import STATUS_BY_ERROR
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.server import ServerThread

@@ -1,27 +1,33 @@
-"""A loader whose runtime fails any look-up that contains a chosen id (the "poison").
+"""A loader whose backend fails any look-up that contains a chosen id (the "poison").
 
-The real onnxruntime runtime, behind the shared gate (support.gates), so a test can line
-several requests up into one batch, then make exactly that batch fail.
+The real backend behind the shared gate (support.gates), so a test can line several
+requests up into one batch (with the onnxruntime backend, which batches), then make
+exactly that batch fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.backends.base import Rows
+from tokembed.server.core.types import TokenIds
+from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
-from support.gates import GatedRuntime
+from support.gates import GatedBackend
 
 
-class PoisonRuntime(GatedRuntime):
+class PoisonBackend(GatedBackend):
     poison: int | None = None
 
-    def run(self, ids: np.ndarray) -> np.ndarray:
-        rows = super().run(ids)  # recorded, and held at the gate
-        if self.poison is not None and bool(np.any(ids == self.poison)):
+    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+        rows = super().look_up_batch(requests)  # recorded, and held at the gate
+        if self.poison is not None and any(self.poison in ids.values() for ids, _ in requests):
             raise RuntimeError(f"injected onnxruntime failure (batch holds id {self.poison})")
         return rows
 
@@ -30,15 +36,9 @@ class PoisonLoader:
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.gate.set()
-        self.runtime: PoisonRuntime | None = None
+        self.backend: PoisonBackend | None = None
 
-    def __call__(self, settings: Settings) -> LoadedModel:
-        loaded = load_model(settings)
-        self.runtime = PoisonRuntime(loaded.runtime, self.gate)
-        return LoadedModel(
-            model=loaded.model,
-            runtime=self.runtime,  # type: ignore[arg-type]
-            warm_up_s=loaded.warm_up_s,
-            pad_row=loaded.pad_row,
-            float16_table=loaded.float16_table,
-        )
+    def __call__(self, directory: Path, settings: Settings) -> LoadedModel:
+        loaded = load_model(directory, settings)
+        self.backend = PoisonBackend(loaded.backend, self.gate)
+        return dataclasses.replace(loaded, backend=self.backend)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from tokembed.server import wire
+from tokembed.server.edge import responses
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
@@ -147,7 +147,7 @@ def unknown_field(rng: random.Random) -> bytes:
 
 def varint(value: int) -> bytes:
     """Protobuf's varint of ``value``; negative values as their 64-bit two's complement."""
-    return wire.varint(value & ((1 << 64) - 1))
+    return responses.varint(value & ((1 << 64) - 1))
 
 
 # --- the server process's memory, from /proc

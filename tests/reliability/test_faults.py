@@ -285,7 +285,7 @@ def test_a_stream_left_with_more_requests_than_its_window_leaves_nothing_behind(
     """A caller sends more requests than the stream works ahead on (STREAM_WINDOW), reads
     one answer and leaves: the answers waiting in the server are dropped with their room,
     and no server task is left waiting on the abandoned stream."""
-    from tokembed.server.servicer import STREAM_WINDOW
+    from tokembed.server.edge.servicer import STREAM_WINDOW
 
     server = start_server(small_model_dir)
     raw = encode(np.arange(4096, dtype=np.int64).reshape(1, 4096) % 1000)  # 1 MiB answers
@@ -316,11 +316,11 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
     small_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> None:
     loader = PoisonLoader()
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
-    runtime = loader.runtime
-    assert runtime is not None
+    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    backend = loader.backend
+    assert backend is not None
     poison = 999
-    runtime.poison = poison
+    backend.poison = poison
     mates = [np.array([[10 + i, 20 + i]]) for i in range(5)]
     mates[2] = np.array([[12, poison]])  # one caller's ids make the look-up fail
 
@@ -328,9 +328,9 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
         async with grpc.aio.insecure_channel(server.target) as channel:
             embed = channel.unary_unary(EMBED)
             loader.gate.clear()
-            runtime.entered.clear()
+            backend.entered.clear()
             blocker = asyncio.ensure_future(embed(encode(np.array([[1]])), timeout=30))
-            await asyncio.get_running_loop().run_in_executor(None, runtime.entered.wait, 10)
+            await asyncio.get_running_loop().run_in_executor(None, backend.entered.wait, 10)
             # The runtime is busy: these five queue up, and go as one batch next.
             batch = [asyncio.ensure_future(embed(encode(ids), timeout=30)) for ids in mates]
             assert await asyncio.get_running_loop().run_in_executor(
@@ -351,7 +351,7 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
     assert [e.code() for e in failed] == [grpc.StatusCode.INTERNAL] * 5
     assert all(reason_of(e) == "internal" for e in failed)
     # They really were one batch: one look-up of all ten ids, in arrival order.
-    computed = [call.tolist() for call in runtime.calls]
+    computed = [call.tolist() for call in backend.calls]
     assert computed[1] == np.concatenate([ids.ravel() for ids in mates]).tolist()
     for ids, raw in zip(AFTER, after, strict=True):
         np.testing.assert_array_equal(decode_response(raw), SMALL_ROWS[np.array(ids)])

@@ -253,7 +253,7 @@ def test_the_token_is_compared_in_constant_time(
         compared.append((bytes(a), bytes(b)))
         return real(a, b)
 
-    monkeypatch.setattr("tokembed.server.auth.hmac.compare_digest", spy)
+    monkeypatch.setattr("tokembed.server.edge.auth.hmac.compare_digest", spy)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     server = start_server(small_model_dir, auth_token_file=token_file)

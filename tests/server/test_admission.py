@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokembed.server.admission import Admission
-from tokembed.server.errors import Overloaded
+from tokembed.server.core.admission import Admission, OutputBudget
+from tokembed.server.core.errors import Overloaded
 
 
 class Queue:
@@ -15,10 +15,16 @@ class Queue:
         self.tokens = 0
 
 
-def admission(queue: Queue, *, max_queued_tokens: int = 100, max_bytes: int = 1000) -> Admission:
+def admission(
+    queue: Queue,
+    *,
+    max_queued_tokens: int = 100,
+    max_bytes: int = 1000,
+    budget: OutputBudget | None = None,
+) -> Admission:
     return Admission(
+        budget if budget is not None else OutputBudget(max_bytes),
         max_queued_tokens=max_queued_tokens,
-        max_inflight_output_bytes=max_bytes,
         queued_tokens=lambda: queue.tokens,
     )
 
@@ -84,3 +90,20 @@ def test_one_request_alone_is_admitted_even_over_the_queued_token_limit() -> Non
     queue.tokens = 1
     with pytest.raises(Overloaded):
         gate.admit(500, 1)
+
+
+def test_models_share_the_process_s_output_budget_but_not_their_queues() -> None:
+    budget = OutputBudget(1000)
+    encoder_queue, decoder_queue = Queue(), Queue()
+    encoder = admission(encoder_queue, budget=budget, max_queued_tokens=10)
+    decoder = admission(decoder_queue, budget=budget, max_queued_tokens=10)
+    held = encoder.admit(1, 700)
+    with pytest.raises(Overloaded, match="700 output bytes in flight"):
+        decoder.admit(1, 400)  # the other model's answers count too
+    decoder.admit(1, 300).release()
+    encoder_queue.tokens = 10  # the encoder's queue is full; the decoder's is not
+    with pytest.raises(Overloaded, match="10 tokens queued"):
+        encoder.admit(1, 1)
+    decoder.admit(5, 1).release()
+    held.release()
+    assert budget.inflight_bytes == 0

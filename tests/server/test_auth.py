@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokembed.server.status import REASON_METADATA_KEY
+from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 

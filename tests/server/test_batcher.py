@@ -1,7 +1,9 @@
 """The dynamic batcher with a fake compute whose output rows reveal their ids.
 
-The fake compute maps ids -> rows where every value of row i equals ids[i], so a
-request's rows prove that it got exactly its own ids back, in order. It can block on
+Each request's item is its ids; the fake compute concatenates a batch's ids (as the
+onnxruntime backend does) and maps them to rows where every value of row i equals
+ids[i], then slices them back, so a request's rows prove that it got exactly its own
+ids back, in order. It can block on
 a ``threading.Event`` (a busy runtime) and it records every id array it sees, so a
 test can prove what was (and was not) computed, and in which batches.
 """
@@ -21,8 +23,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from tokembed.server.batcher import Batcher, BatchResult
-from tokembed.server.errors import DeadlineExceeded, Internal, Unavailable
+from tokembed.server.core.batcher import Batcher, BatchResult
+from tokembed.server.core.errors import DeadlineExceeded, Internal, Unavailable
 
 T = TypeVar("T")
 D = 4
@@ -36,6 +38,28 @@ def rows_of(ids: np.ndarray) -> np.ndarray:
 
 def ids(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int64)
+
+
+def item(*values: int) -> tuple[np.ndarray, int]:
+    """A request's item and its token count, as ``submit`` takes them."""
+    return ids(*values), len(values)
+
+
+def sized(request: np.ndarray) -> tuple[np.ndarray, int]:
+    return request, int(request.size)
+
+
+def sliced(
+    compute: Callable[[np.ndarray], np.ndarray],
+) -> Callable[[list[np.ndarray]], list[np.ndarray]]:
+    """A compute over a batch of id arrays: one call for all, rows sliced back."""
+
+    def batch(items: list[np.ndarray]) -> list[np.ndarray]:
+        rows = compute(np.concatenate(items))
+        bounds = np.cumsum([len(i) for i in items])[:-1]
+        return list(np.split(rows, bounds))
+
+    return batch
 
 
 class FakeCompute:
@@ -107,20 +131,19 @@ def fake_batcher(
     max_delay_s: float = 1.0,
     max_concurrent_batches: int = 1,
     inline_max_tokens: int = 0,
-    rows_per_request: bool = False,
-) -> Iterator[tuple[Batcher, FakeCompute, Recorder]]:
+) -> Iterator[tuple[Batcher[np.ndarray, np.ndarray], FakeCompute, Recorder]]:
     compute = FakeCompute()
     observer = Recorder()
     executor = ThreadPoolExecutor(max_workers=4)
-    batcher = Batcher(
-        compute,
+    batcher: Batcher[np.ndarray, np.ndarray] = Batcher(
+        sliced(compute),
         executor,
         max_batch_tokens=max_batch_tokens,
         max_delay_s=max_delay_s,
         max_concurrent_batches=max_concurrent_batches,
         inline_max_tokens=inline_max_tokens,
-        observer=observer,
-        rows_per_request=rows_per_request,
+        on_batch=observer.batch_done,
+        on_drop=observer.dropped,
     )
     try:
         yield batcher, compute, observer
@@ -129,11 +152,11 @@ def fake_batcher(
         executor.shutdown(wait=True)
 
 
-def assert_own_rows(result: BatchResult, sent: np.ndarray) -> None:
-    np.testing.assert_array_equal(result.rows, rows_of(sent))
+def assert_own_rows(result: BatchResult[np.ndarray], sent: np.ndarray) -> None:
+    np.testing.assert_array_equal(result.result, rows_of(sent))
 
 
-async def closing(batcher: Batcher, body: Awaitable[T]) -> T:
+async def closing(batcher: Batcher[Any, Any], body: Awaitable[T]) -> T:
     try:
         return await body
     finally:
@@ -143,9 +166,9 @@ async def closing(batcher: Batcher, body: Awaitable[T]) -> T:
 def test_lone_request_on_idle_batcher_does_not_wait_for_max_delay() -> None:
     with fake_batcher(max_delay_s=2.0) as (batcher, compute, observer):
 
-        async def body() -> tuple[BatchResult, float]:
+        async def body() -> tuple[BatchResult[np.ndarray], float]:
             started = time.monotonic()
-            result = await batcher.submit(ids(3, 1, 4))
+            result = await batcher.submit(*item(3, 1, 4))
             return result, time.monotonic() - started
 
         result, elapsed = run(closing(batcher, body()))
@@ -162,10 +185,10 @@ def test_requests_arriving_during_a_batch_go_together_as_one_batch() -> None:
     with fake_batcher(max_delay_s=2.0) as (batcher, compute, observer):
         sent = [ids(10, 11), ids(20), ids(30, 31, 32, 33), ids(40, 41, 42)]
 
-        async def body() -> tuple[list[BatchResult], float]:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+        async def body() -> tuple[list[BatchResult[np.ndarray]], float]:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
-            tasks = [asyncio.ensure_future(batcher.submit(s)) for s in sent]
+            tasks = [asyncio.ensure_future(batcher.submit(*sized(s))) for s in sent]
             await until(lambda: batcher.queued_requests == len(sent))
             assert batcher.queued_tokens == sum(s.size for s in sent)
             await asyncio.sleep(0.05)
@@ -200,10 +223,10 @@ def test_token_budget_splits_batches_and_an_oversized_request_goes_alone() -> No
             ids(5, 5, 5),
         ]
 
-        async def body() -> list[BatchResult]:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+        async def body() -> list[BatchResult[np.ndarray]]:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
-            tasks = [asyncio.ensure_future(batcher.submit(s)) for s in sent]
+            tasks = [asyncio.ensure_future(batcher.submit(*sized(s))) for s in sent]
             await until(lambda: batcher.queued_requests == len(sent))
             compute.gate.set()
             results = await asyncio.gather(*tasks)
@@ -232,11 +255,11 @@ def test_max_delay_bounds_the_wait_while_another_batch_computes() -> None:
         observer,
     ):
 
-        async def body() -> tuple[BatchResult, float, bool]:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+        async def body() -> tuple[BatchResult[np.ndarray], float, bool]:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
             started = time.monotonic()
-            result = await batcher.submit(ids(7, 8))
+            result = await batcher.submit(*item(7, 8))
             elapsed = time.monotonic() - started
             first_still_busy = not first.done()
             compute.gate.set()
@@ -262,11 +285,11 @@ def test_full_token_budget_goes_before_max_delay_while_busy() -> None:
     ):
 
         async def body() -> float:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
             started = time.monotonic()
             results = await asyncio.gather(
-                batcher.submit(ids(1, 2, 3)), batcher.submit(ids(4, 5, 6))
+                batcher.submit(*item(1, 2, 3)), batcher.submit(*item(4, 5, 6))
             )
             elapsed = time.monotonic() - started
             assert_own_rows(results[0], ids(1, 2, 3))
@@ -284,11 +307,11 @@ def test_full_token_budget_goes_before_max_delay_while_busy() -> None:
 def test_cancelled_caller_is_dropped_before_compute() -> None:
     with fake_batcher() as (batcher, compute, observer):
 
-        async def body() -> BatchResult:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+        async def body() -> BatchResult[np.ndarray]:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
-            doomed = asyncio.ensure_future(batcher.submit(ids(777, 778)))
-            kept = asyncio.ensure_future(batcher.submit(ids(5)))
+            doomed = asyncio.ensure_future(batcher.submit(*item(777, 778)))
+            kept = asyncio.ensure_future(batcher.submit(*item(5)))
             await until(lambda: batcher.queued_requests == 2)
             doomed.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -313,12 +336,12 @@ def test_expired_deadline_raises_and_is_never_computed() -> None:
         async def body() -> None:
             # Already expired on arrival, on an idle batcher.
             with pytest.raises(DeadlineExceeded, match="deadline passed"):
-                await batcher.submit(ids(501), deadline=time.monotonic() - 0.001)
+                await batcher.submit(*item(501), deadline=time.monotonic() - 0.001)
             # Expires while it waits behind a busy batch.
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
-            late = asyncio.ensure_future(batcher.submit(ids(502), time.monotonic() + 0.05))
-            on_time = asyncio.ensure_future(batcher.submit(ids(503), time.monotonic() + 5))
+            late = asyncio.ensure_future(batcher.submit(*item(502), time.monotonic() + 0.05))
+            on_time = asyncio.ensure_future(batcher.submit(*item(503), time.monotonic() + 5))
             await asyncio.sleep(0.1)
             compute.gate.set()
             with pytest.raises(DeadlineExceeded):
@@ -336,13 +359,13 @@ def test_expired_deadline_raises_and_is_never_computed() -> None:
 def test_compute_failure_fails_every_caller_of_the_batch_and_the_next_batch_works() -> None:
     with fake_batcher() as (batcher, compute, observer):
 
-        async def body() -> BatchResult:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK)))
+        async def body() -> BatchResult[np.ndarray]:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
             await wait_event(compute.blocked)
             mates = [
-                asyncio.ensure_future(batcher.submit(ids(1, 2))),
-                asyncio.ensure_future(batcher.submit(ids(FAIL))),
-                asyncio.ensure_future(batcher.submit(ids(3))),
+                asyncio.ensure_future(batcher.submit(*item(1, 2))),
+                asyncio.ensure_future(batcher.submit(*item(FAIL))),
+                asyncio.ensure_future(batcher.submit(*item(3))),
             ]
             await until(lambda: batcher.queued_requests == 3)
             compute.gate.set()
@@ -351,7 +374,7 @@ def test_compute_failure_fails_every_caller_of_the_batch_and_the_next_batch_work
                 assert isinstance(outcome, Internal), outcome
                 assert "the fake runtime broke" in str(outcome)
             await first
-            return await batcher.submit(ids(4, 5))
+            return await batcher.submit(*item(4, 5))
 
         result = run(closing(batcher, body()))
     assert compute.calls == [[BLOCK], [1, 2, FAIL, 3], [4, 5]]
@@ -364,11 +387,11 @@ def test_close_fails_queued_requests_with_unavailable_and_lets_running_batches_f
     with fake_batcher() as (batcher, compute, observer):
 
         async def body() -> None:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK, 9)))
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK, 9)))
             await wait_event(compute.blocked)
             queued = [
-                asyncio.ensure_future(batcher.submit(ids(11))),
-                asyncio.ensure_future(batcher.submit(ids(12, 13))),
+                asyncio.ensure_future(batcher.submit(*item(11))),
+                asyncio.ensure_future(batcher.submit(*item(12, 13))),
             ]
             await until(lambda: batcher.queued_requests == 2)
             closer = asyncio.ensure_future(batcher.close())
@@ -381,7 +404,7 @@ def test_close_fails_queued_requests_with_unavailable_and_lets_running_batches_f
             assert_own_rows(await first, ids(BLOCK, 9))
             await closer
             with pytest.raises(Unavailable):
-                await batcher.submit(ids(1))
+                await batcher.submit(*item(1))
 
         run(body())
     assert compute.calls == [[BLOCK, 9]]
@@ -398,10 +421,10 @@ def test_queued_tokens_return_to_zero_after_a_mixed_load() -> None:
         rng = np.random.default_rng(0)
         sent = [rng.integers(0, 500, size=int(rng.integers(1, 12))) for _ in range(200)]
 
-        async def body() -> list[BatchResult | BaseException]:
+        async def body() -> list[BatchResult[np.ndarray] | BaseException]:
             tasks = [
                 asyncio.ensure_future(
-                    batcher.submit(s, time.monotonic() - 1 if n % 17 == 0 else None)
+                    batcher.submit(*sized(s), time.monotonic() - 1 if n % 17 == 0 else None)
                 )
                 for n, s in enumerate(sent)
             ]
@@ -443,9 +466,9 @@ def test_queued_tokens_return_to_zero_after_a_mixed_load() -> None:
 def test_lone_small_request_is_computed_inline_on_the_event_loop() -> None:
     with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
 
-        async def body() -> tuple[BatchResult, BatchResult, int]:
-            small = await batcher.submit(ids(1, 2, 3, 4))
-            large = await batcher.submit(ids(5, 6, 7, 8, 9))
+        async def body() -> tuple[BatchResult[np.ndarray], BatchResult[np.ndarray], int]:
+            small = await batcher.submit(*item(1, 2, 3, 4))
+            large = await batcher.submit(*item(5, 6, 7, 8, 9))
             return small, large, threading.get_ident()
 
         small, large, loop_thread = run(closing(batcher, body()))
@@ -462,10 +485,10 @@ def test_lone_small_request_is_computed_inline_on_the_event_loop() -> None:
 def test_inline_path_is_not_taken_while_a_batch_computes() -> None:
     with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
 
-        async def body() -> tuple[list[BatchResult], int]:
-            first = asyncio.ensure_future(batcher.submit(ids(BLOCK, 1, 2, 3, 4)))
+        async def body() -> tuple[list[BatchResult[np.ndarray]], int]:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK, 1, 2, 3, 4)))
             await wait_event(compute.blocked)
-            tasks = [asyncio.ensure_future(batcher.submit(ids(n))) for n in (11, 12, 13)]
+            tasks = [asyncio.ensure_future(batcher.submit(*item(n))) for n in (11, 12, 13)]
             await until(lambda: batcher.queued_requests == 3)
             assert len(compute.calls) == 1  # none of them ran inline beside the busy batch
             compute.gate.set()
@@ -488,7 +511,7 @@ def test_inline_expired_deadline_is_never_computed() -> None:
 
         async def body() -> None:
             with pytest.raises(DeadlineExceeded):
-                await batcher.submit(ids(1), deadline=time.monotonic() - 0.001)
+                await batcher.submit(*item(1), deadline=time.monotonic() - 0.001)
 
         run(closing(batcher, body()))
     assert compute.calls == []
@@ -498,10 +521,10 @@ def test_inline_expired_deadline_is_never_computed() -> None:
 def test_inline_compute_failure_is_internal_and_the_next_request_works() -> None:
     with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
 
-        async def body() -> BatchResult:
+        async def body() -> BatchResult[np.ndarray]:
             with pytest.raises(Internal, match="the fake runtime broke"):
-                await batcher.submit(ids(FAIL))
-            return await batcher.submit(ids(2))
+                await batcher.submit(*item(FAIL))
+            return await batcher.submit(*item(2))
 
         result = run(closing(batcher, body()))
     assert_own_rows(result, ids(2))
@@ -510,20 +533,20 @@ def test_inline_compute_failure_is_internal_and_the_next_request_works() -> None
 
 
 @pytest.mark.parametrize("inline_max_tokens", [0, 8], ids=["executor", "inline"])
-def test_compute_returning_the_wrong_number_of_rows_is_internal_either_way(
+def test_compute_returning_the_wrong_number_of_results_is_internal_either_way(
     inline_max_tokens: int,
 ) -> None:
     async def body() -> None:
-        batcher = Batcher(
-            lambda batch_ids: rows_of(batch_ids[:-1]),
+        batcher: Batcher[np.ndarray, np.ndarray] = Batcher(
+            lambda items: [rows_of(i) for i in items][:-1],
             None,
             max_batch_tokens=100,
             max_delay_s=0.01,
             inline_max_tokens=inline_max_tokens,
         )
         try:
-            with pytest.raises(Internal, match="2 rows for 3 ids"):
-                await batcher.submit(ids(1, 2, 3))
+            with pytest.raises(Internal, match="0 results for 1 items"):
+                await batcher.submit(*item(1, 2, 3))
         finally:
             await batcher.close()
 
@@ -537,9 +560,11 @@ def test_an_answered_batch_keeps_no_rows_alive_while_the_batcher_idles() -> None
     with fake_batcher(max_delay_s=0.01) as (batcher, _compute, _observer):
 
         async def body() -> None:
-            first, second = await asyncio.gather(batcher.submit(ids(1, 2)), batcher.submit(ids(3)))
-            assert first.rows.base is not None and first.rows.base is second.rows.base
-            computed = weakref.ref(first.rows.base)
+            first, second = await asyncio.gather(
+                batcher.submit(*item(1, 2)), batcher.submit(*item(3))
+            )
+            assert first.result.base is not None and first.result.base is second.result.base
+            computed = weakref.ref(first.result.base)
             del first, second
             await asyncio.sleep(0.05)  # the dispatcher is back waiting for work
             gc.collect()
@@ -547,25 +572,3 @@ def test_an_answered_batch_keeps_no_rows_alive_while_the_batcher_idles() -> None
             assert computed() is None, "the batcher still holds an answered batch's rows"
 
         run(closing(batcher, body()))
-
-
-def test_rows_per_request_gives_each_answer_its_own_rows_in_one_batch() -> None:
-    with fake_batcher(max_delay_s=2.0, rows_per_request=True) as (batcher, compute, observer):
-        sent = [ids(BLOCK), ids(10, 11), ids(20), ids(30, 31, 32)]
-
-        async def body() -> list[BatchResult]:
-            first = asyncio.ensure_future(batcher.submit(sent[0]))
-            await wait_event(compute.blocked)  # the runtime is busy: the rest queue up
-            rest = [asyncio.ensure_future(batcher.submit(x)) for x in sent[1:]]
-            await until(lambda: batcher.queued_requests == 3)
-            compute.gate.set()
-            return await asyncio.gather(first, *rest)
-
-        results = run(closing(batcher, body()))
-    for result, request in zip(results, sent, strict=True):
-        assert_own_rows(result, request)
-        assert result.rows.base is None or result.rows.base.nbytes == result.rows.nbytes
-    # One batch of three (one queue slot, one hop, one observation), looked up one by one.
-    assert compute.calls == [[BLOCK], [10, 11], [20], [30, 31, 32]]
-    assert observer.batches == [(1, 1), (3, 6)]
-    assert [r.batch_requests for r in results[1:]] == [3, 3, 3]

@@ -1,8 +1,8 @@
 """The gRPC edge: an unexpected failure is INTERNAL on every RPC, never UNKNOWN or a hang.
 
-The server runs for real (127.0.0.1:0) on the small model; only the float16 cast of its
-runtime is broken, through the server's public ``loader=`` injection point, so float16
-requests hit a failure that is not a domain error while float32 ones still work.
+The server runs for real (127.0.0.1:0) on the small model; only the float16 look-ups of
+its backend are broken, through the server's public ``loader=`` injection point, so
+float16 requests hit a failure that is not a domain error while float32 ones still work.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import grpc
 import numpy as np
 import pytest
 
-from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.backends.base import Backend, Rows
+from tokembed.server.core.types import TokenIds
+from tokembed.server.edge.status_codes import REASON_METADATA_KEY
+from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
-from tokembed.server.status import REASON_METADATA_KEY
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
@@ -28,24 +30,27 @@ from support.server import ServerThread
 TIMEOUT_S = 10
 
 
-class BrokenCastRuntime:
-    """The real runtime, except that its float16 cast raises a non-domain error."""
+class BrokenFloat16Backend(Backend):
+    """The real backend, except that its float16 look-ups raise a non-domain error."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Backend) -> None:
         self._inner = inner
-        self.provider = inner.provider
-        self.run = inner.run
+        self.kind = inner.kind
+        self.execution_provider = inner.execution_provider
+        self.d_model = inner.d_model
 
-    def to_float16(self, rows: np.ndarray) -> np.ndarray:
-        raise RuntimeError("cast exploded")
+    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
+        if dtype == np.float16:
+            raise RuntimeError("cast exploded")
+        return self._inner.look_up(ids, dtype)
+
+    def pad_row(self, dtype: np.dtype) -> bytes:
+        return self._inner.pad_row(dtype)
 
 
-def broken_cast_loader(settings: Settings) -> LoadedModel:
-    loaded = load_model(settings)
-    # Without the float16 table, so float16 answers take the (broken) cast.
-    return dataclasses.replace(
-        loaded, runtime=BrokenCastRuntime(loaded.runtime), float16_table=None
-    )
+def broken_cast_loader(directory: Path, settings: Settings) -> LoadedModel:
+    loaded = load_model(directory, settings)
+    return dataclasses.replace(loaded, backend=BrokenFloat16Backend(loaded.backend))
 
 
 @pytest.fixture

@@ -1,77 +1,91 @@
 """Embed holds an answer's room (admission's in-flight output bytes) until gRPC is done
-sending it: until the RPC's task ends, which gRPC lets happen only once the answer's
-batch of operations is done. Here a task plays gRPC's part: it runs the handler, then
-waits for "the send" before it ends."""
+sending it: until the RPC ends, which gRPC tells through the context's done callbacks.
+Here a context plays gRPC's part: it records the callbacks and runs them at "the end"."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tokembed.server import wire
-from tokembed.server.app import LoadedModel
-from tokembed.server.service import EmbeddingService
-from tokembed.server.servicer import EmbeddingServicer
-from tokembed.server.serving_state import ServingState
-from tokembed.server.settings import Settings
+from tokembed.server.core.admission import OutputBudget
+from tokembed.server.core.engine import BatchLimits, Engine
+from tokembed.server.core.policy import Policy
+from tokembed.server.core.registry import ModelRegistry
+from tokembed.server.core.validation import Limits
+from tokembed.server.edge.calls import Calls
+from tokembed.server.edge.requests import parse_embed
+from tokembed.server.edge.servicer import EmbeddingServicer
+from tokembed.server.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_V
 
 
 class Context:
-    """What Embed asks of gRPC's context on success: no deadline."""
+    """What Embed asks of gRPC's context on success: no deadline, and done callbacks."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[Any], None]] = []
 
     def time_remaining(self) -> float | None:
         return None
 
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self.callbacks.append(callback)
 
-def request(ids: np.ndarray) -> Any:
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+def request(ids: np.ndarray, output_dtype: int = pb.DTYPE_FLOAT32) -> Any:
     dtype = pb.DTYPE_INT32 if ids.dtype == np.int32 else pb.DTYPE_INT64
     tensor = pb.Tensor(dtype=dtype, shape=ids.shape, data=ids.tobytes())
-    return wire.parse_request(pb.EmbedRequest(input_ids=tensor).SerializeToString())
+    message = pb.EmbedRequest(input_ids=tensor, output_dtype=output_dtype)  # type: ignore[arg-type]
+    return parse_embed(message.SerializeToString())
 
 
-@pytest.mark.parametrize("dtype", ["<i8", "<i4"])  # the plain path, the general path
-def test_embed_holds_the_room_until_its_rpc_task_ends(
-    small_loaded: LoadedModel, small_rows: np.ndarray, dtype: str
+@pytest.mark.parametrize("dtype", ["<i8", "<i4"])
+@pytest.mark.parametrize("tokens", [16, 8192], ids=["inline", "off-loop"])
+def test_embed_holds_the_room_until_its_rpc_ends(
+    small_loaded: LoadedModel, small_rows: np.ndarray, dtype: str, tokens: int
 ) -> None:
-    ids = np.random.default_rng(9).integers(0, SMALL_V, (2, 8)).astype(dtype)
-    service = EmbeddingService(
-        small_loaded.model, small_loaded.runtime.run, small_loaded.runtime.provider,
-        Settings(model_dir=small_loaded.model.path), pad_row=small_loaded.pad_row,
-        float32_table=small_loaded.float32_table,
-    )  # fmt: skip
-    state = ServingState()
-    state.service = service
-    servicer = EmbeddingServicer(state)
+    ids = np.random.default_rng(9).integers(0, SMALL_V, (2, tokens // 2)).astype(dtype)
+    budget = OutputBudget(1 << 30)
+    workers = ThreadPoolExecutor(2)
+    engine = Engine(
+        small_loaded.model,
+        small_loaded.backend,
+        limits=Limits(SMALL_V, SMALL_D, 65536, 1 << 30),
+        batch=BatchLimits(16384, 0.002, 1, 262144),
+        policy=Policy(batches=False, inline_max_tokens=256),
+        budget=budget,
+        workers=workers,
+    )
+    registry = ModelRegistry()
+    registry.add(engine)
+    registry.loaded()
+    servicer = EmbeddingServicer(registry, Calls(None), chunk_bytes=1 << 20, max_message_bytes=0)
 
-    async def go() -> None:
-        answered, sent = asyncio.Event(), asyncio.Event()
+    async def go() -> bytes:
+        context = Context()
+        payload = await servicer.Embed(request(ids), context)  # type: ignore[arg-type]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert budget.inflight_bytes == ids.size * SMALL_D * 4  # answered, not yet sent
+        context.end()
+        assert budget.inflight_bytes == 0
+        return payload
 
-        async def rpc() -> bytes:  # as gRPC's task: the handler, then the send
-            payload = await servicer.Embed(request(ids), Context())  # type: ignore[arg-type]
-            answered.set()
-            await sent.wait()
-            return payload
-
-        try:
-            task = asyncio.ensure_future(rpc())
-            await answered.wait()
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert service.admission.inflight_output_bytes == ids.size * SMALL_D * 4
-            sent.set()
-            payload = await task
-            await asyncio.sleep(0)  # the task's done callbacks run soon after it ends
-            assert service.admission.inflight_output_bytes == 0
-        finally:
-            await service.close()
-        got = pb.EmbedResponse.FromString(payload).hidden_states
-        rows = np.frombuffer(got.data, "<f4").reshape(tuple(got.shape))
-        np.testing.assert_array_equal(rows, small_rows[ids.astype(np.int64)])
-
-    asyncio.run(go())
+    try:
+        payload = asyncio.run(go())
+    finally:
+        workers.shutdown()
+    got = pb.EmbedResponse.FromString(payload).hidden_states
+    rows = np.frombuffer(got.data, "<f4").reshape(tuple(got.shape))
+    np.testing.assert_array_equal(rows, small_rows[ids.astype(np.int64)])

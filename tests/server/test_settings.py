@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tokembed.server import cli
-from tokembed.server.errors import ServerConfigError
+from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.settings import ENV_PREFIX, MiB, Settings, shown
 
 NAMES = [spec.name for spec in dataclasses.fields(Settings)]
@@ -38,14 +38,13 @@ def test_defaults_without_flags_or_environment() -> None:
     [
         ("port", "1234", 1234),
         ("max_delay_ms", "0.5", 0.5),
-        ("model_dir", "/srv/model", Path("/srv/model")),
+        ("model_dir", "/srv/model", (Path("/srv/model"),)),
+        ("model_dir", "/srv/enc, /srv/dec,", (Path("/srv/enc"), Path("/srv/dec"))),
+        ("default_model", "dec", "dec"),
         ("device", "auto", "auto"),
         ("host", "0.0.0.0", "0.0.0.0"),
         ("log_format", "json", "json"),
         ("auth_token_file", "tok.txt", Path("tok.txt")),
-        ("malloc_huge_pages", "off", False),
-        ("malloc_huge_pages", "No", False),
-        ("malloc_huge_pages", "1", True),
     ],
 )
 def test_environment_overrides_the_default(name: str, raw: str, value: Any) -> None:
@@ -85,7 +84,6 @@ def test_from_cli_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ("TOKEMBED_MAX_DELAY_MS", "soon", "is not a valid float"),
         ("TOKEMBED_DEVICE", "tpu", "is not one of ['cpu', 'cuda', 'auto']"),
         ("TOKEMBED_LOG_LEVEL", "INFO", "is not one of"),
-        ("TOKEMBED_MALLOC_HUGE_PAGES", "maybe", "is not a valid yes/no value"),
     ],
 )
 def test_bad_environment_value_names_the_variable(variable: str, raw: str, fragment: str) -> None:
@@ -107,17 +105,16 @@ def test_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("raw", "value"), [("on", True), ("false", False), ("0", False)])
-def test_yes_no_flags_take_words_not_python_truthiness(raw: str, value: bool) -> None:
-    # argparse's type=bool would read "false" and "0" as True (non-empty strings).
-    assert parse(["--malloc-huge-pages", raw]).malloc_huge_pages is value
-
-
-def test_bad_yes_no_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        parse(["--malloc-huge-pages", "maybe"])
-    assert exit_info.value.code == 2
-    assert "'maybe' is not one of 1, true, yes, on, 0, false, no, off" in capsys.readouterr().err
+def test_model_dir_is_given_once_per_model() -> None:
+    settings = parse(["--model-dir", "enc", "--model-dir", "dec", "--default-model", "dec"])
+    assert settings.model_dir == (Path("enc"), Path("dec"))
+    assert settings.default_model == "dec"
+    # Flags win over the variable as a whole, not merged with it.
+    flags_win = parse(["--model-dir", "one"], {"TOKEMBED_MODEL_DIR": "a,b"})
+    assert flags_win.model_dir == (Path("one"),)
+    assert parse([]).model_dir == () and parse([]).default_model is None
+    # One directory given as it is, as embedders and tests write it, is a tuple of one.
+    assert Settings(model_dir=Path("m")).model_dir == (Path("m"),)  # type: ignore[arg-type]
 
 
 POSITIVE = [
@@ -145,7 +142,9 @@ NON_NEGATIVE = [
     "intra_op_threads",
     "inter_op_threads",
     "inline_compute_max_tokens",
-    "malloc_mmap_threshold_bytes",
+    "float16_table_max_bytes",
+    "float32_table_max_bytes",
+    "memory_trim_interval_s",
 ]
 
 
@@ -177,6 +176,7 @@ def test_durations_must_be_finite(name: str, value: float) -> None:
         ({"tls_key": Path("k.pem")}, "tls_cert and tls_key go together"),
         ({"tls_client_ca": Path("ca.pem")}, "needs tls_cert and tls_key"),
         ({"workers": 2, "port": 0}, "workers > 1 needs a fixed port"),
+        ({"default_model": ""}, "default_model must be a model's name"),
     ],
 )
 def test_validate_rules(changes: dict[str, Any], fragment: str) -> None:
@@ -214,8 +214,7 @@ def test_help_lists_every_flag_and_variable(
         assert "--" + name.replace("_", "-") in text, name
         assert f"env {ENV_PREFIX}{name.upper()};" in text, name
         assert f"default {shown(getattr(Settings(), name))}]" in text, name
-    # Yes/no settings show their default as the flag takes it.
-    assert "[env TOKEMBED_MALLOC_HUGE_PAGES; default on]" in text
+    assert "[env TOKEMBED_MODEL_DIR; default unset]" in text
     assert len(NAMES) >= 25
 
 

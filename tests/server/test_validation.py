@@ -10,15 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tokembed.server.domain import FLAT, PADDED, EmbedInput
-from tokembed.server.errors import InvalidInput, ModelNotFound, TooLarge
-from tokembed.server.validation import Limits, validate
+from tokembed.server.core.errors import InvalidInput, TooLarge
+from tokembed.server.core.types import FLAT, PADDED, EmbedInput
+from tokembed.server.core.validation import Limits, validate
 
 V, D = 100, 8
 LIMITS = Limits(
     vocab_size=V,
     d_model=D,
-    model_name="small",
     max_tokens_per_request=64,
     max_output_bytes_per_request=1 << 20,
 )
@@ -59,7 +58,7 @@ def test_out_of_vocabulary_message_counts_every_bad_id_and_names_the_first() -> 
 
 def test_bounds_of_the_vocabulary_are_accepted() -> None:
     job = validate(request([[0, V - 1]]), LIMITS)
-    assert job.ids.tolist() == [0, V - 1]
+    assert job.ids.values() == [0, V - 1]
 
 
 def test_out_of_vocabulary_in_ragged_input_names_the_flat_index() -> None:
@@ -106,9 +105,9 @@ def test_int32_ids_are_accepted_and_widened_to_int64_exactly() -> None:
     # Near the top of int32's range, where a wrong widening (or sign) would show.
     values = [[0, 1, 2**15, 2**31 - 1], [2**31 - 2, 8, 2**24 + 1, 10]]
     job = validate(request(values, dtype="int32"), replace(LIMITS, vocab_size=2**31))
-    assert job.ids.dtype == np.int64
-    assert job.ids.flags.c_contiguous
-    assert job.ids.tolist() == [v for row in values for v in row]
+    assert job.ids.array().dtype == np.int64
+    assert job.ids.array().flags.c_contiguous
+    assert job.ids.values() == [v for row in values for v in row]
     assert (job.batch, job.seq_len, job.tokens) == (2, 4, 8)
 
 
@@ -199,12 +198,12 @@ def test_ragged_geometry_and_layouts() -> None:
     assert padded.output_bytes == 2 * 3 * D * 4  # padded rows count
     flat = validate(request([1, 2, 3, 4, 5], lengths=(2, 3), layout=FLAT), LIMITS)
     assert flat.layout == FLAT and flat.output_bytes == 5 * D * 4
-    assert flat.ids.tolist() == [1, 2, 3, 4, 5]
+    assert flat.ids.values() == [1, 2, 3, 4, 5]
 
 
 def test_layout_is_ignored_for_rectangular_input() -> None:
     job = validate(request([[1, 2]], layout=FLAT), LIMITS)
-    assert job.layout == PADDED and job.lengths is None and not job.ragged
+    assert job.layout == PADDED and job.lengths is None and not job.padded
 
 
 # --- limits
@@ -221,7 +220,6 @@ def test_output_bytes_over_the_limit_are_too_large_and_float16_halves_them() -> 
     limits = Limits(
         vocab_size=V,
         d_model=D,
-        model_name="small",
         max_tokens_per_request=1000,
         max_output_bytes_per_request=10 * D * 4,  # ten float32 rows
     )
@@ -241,7 +239,6 @@ def test_padded_ragged_output_counts_the_padding_rows() -> None:
     limits = Limits(
         vocab_size=V,
         d_model=D,
-        model_name="small",
         max_tokens_per_request=1000,
         max_output_bytes_per_request=12 * D * 4,
     )
@@ -255,21 +252,9 @@ def test_padded_ragged_output_counts_the_padding_rows() -> None:
 # --- model name
 
 
-def test_another_model_name_is_not_found() -> None:
-    with pytest.raises(ModelNotFound, match=r"model 'big' is not served here.*'small'"):
-        validate(request([[1]], model_name="big"), LIMITS)
-
-
-def test_empty_or_matching_model_name_is_accepted() -> None:
-    assert validate(request([[1]], model_name=""), LIMITS).tokens == 1
-    assert (
-        validate(request([[1]], model_name="small", request_id="r-1"), LIMITS).request_id == "r-1"
-    )
-
-
 def test_valid_request_becomes_a_job() -> None:
     job = validate(request([[5, 6, 7], [8, 9, 10]], output_dtype="float32"), LIMITS)
-    assert job.ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert job.ids.values() == [5, 6, 7, 8, 9, 10]
     assert (job.batch, job.seq_len, job.lengths) == (2, 3, None)
     assert job.output_dtype == np.float32
     assert job.output_bytes == 6 * D * 4

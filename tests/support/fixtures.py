@@ -32,10 +32,10 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_loaded(small_model_dir: Path) -> Any:
     """The small model loaded as the server loads it (its tables too), once: tests build
     services around it and change nothing in it."""
-    from tokembed.server.app import load_model
+    from tokembed.server.loading import load_model
     from tokembed.server.settings import Settings
 
-    return load_model(Settings(model_dir=small_model_dir))
+    return load_model(small_model_dir, Settings())
 
 
 @pytest.fixture(scope="session")
@@ -74,20 +74,3 @@ def start_server() -> Iterator[Callable[..., ServerThread]]:
     yield start
     for server in started:
         server.stop()
-
-
-@pytest.fixture
-def fresh_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The size of every in-place response bytes object allocated afresh (not reused
-    from a SpareBytes), while the test runs."""
-    from tokembed.server import inplace_bytes
-
-    sizes: list[int] = []
-    allocate = inplace_bytes.allocate
-
-    def counting(size: int) -> tuple[bytes, Any]:
-        sizes.append(size)
-        return allocate(size)
-
-    monkeypatch.setattr(inplace_bytes, "allocate", counting)
-    return sizes

@@ -1,43 +1,59 @@
-"""Hold the real runtime at a gate, so tests can line requests up deterministically.
+"""Hold the real backend at a gate, so tests can line requests up deterministically.
 
 The loader is the server's public injection point (``TokembedServer(loader=...)``); the
-wrapped runtime is the real onnxruntime one, only made to wait before each look-up.
-Servers using it must run with ``inline_compute_max_tokens=0``: a look-up held on the
-event loop would hold the whole server.
+wrapped backend is the real one (onnxruntime's, or the table's), only made to wait
+before each look-up. Servers using it must run with ``inline_compute_max_tokens=0``: a
+look-up held on the event loop would hold the whole server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from tokembed.server.app import LoadedModel, load_model
+from tokembed.server.backends.base import Backend, Rows
+from tokembed.server.core.types import TokenIds
+from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
 
-class GatedRuntime:
-    def __init__(self, inner: Any, gate: threading.Event) -> None:
+class GatedBackend(Backend):
+    """The real backend, each look-up (and batch) held at ``gate`` and recorded."""
+
+    def __init__(self, inner: Backend, gate: threading.Event) -> None:
         self._inner = inner
         self.gate = gate
         self.entered = threading.Event()  # set when a look-up is waiting at the gate
-        self.calls: list[np.ndarray] = []  # ids of every look-up, in order
+        self.calls: list[np.ndarray] = []  # ids of every look-up (a batch's all), in order
         self.fail_next = False
-        self.provider = inner.provider
+        self.kind = inner.kind
+        self.execution_provider = inner.execution_provider
+        self.d_model = inner.d_model
+        self.batches = inner.batches
 
-    def run(self, ids: np.ndarray) -> np.ndarray:
-        self.calls.append(ids.copy())
+    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
+        self._enter([ids])
+        return self._inner.look_up(ids, dtype)
+
+    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+        self._enter([ids for ids, _ in requests])
+        return self._inner.look_up_batch(requests)
+
+    def pad_row(self, dtype: np.dtype) -> bytes:
+        return self._inner.pad_row(dtype)
+
+    def _enter(self, ids: list[TokenIds]) -> None:
+        self.calls.append(np.concatenate([i.array() for i in ids]))
         self.entered.set()
         if not self.gate.wait(timeout=60):
             raise TimeoutError("test gate never opened")
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected onnxruntime failure")
-        return self._inner.run(ids)  # type: ignore[no-any-return]
-
-    def to_float16(self, rows: np.ndarray) -> np.ndarray:
-        return self._inner.to_float16(rows)  # type: ignore[no-any-return]
 
 
 class GatedLoader:
@@ -51,16 +67,11 @@ class GatedLoader:
             self.look_up_gate.set()
         if open_loading:
             self.loading_gate.set()
-        self.runtime: GatedRuntime | None = None
+        self.backend: GatedBackend | None = None
 
-    def __call__(self, settings: Settings) -> LoadedModel:
-        loaded = load_model(settings)
-        self.runtime = GatedRuntime(loaded.runtime, self.look_up_gate)
+    def __call__(self, directory: Path, settings: Settings) -> LoadedModel:
+        loaded = load_model(directory, settings)
+        self.backend = GatedBackend(loaded.backend, self.look_up_gate)
         if not self.loading_gate.wait(timeout=60):
             raise TimeoutError("test loading gate never opened")
-        return LoadedModel(
-            model=loaded.model,
-            runtime=self.runtime,
-            warm_up_s=loaded.warm_up_s,  # type: ignore[arg-type]
-            pad_row=loaded.pad_row,
-        )
+        return dataclasses.replace(loaded, backend=self.backend)

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from tokembed.server.app import ModelLoader, TokembedServer, load_model
+from tokembed.server.app import TokembedServer
+from tokembed.server.loading import ModelLoader, load_model
 from tokembed.server.settings import Settings
 
 T = TypeVar("T")
@@ -69,8 +70,17 @@ class ServerThread:
         return self.server.metrics_port
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        value = self.registry.get_sample_value(name, labels or {})
-        return 0.0 if value is None else float(value)
+        """The sum of the samples ``name`` whose labels include ``labels`` (so, with
+        several models served, over every model unless ``model`` is given)."""
+        wanted = (labels or {}).items()
+        return float(
+            sum(
+                sample.value
+                for family in self.registry.collect()
+                for sample in family.samples
+                if sample.name == name and wanted <= sample.labels.items()
+            )
+        )
 
     def stop(self, grace_s: float = 5) -> None:
         if self.server is not None and self._thread.is_alive():

@@ -128,7 +128,9 @@ class EmbedRequest(_message.Message):
     ragged_layout: Global___RaggedLayout.ValueType
     """Only read for ragged input."""
     model_name: _builtins.str
-    """Optional: when set, it must equal the served model's name (NOT_FOUND otherwise)."""
+    """The model to embed with; empty: the server's default model. A name the server does
+    not serve is NOT_FOUND (its message lists the models served).
+    """
     request_id: _builtins.str
     """Optional: echoed back in the response and the server's logs."""
     @_builtins.property
@@ -329,6 +331,26 @@ Global___EmbedChunk: _TypeAlias = EmbedChunk  # noqa: Y015
 class GetModelInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    """The model to describe; empty: the server's default model (NOT_FOUND as for Embed)."""
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetModelInfoRequest: _TypeAlias = GetModelInfoRequest  # noqa: Y015
+
+@_typing.final
+class ListModelsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
     def __init__(
         self,
     ) -> None: ...
@@ -338,7 +360,33 @@ class GetModelInfoRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___GetModelInfoRequest: _TypeAlias = GetModelInfoRequest  # noqa: Y015
+Global___ListModelsRequest: _TypeAlias = ListModelsRequest  # noqa: Y015
+
+@_typing.final
+class ListModelsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    DEFAULT_MODEL_FIELD_NUMBER: _builtins.int
+    default_model: _builtins.str
+    """The model that answers requests whose model_name is empty."""
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
+        """Every model the server serves, in the order they were given to it."""
+
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ModelInfo] | None = ...,
+        default_model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_model", b"default_model", "models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
 
 @_typing.final
 class Limits(_message.Message):
@@ -388,6 +436,7 @@ class ModelInfo(_message.Message):
     EXECUTION_PROVIDER_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     MODEL_SHA256_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.str
     vocab_size: _builtins.int
@@ -401,6 +450,10 @@ class ModelInfo(_message.Message):
     """The onnxruntime execution provider actually in use, e.g. "CPUExecutionProvider"."""
     model_sha256: _builtins.str
     """sha256 of model.onnx, as in the model directory's manifest."""
+    backend: _builtins.str
+    """How look-ups are answered, chosen at load: "table" (rows gathered from tables the
+    model computed at load, on CPU) or "onnxruntime" (a run of the model per batch).
+    """
     @_builtins.property
     def input_dtypes(self) -> _containers.RepeatedScalarFieldContainer[Global___DType.ValueType]: ...
     @_builtins.property
@@ -422,10 +475,11 @@ class ModelInfo(_message.Message):
         execution_provider: _builtins.str = ...,
         limits: Global___Limits | None = ...,
         model_sha256: _builtins.str = ...,
+        backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "limits", b"limits", "padding_id", b"padding_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "d_model", b"d_model", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "limits", b"limits", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "backend", b"backend", "d_model", b"d_model", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "limits", b"limits", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__padding_id: _TypeAlias = _typing.Literal["padding_id"]  # noqa: Y015
     _WhichOneofArgType__padding_id: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id"]  # noqa: Y015

@@ -54,6 +54,11 @@ class EmbeddingServiceStub:
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tokembed_dot_v1_dot_embedding__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/tokembed.v1.EmbeddingService/ListModels',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer:
@@ -85,7 +90,14 @@ class EmbeddingServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """What is served and under which limits.
+        """One served model (the default one unless named) and the limits it is served under.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Every served model, and which one answers requests that name none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +125,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tokembed_dot_v1_dot_embedding__pb2.ModelInfo.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +240,33 @@ class EmbeddingService:
             '/tokembed.v1.EmbeddingService/GetModelInfo',
             tokembed_dot_v1_dot_embedding__pb2.GetModelInfoRequest.SerializeToString,
             tokembed_dot_v1_dot_embedding__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/ListModels',
+            tokembed_dot_v1_dot_embedding__pb2.ListModelsRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,7 +53,9 @@ class EmbeddingServiceStub:
     client uses this for large outputs; callers still get one [B,S,D] array.
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.GetModelInfoRequest, _embedding_pb2.ModelInfo]
-    """What is served and under which limits."""
+    """One served model (the default one unless named) and the limits it is served under."""
+    ListModels: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.ListModelsRequest, _embedding_pb2.ListModelsResponse]
+    """Every served model, and which one answers requests that name none."""
 
 @_typing.type_check_only
 class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
@@ -71,7 +73,9 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     client uses this for large outputs; callers still get one [B,S,D] array.
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_embedding_pb2.GetModelInfoRequest, _embedding_pb2.ModelInfo]  # type: ignore[assignment]
-    """What is served and under which limits."""
+    """One served model (the default one unless named) and the limits it is served under."""
+    ListModels: _aio.UnaryUnaryMultiCallable[_embedding_pb2.ListModelsRequest, _embedding_pb2.ListModelsResponse]  # type: ignore[assignment]
+    """Every served model, and which one answers requests that name none."""
 
 class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -110,6 +114,14 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _embedding_pb2.GetModelInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_embedding_pb2.ModelInfo, _abc.Awaitable[_embedding_pb2.ModelInfo]]:
-        """What is served and under which limits."""
+        """One served model (the default one unless named) and the limits it is served under."""
+
+    @_abc_1.abstractmethod
+    def ListModels(
+        self,
+        request: _embedding_pb2.ListModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_embedding_pb2.ListModelsResponse, _abc.Awaitable[_embedding_pb2.ListModelsResponse]]:
+        """Every served model, and which one answers requests that name none."""
 
 def add_EmbeddingServiceServicer_to_server(servicer: EmbeddingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from tokembed.server.errors import (
+from tokembed.server.core.errors import (
     Cancelled,
     DeadlineExceeded,
     EmbedError,

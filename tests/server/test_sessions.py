@@ -1,4 +1,5 @@
-"""The onnxruntime session on a small exported model: E[id] * scale, and the providers."""
+"""onnxruntime sessions on a small exported model: E[id] * scale, the float16 cast, the
+providers and the CPU arena (server/backends/sessions.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ import onnxruntime as ort
 import pytest
 
 from tokembed.export.model_dir import load_model_dir
-from tokembed.server import runtime as runtime_module
-from tokembed.server.errors import ServerConfigError
-from tokembed.server.runtime import CPU, CUDA, EmbeddingRuntime, RuntimeOptions
+from tokembed.server.backends import sessions as sessions_module
+from tokembed.server.backends.sessions import (
+    CPU,
+    CUDA,
+    Float16Cast,
+    ModelSession,
+    SessionOptions,
+)
+from tokembed.server.core.errors import ServerConfigError
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
@@ -28,19 +35,19 @@ def reference() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def cpu_runtime(small_model_dir: Path) -> EmbeddingRuntime:
-    return EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cpu"))
+def cpu_runtime(small_model_dir: Path) -> ModelSession:
+    return ModelSession(load_model_dir(small_model_dir), SessionOptions(device="cpu"))
 
 
 @pytest.fixture
 def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make a CUDA machine look like one without (a no-op where there is none)."""
     if HAS_CUDA:
-        monkeypatch.setattr(runtime_module, "available_providers", lambda: [CPU])
+        monkeypatch.setattr(sessions_module, "available_providers", lambda: [CPU])
 
 
 def test_rows_are_exactly_the_scaled_table_rows(
-    cpu_runtime: EmbeddingRuntime, reference: np.ndarray
+    cpu_runtime: ModelSession, reference: np.ndarray
 ) -> None:
     rng = np.random.default_rng(0)
     ids = np.concatenate([[0, 1, SMALL_V - 1, SMALL_PAD, 5, 5], rng.integers(0, SMALL_V, 500)])
@@ -53,14 +60,14 @@ def test_rows_are_exactly_the_scaled_table_rows(
 
 
 def test_a_single_id_and_the_whole_vocabulary(
-    cpu_runtime: EmbeddingRuntime, reference: np.ndarray
+    cpu_runtime: ModelSession, reference: np.ndarray
 ) -> None:
     np.testing.assert_array_equal(cpu_runtime.run(np.array([7], dtype=np.int64)), reference[[7]])
     everything = np.arange(SMALL_V, dtype=np.int64)
     np.testing.assert_array_equal(cpu_runtime.run(everything), reference)
 
 
-def test_each_run_returns_a_fresh_array_the_caller_owns(cpu_runtime: EmbeddingRuntime) -> None:
+def test_each_run_returns_a_fresh_array_the_caller_owns(cpu_runtime: ModelSession) -> None:
     ids = np.array([1, 2, 3], dtype=np.int64)
     first = cpu_runtime.run(ids)
     second = cpu_runtime.run(ids)
@@ -69,7 +76,7 @@ def test_each_run_returns_a_fresh_array_the_caller_owns(cpu_runtime: EmbeddingRu
     np.testing.assert_array_equal(cpu_runtime.run(ids), second)
 
 
-def test_float16_cast_rounds_exactly_as_numpy_does(cpu_runtime: EmbeddingRuntime) -> None:
+def test_float16_cast_rounds_exactly_as_numpy_does() -> None:
     rng = np.random.default_rng(2)
     rows = (rng.standard_normal((300, SMALL_D)) * 8).astype(np.float32)
     # Edges: ties, the largest half, overflow to inf, subnormals, signed zeros.
@@ -85,29 +92,30 @@ def test_float16_cast_rounds_exactly_as_numpy_does(cpu_runtime: EmbeddingRuntime
         1.0 + 2**-11,
         1.0 + 3 * 2**-11,
     ]
-    got = cpu_runtime.to_float16(rows)
+    got = Float16Cast(SessionOptions())(rows)
     with np.errstate(over="ignore"):  # 1e6 overflowing to inf is the point here
         want = rows.astype(np.float16)
     assert got.dtype == np.float16 and got.shape == rows.shape
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-def test_warm_up_runs_and_thread_counts_are_accepted(
+def test_thread_counts_are_accepted_and_every_row_is_the_model_s(
     small_model_dir: Path, reference: np.ndarray
 ) -> None:
-    runtime = EmbeddingRuntime(
+    runtime = ModelSession(
         load_model_dir(small_model_dir),
-        RuntimeOptions(device="cpu", intra_op_threads=1, inter_op_threads=1),
+        SessionOptions(device="cpu", intra_op_threads=1, inter_op_threads=1),
     )
-    assert runtime.warm_up() > 0
     np.testing.assert_array_equal(runtime.run(np.array([9], dtype=np.int64)), reference[[9]])
+    # In chunks smaller than the vocabulary (7 rows each), as the table backend loads it.
+    np.testing.assert_array_equal(runtime.every_row(chunk_bytes=7 * SMALL_D * 4), reference)
 
 
 def test_cuda_without_cuda_is_a_clear_config_error(
     small_model_dir: Path, without_cuda: None
 ) -> None:
     with pytest.raises(ServerConfigError) as error:
-        EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cuda"))
+        ModelSession(load_model_dir(small_model_dir), SessionOptions(device="cuda"))
     message = str(error.value)
     assert "CUDA execution provider not available" in message
     assert CPU in message  # says what onnxruntime does offer
@@ -120,8 +128,8 @@ def test_auto_without_cuda_falls_back_to_cpu_with_a_warning(
     reference: np.ndarray,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="tokembed.server.runtime"):
-        runtime = EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="auto"))
+    with caplog.at_level(logging.WARNING, logger="tokembed.server.backends.sessions"):
+        runtime = ModelSession(load_model_dir(small_model_dir), SessionOptions(device="auto"))
     assert runtime.provider == CPU
     assert runtime.session.get_providers()[0] == CPU
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -132,14 +140,14 @@ def test_auto_without_cuda_falls_back_to_cpu_with_a_warning(
 def test_cpu_device_logs_no_warning(
     small_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="tokembed.server.runtime"):
-        EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cpu"))
+    with caplog.at_level(logging.WARNING, logger="tokembed.server.backends.sessions"):
+        ModelSession(load_model_dir(small_model_dir), SessionOptions(device="cpu"))
     assert not caplog.records
 
 
 def test_unknown_device_is_refused(small_model_dir: Path) -> None:
     with pytest.raises(ServerConfigError, match="device must be cpu, cuda or auto, got 'tpu'"):
-        EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="tpu"))
+        ModelSession(load_model_dir(small_model_dir), SessionOptions(device="tpu"))
 
 
 @pytest.mark.gpu
@@ -152,9 +160,8 @@ def test_cuda_provider_runs_the_look_up(
             f"needs onnxruntime-gpu and a GPU: onnxruntime {ort.__version__} offers "
             f"{ort.get_available_providers()}"
         )
-    runtime = EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device=device))
+    runtime = ModelSession(load_model_dir(small_model_dir), SessionOptions(device=device))
     assert runtime.provider == CUDA
-    runtime.warm_up()
     rng = np.random.default_rng(1)
     ids = rng.integers(0, SMALL_V, 4096).astype(np.int64)
     # One Gather and one float32 multiply: exact on the GPU too.
@@ -168,18 +175,18 @@ import sys
 import numpy as np
 from tokembed.export.model_dir import load_model_dir
 from tokembed.server.memory import release_free_memory
-from tokembed.server.runtime import EmbeddingRuntime, RuntimeOptions
+from tokembed.server.backends.sessions import ModelSession, SessionOptions
 
 def rss():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096
 
 d_model, batch_tokens = int(sys.argv[2]), int(sys.argv[3])
-runtime = EmbeddingRuntime(
+runtime = ModelSession(
     load_model_dir(sys.argv[1]),
-    RuntimeOptions(device="cpu", batch_output_bytes=batch_tokens * d_model * 4),
+    SessionOptions(device="cpu", batch_output_bytes=batch_tokens * d_model * 4),
 )
-runtime.warm_up()
+runtime.run(np.arange(batch_tokens, dtype=np.int64) % 1000)  # the warm-up's full batch
 ids = np.arange(batch_tokens, dtype=np.int64) % 1000
 idle = rss()
 burst = [runtime.run(ids) for _ in range(16)]  # 16 answers in flight: far past the first region
@@ -208,53 +215,3 @@ def test_arena_gives_back_what_a_burst_added(small_model_dir: Path) -> None:
     # onnxruntime's default arena would keep all of it; this one keeps its first region
     # (two batches' rows, touched at warm-up, so already in ``idle``).
     assert after - idle < 0.15 * added, (idle, peak, after)
-
-
-class _NoSession:
-    """Stands in for the onnxruntime session where a look-up must not reach it."""
-
-    def run(self, *args: object, **kwargs: object) -> object:
-        raise AssertionError("onnxruntime was called")
-
-
-def test_look_ups_come_from_the_float32_table_bit_for_bit(
-    small_model_dir: Path, reference: np.ndarray
-) -> None:
-    runtime = EmbeddingRuntime(load_model_dir(small_model_dir), RuntimeOptions(device="cpu"))
-    assert runtime.float32_table_bytes == 0
-    runtime.keep_float32_table()
-    assert runtime.float32_table_bytes == SMALL_V * SMALL_D * 4
-    session, runtime.session = runtime.session, _NoSession()  # type: ignore[assignment]
-    ids = np.array([0, SMALL_V - 1, SMALL_PAD, 5, 5, 731], dtype=np.int64)
-    rows = runtime.run(ids)
-    assert rows.dtype == np.float32 and rows.flags.owndata
-    np.testing.assert_array_equal(rows, reference[ids])
-    # Every row, and a batch larger than the vocabulary, also from the table alone.
-    everything = np.arange(SMALL_V, dtype=np.int64)
-    from_table = runtime.run(everything)
-    np.testing.assert_array_equal(from_table, reference)
-    repeated = np.tile(everything, 3)[::-1].copy()
-    np.testing.assert_array_equal(runtime.run(repeated), reference[repeated])
-    # Bit for bit what the model computes.
-    runtime.session = session
-    assert runtime._run_session(everything).tobytes() == from_table.tobytes()
-
-
-@pytest.mark.parametrize(("float32_table_max_bytes", "arena"), [(2**29, False), (0, True)])
-def test_a_server_answering_from_the_table_runs_onnxruntime_without_an_arena(
-    small_model_dir: Path, reference: np.ndarray, float32_table_max_bytes: int, arena: bool
-) -> None:
-    # With the float32 table onnxruntime only computes the row tables at load; an arena
-    # would keep what that allocated resident for good (26-40 MB measured here).
-    from tokembed.server.app import load_model
-    from tokembed.server.settings import Settings
-
-    loaded = load_model(
-        Settings(
-            model_dir=small_model_dir, device="cpu", float32_table_max_bytes=float32_table_max_bytes
-        )
-    )
-    assert loaded.runtime.session.get_session_options().enable_cpu_mem_arena is arena
-    assert (loaded.float32_table_bytes > 0) is not arena
-    ids = np.array([0, 5, SMALL_V - 1], dtype=np.int64)
-    np.testing.assert_array_equal(loaded.runtime.run(ids), reference[ids])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from tokembed.server.errors import ServerConfigError
-from tokembed.server.status import REASON_METADATA_KEY
+from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 

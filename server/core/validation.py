@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tokembed.server.domain import FLAT, PADDED, EmbedInput, EmbedJob
-from tokembed.server.errors import InvalidInput, ModelNotFound, TooLarge
+from tokembed.server.core.errors import InvalidInput, TooLarge
+from tokembed.server.core.types import FLAT, PADDED, EmbedInput, Job, TokenIds
 
 _INT64 = np.dtype("<i8")
 _ID_DTYPES: dict[str, np.dtype[Any]] = {"int64": _INT64, "int32": np.dtype("<i4")}
@@ -22,19 +22,15 @@ _OUTPUT_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16
 
 @dataclass(frozen=True)
 class Limits:
+    """What one model accepts: ids in [0, vocab_size), and the per-request limits."""
+
     vocab_size: int
     d_model: int
-    model_name: str
     max_tokens_per_request: int
     max_output_bytes_per_request: int
 
 
-def validate(request: EmbedInput, limits: Limits) -> EmbedJob:
-    if request.model_name and request.model_name != limits.model_name:
-        raise ModelNotFound(
-            f"model {request.model_name!r} is not served here (this server serves "
-            f"{limits.model_name!r})"
-        )
+def validate(request: EmbedInput, limits: Limits) -> Job:
     id_dtype = _ID_DTYPES.get(request.ids_dtype)
     if id_dtype is None:
         raise InvalidInput(
@@ -86,17 +82,16 @@ def validate(request: EmbedInput, limits: Limits) -> EmbedJob:
             "bytes per request; split it or ask for float16"
         )
 
-    ids = np.frombuffer(request.data, dtype=id_dtype)
+    ids = TokenIds(request.data, id_dtype, tokens)
     _check_vocabulary(ids, shape, limits.vocab_size)
-    return EmbedJob(
-        ids=ids if id_dtype is _INT64 else ids.astype(np.int64),
+    return Job(
+        ids=ids,
         batch=batch,
         seq_len=seq_len,
         lengths=tuple(request.lengths) if request.lengths else None,
         output_dtype=output_dtype,
         layout=layout,
         output_bytes=output_bytes,
-        request_id=request.request_id,
     )
 
 
@@ -116,27 +111,30 @@ def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[
     return len(lengths), max(lengths), total
 
 
-# Up to this many ids, Python's min() and max() over a list beat numpy's reductions,
-# whose per-call machinery dominates a tiny request (~2 us against ~10 us in the server).
+# Up to this many ids, Python's min() and max() over their ints beat numpy's reductions,
+# whose per-call machinery dominates a tiny request (~2 us against ~10 us in the server);
+# the ints are what a table look-up slices rows by anyway.
 _PYTHON_BOUNDS_MAX_IDS = 64
 
 
-def within_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
+def within_vocabulary(ids: TokenIds, vocab_size: int) -> bool:
     """Whether every id is in [0, vocab_size)."""
-    if ids.size <= _PYTHON_BOUNDS_MAX_IDS:
-        values = ids.tolist()
-        return not values or (min(values) >= 0 and max(values) < vocab_size)
-    return int(ids.min()) >= 0 and int(ids.max()) < vocab_size
+    if ids.count <= _PYTHON_BOUNDS_MAX_IDS:
+        values = ids.values()
+        return min(values) >= 0 and max(values) < vocab_size
+    array = ids.array()
+    return int(array.min()) >= 0 and int(array.max()) < vocab_size
 
 
-def _check_vocabulary(ids: np.ndarray, shape: tuple[int, ...], vocab_size: int) -> None:
+def _check_vocabulary(ids: TokenIds, shape: tuple[int, ...], vocab_size: int) -> None:
     if not within_vocabulary(ids, vocab_size):
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        array = ids.array()
+        bad = np.flatnonzero((array < 0) | (array >= vocab_size))
         first = int(bad[0])
         where = list(np.unravel_index(first, shape)) if len(shape) == 2 else [first]
         index = ",".join(str(int(i)) for i in where)
         more = f" ({bad.size} ids in all)" if bad.size > 1 else ""
         raise InvalidInput(
-            f"input_ids[{index}] = {int(ids[first])} is outside the vocabulary [0, {vocab_size})"
-            f"{more}"
+            f"input_ids[{index}] = {int(array[first])} is outside the vocabulary "
+            f"[0, {vocab_size}){more}"
         )

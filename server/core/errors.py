@@ -1,6 +1,6 @@
 """The server's domain errors: why a request failed, with no transport in sight.
 
-The gRPC edge (``status.py``) maps each class to a status code in one table; every
+The gRPC edge (``edge/status_codes.py``) maps each class to a status code in one table; every
 message names the offending value so a caller can fix the request.
 
     EmbedError

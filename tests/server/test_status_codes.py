@@ -5,14 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tokembed.server import errors
-from tokembed.server.metrics import REJECTION_REASONS
-from tokembed.server.status import (
+from tokembed.server.core import errors
+from tokembed.server.edge.status_codes import (
     REASON_METADATA_KEY,
     STATUS_BY_ERROR,
     status_of,
     trailing_metadata,
 )
+from tokembed.server.metrics import REJECTION_REASONS
 
 EXPECTED = {
     errors.InvalidInput: (grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"),

@@ -1,25 +1,21 @@
-"""The onnxruntime session: one look-up of a flat id array, nothing about batching.
+"""onnxruntime sessions for a model: the execution provider (CPU, CUDA, or CUDA with a
+fallback), thread settings, the CPU arena, and a float32 -> float16 cast.
 
-``run`` is synchronous and thread-safe (onnxruntime allows concurrent ``run`` calls on
-one session and releases the GIL while it computes); callers put it on an executor.
-On CPU the look-ups may come from a float32 table instead (``keep_float32_table``): a
-numpy gather of rows computed with the model at load, bit-identical, faster than the
-onnxruntime run, and like it free of the GIL while it copies (numpy releases it).
+Both backends open their sessions here: the onnxruntime backend runs the model per
+batch; the table backend runs it once at load over the whole vocabulary.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
 from tokembed.export.model_dir import ModelDir
-from tokembed.server.errors import ServerConfigError
+from tokembed.server.core.errors import ServerConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -28,120 +24,76 @@ CUDA = "CUDAExecutionProvider"
 
 
 @dataclass(frozen=True)
-class RuntimeOptions:
+class SessionOptions:
     device: str = "cpu"
     intra_op_threads: int = 1
     inter_op_threads: int = 0
     # The look-up's working set: the largest batch's rows that one run computes; the CPU
     # arena keeps room for it (see ``_register_cpu_arena``). 0: onnxruntime's default arena.
     batch_output_bytes: int = 0
-    # False: no CPU arena at all, for a runtime that only computes the row tables at load
-    # (every allocation is then given back, instead of staying resident in the arena).
+    # False: no CPU arena at all, for a session that only computes tables at load (every
+    # allocation is then given back, instead of staying resident in the arena).
     cpu_arena: bool = True
 
 
-class EmbeddingRuntime:
-    """Runs ``hidden_states = model(input_ids)`` for ids already validated to be in [0, V)."""
+class ModelSession:
+    """``hidden_states = model(input_ids)`` for ids already validated to be in [0, V).
 
-    def __init__(self, model: ModelDir, options: RuntimeOptions) -> None:
-        self.model = model
+    ``run`` is synchronous and thread-safe (onnxruntime allows concurrent ``run`` calls on
+    one session and releases the GIL while it computes).
+    """
+
+    def __init__(self, model: ModelDir, options: SessionOptions) -> None:
         manifest = model.manifest
-        self.input_name = manifest.input.name
-        self.output_name = manifest.output.name
+        self._input_name = manifest.input.name
+        self._output_name = manifest.output.name
         self.d_model = manifest.d_model
+        self.vocab_size = manifest.vocab_size
         self.session = _create_session(model, options)
-        self.provider = self.session.get_providers()[0]
-        self._caster = _float16_caster(options)
+        self.provider: str = self.session.get_providers()[0]
         self._run_options = _run_options(options)
-        self._batch_output_bytes = options.batch_output_bytes
-        self._float32_table: np.ndarray | None = None
-
-    def to_float16(self, rows: np.ndarray) -> np.ndarray:
-        """float32 -> float16, round to nearest even, as numpy's ``astype`` does; onnxruntime's
-        Cast is vectorised (8.5 ms for 33.5 MB here, against 25-44 ms for ``astype``)."""
-        output = self._caster.run(None, {"x": rows}, self._run_options)[0]
-        return output  # type: ignore[no-any-return]
-
-    def float16_table(self, chunk_bytes: int = 8 * 1024 * 1024) -> np.ndarray:
-        """Every row, looked up with the model and rounded to float16: ``[V, D]``.
-
-        Computed with the same two steps a float16 request takes (the look-up, then the
-        cast), so serving float16 from it is bit-identical, at half the bytes to gather.
-        The look-up's rows come from the float32 table when one is kept (no second pass
-        of the model over the vocabulary).
-        """
-        return self._every_row(np.float16, self.to_float16, chunk_bytes)
-
-    def keep_float32_table(self, chunk_bytes: int = 8 * 1024 * 1024) -> None:
-        """From now on, answer every look-up from a ``[V, D]`` float32 table of all rows,
-        computed here with the model (so bit-identical; its chunked runs also warm the
-        session up).
-
-        Why, measured here at D=512: a numpy gather of the table against the onnxruntime
-        run of the same ids took 0.075 against 0.22 ms for 512 ids and 6.2 against
-        10.5 ms for 16384 (the graph gathers, then scales: two passes over the rows, and
-        the answer is copied out of onnxruntime). Inside a busy server the gap is larger
-        for a few ids: 110-150 us more server CPU per [1,8] request with onnxruntime,
-        most likely spent winning the GIL back from gRPC's threads. And the answers no
-        longer live in onnxruntime's arena, whose first region (two full batches) would
-        otherwise be resident for good.
-        """
-        self._float32_table = None  # the rows come from the model, not from an older table
-        self._float32_table = self._every_row(np.float32, lambda rows: rows, chunk_bytes)
-
-    @property
-    def float32_table(self) -> np.ndarray | None:
-        """The ``[V, D]`` table look-ups are answered from, if kept (read it, never write)."""
-        return self._float32_table
-
-    @property
-    def float32_table_bytes(self) -> int:
-        return 0 if self._float32_table is None else int(self._float32_table.nbytes)
-
-    def _every_row(
-        self,
-        dtype: type[np.floating],
-        convert: Callable[[np.ndarray], np.ndarray],
-        chunk_bytes: int,
-    ) -> np.ndarray:
-        vocab = self.model.manifest.vocab_size
-        source = self._float32_table
-        table = np.empty((vocab, self.d_model), dtype=dtype)
-        step = max(1, chunk_bytes // (self.d_model * 4))
-        for start in range(0, vocab, step):
-            stop = min(vocab, start + step)
-            ids = np.arange(start, stop, dtype=np.int64)
-            rows = source[start:stop] if source is not None else self._run_session(ids)
-            table[start:stop] = convert(rows)
-        return table
 
     def run(self, ids: np.ndarray) -> np.ndarray:
         """``ids``: int64 [N]. Returns float32 [N, D], a fresh array the caller owns."""
-        table = self._float32_table
-        if table is not None:
-            return table.take(ids, axis=0)  # the method: np.take's Python wrapper costs more
-        return self._run_session(ids)
-
-    def _run_session(self, ids: np.ndarray) -> np.ndarray:
         output = self.session.run(
-            [self.output_name], {self.input_name: ids.reshape(1, -1)}, self._run_options
+            [self._output_name], {self._input_name: ids.reshape(1, -1)}, self._run_options
         )[0]
         return output.reshape(-1, self.d_model)  # type: ignore[no-any-return]
 
-    def warm_up(self) -> float:
-        """A small, a larger and a full-batch run, so the first request pays no allocation
-        cost. The full batch also touches every page of the arena's first region, so the
-        resident memory it adds is there from the start rather than creeping up under load
-        as the arena spreads answers over it (which the soak saw as +6% growth)."""
-        started = time.perf_counter()
-        vocab = self.model.manifest.vocab_size
-        full_batch = self._batch_output_bytes // (4 * self.d_model)
-        for size in (8, 4096, full_batch):
-            if size <= 0:
-                continue
-            ids = np.arange(size, dtype=np.int64) % vocab
-            self._run_session(ids)
-        return time.perf_counter() - started
+    def every_row(self, chunk_bytes: int = 8 * 1024 * 1024) -> np.ndarray:
+        """The model's row of every id: float32 ``[V, D]``, computed in chunks."""
+        table = np.empty((self.vocab_size, self.d_model), dtype=np.float32)
+        step = max(1, chunk_bytes // (self.d_model * 4))
+        for start in range(0, self.vocab_size, step):
+            stop = min(self.vocab_size, start + step)
+            table[start:stop] = self.run(np.arange(start, stop, dtype=np.int64))
+        return table
+
+
+class Float16Cast:
+    """float32 -> float16, round to nearest even, as numpy's ``astype`` does; onnxruntime's
+    Cast is vectorised (8.5 ms for 33.5 MB here, against 25-44 ms for ``astype``). Always
+    on CPU: the rows are on the CPU by the time they are cast."""
+
+    def __init__(self, options: SessionOptions) -> None:
+        from onnx import TensorProto, helper
+
+        graph = helper.make_graph(
+            [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)],
+            "tokembed_float16_cast",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = 8
+        self._session = ort.InferenceSession(
+            model.SerializeToString(), _session_options(options), providers=[CPU]
+        )
+        self._run_options = _run_options(options)
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        output = self._session.run(None, {"x": rows}, self._run_options)[0]
+        return output  # type: ignore[no-any-return]
 
 
 def available_providers() -> list[str]:
@@ -200,7 +152,7 @@ def _register_cpu_arena(initial_bytes: int, max_extend_bytes: int) -> None:
             )
 
 
-def _run_options(options: RuntimeOptions) -> ort.RunOptions:
+def _run_options(options: SessionOptions) -> ort.RunOptions:
     run_options = ort.RunOptions()
     if options.cpu_arena and options.batch_output_bytes > 0:
         # After each run, free the arena regions added beyond the first once they hold no
@@ -209,7 +161,7 @@ def _run_options(options: RuntimeOptions) -> ort.RunOptions:
     return run_options
 
 
-def _session_options(options: RuntimeOptions) -> ort.SessionOptions:
+def _session_options(options: SessionOptions) -> ort.SessionOptions:
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = options.intra_op_threads
     session_options.inter_op_num_threads = options.inter_op_threads
@@ -225,25 +177,7 @@ def _session_options(options: RuntimeOptions) -> ort.SessionOptions:
     return session_options
 
 
-def _float16_caster(options: RuntimeOptions) -> ort.InferenceSession:
-    """A one-node graph, Cast(float32 -> float16), for float16 answers (always on CPU:
-    the rows are on the CPU by the time they are cast)."""
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)],
-        "tokembed_float16_cast",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    return ort.InferenceSession(
-        model.SerializeToString(), _session_options(options), providers=[CPU]
-    )
-
-
-def _create_session(model: ModelDir, options: RuntimeOptions) -> ort.InferenceSession:
+def _create_session(model: ModelDir, options: SessionOptions) -> ort.InferenceSession:
     session_options = _session_options(options)
     # The graph is one Gather and one Mul; nothing to fuse, and a fixed graph keeps the
     # float32 results bit-identical to the export-time parity check.

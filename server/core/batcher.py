@@ -1,8 +1,9 @@
 """The dynamic batcher: many requests, one look-up.
 
-A look-up is per token, so requests of any lengths batch without padding: the ids of
-queued requests are concatenated into one flat array, looked up once, and the output
-rows are sliced back per request (views, no copy).
+A look-up is per token, so requests of any lengths batch without padding: the items of
+queued requests go to ``compute`` together (the onnxruntime backend concatenates their
+ids into one flat array, looks them up in one run and slices the rows back), and each
+caller gets its own result.
 
 When a batch goes:
 - at once when no batch is computing (a lone request on an idle server never waits);
@@ -12,13 +13,9 @@ A batch takes requests in arrival order up to ``max_batch_tokens`` (a single lar
 request goes alone). Requests whose caller went away or whose deadline passed are
 dropped before compute.
 
-With ``rows_per_request`` the batch still travels as one (one queue slot, one thread hop)
-but each request's rows are looked up on their own, so every answer owns its memory and
-is freed once it is sent instead of keeping a shared batch array alive until the last
-batch-mate is done. For a look-up that costs the same per row however it is split (a
-table gather) that loses nothing; onnxruntime's per-call cost is why it is not the default.
-
-It knows nothing of gRPC or onnxruntime: ``compute`` is any function ids -> rows.
+It knows nothing of gRPC or onnxruntime: ``compute`` is any function from a list of
+items to a list of results, one each, in order; the token count of each item is what
+the budget counts.
 """
 
 from __future__ import annotations
@@ -31,28 +28,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, TypeVar
 
-import numpy as np
-
-from tokembed.server.errors import DeadlineExceeded, Internal, Unavailable
+from tokembed.server.core.errors import DeadlineExceeded, Internal, Unavailable
 
 logger = logging.getLogger(__name__)
 
-Compute = Callable[[np.ndarray], np.ndarray]
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
 
 
-class BatchObserver(Protocol):
-    """What the batcher reports (metrics implement it)."""
-
-    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None: ...
-
-    def dropped(self, reason: str) -> None: ...
-
-
-@dataclass(slots=True)  # per request: slotted, not frozen (see domain.py)
-class BatchResult:
-    rows: np.ndarray  # [n, D]: this request's rows, a view into the batch output
+@dataclass(slots=True)  # per request: slotted, not frozen (see types.py)
+class BatchResult(Generic[ResultT]):
+    result: ResultT  # this request's share of the batch's look-up
     queue_s: float
     compute_s: float
     batch_requests: int
@@ -60,35 +48,38 @@ class BatchResult:
 
 
 @dataclass
-class _Pending:
-    ids: np.ndarray
-    future: asyncio.Future[BatchResult]
+class _Pending(Generic[ItemT, ResultT]):
+    item: ItemT
+    tokens: int
+    future: asyncio.Future[BatchResult[ResultT]]
     enqueued_at: float
     deadline: float | None  # time.monotonic() clock
 
 
-class Batcher:
+class Batcher(Generic[ItemT, ResultT]):
     def __init__(
         self,
-        compute: Compute,
+        compute: Callable[[list[ItemT]], list[ResultT]],
         executor: Executor | None,
         *,
         max_batch_tokens: int,
         max_delay_s: float,
         max_concurrent_batches: int = 1,
         inline_max_tokens: int = 0,
-        observer: BatchObserver | None = None,
-        rows_per_request: bool = False,
+        on_batch: Callable[[int, int, float], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_batch(requests, tokens, compute_s)``: told of every batch computed;
+        ``on_drop(reason)``: of every queued request dropped before its look-up."""
         self._compute = compute
-        self._rows_per_request = rows_per_request
         self._executor = executor
         self._max_batch_tokens = max_batch_tokens
         self._max_delay_s = max_delay_s
         self._max_concurrent = max_concurrent_batches
-        self._observer = observer
+        self._on_batch = on_batch
+        self._on_drop = on_drop
         self._inline_max_tokens = inline_max_tokens
-        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queue: collections.deque[_Pending[ItemT, ResultT]] = collections.deque()
         self._queued_tokens = 0
         self._computing = 0
         self._closed = False
@@ -106,38 +97,32 @@ class Batcher:
     def queued_requests(self) -> int:
         return len(self._queue)
 
-    async def submit(self, ids: np.ndarray, deadline: float | None = None) -> BatchResult:
-        """Queue ``ids`` (int64 [n]) for the next batch and wait for its rows."""
+    async def submit(
+        self, item: ItemT, tokens: int, deadline: float | None = None
+    ) -> BatchResult[ResultT]:
+        """Queue ``item`` (``tokens`` of the budget) for the next batch and wait for its
+        result. A lone small item on an idle batcher is looked up at once, right here:
+        the await then completes without suspending (see ``_compute_alone_inline``)."""
         if self._closed:
             raise Unavailable("the server is shutting down")
-        alone = self.try_alone_now(ids, deadline)
-        if alone is not None:
-            return alone
+        if (
+            not self._queue
+            and self._computing == 0
+            and tokens <= self._inline_max_tokens
+            and (deadline is None or deadline > time.monotonic())
+        ):
+            return self._compute_alone_inline(item, tokens)
         self._ensure_running()
         assert self._wakeup is not None
-        future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(ids, future, time.monotonic(), deadline))
-        self._queued_tokens += int(ids.size)
+        future: asyncio.Future[BatchResult[ResultT]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(item, tokens, future, time.monotonic(), deadline))
+        self._queued_tokens += tokens
         self._wakeup.set()
         # If the caller is cancelled here, the future is cancelled with it and the
         # dispatcher drops it before compute.
         return await future
 
-    def try_alone_now(self, ids: np.ndarray, deadline: float | None = None) -> BatchResult | None:
-        """A batch of these ids alone, looked up right here, if the batcher is idle and
-        they are few (see ``_compute_alone_inline``); None, with nothing done, if they
-        must queue (or the deadline has passed: queued, they are dropped as expired)."""
-        if (
-            not self._closed
-            and not self._queue
-            and self._computing == 0
-            and ids.size <= self._inline_max_tokens
-            and (deadline is None or deadline > time.monotonic())
-        ):
-            return self._compute_alone_inline(ids)
-        return None
-
-    def _compute_alone_inline(self, ids: np.ndarray) -> BatchResult:
+    def _compute_alone_inline(self, item: ItemT, tokens: int) -> BatchResult[ResultT]:
         """The idle fast path: a lone small request is a batch of one, looked up right here.
 
         No queue, no task, no thread hop: on an idle server these cost more than the
@@ -146,21 +131,21 @@ class Batcher:
         """
         started = time.monotonic()
         try:
-            # Fix: checked as in _run_batch; a short answer must not reach the caller.
-            rows = self._checked_compute(ids)
+            # Checked as in _run_batch: a short answer must not reach the caller.
+            (result,) = self._checked_compute([item])
         except Exception as exc:
             logger.exception("look-up failed for a batch of 1 request")
             raise Internal(f"the look-up failed: {exc}") from exc
         compute_s = time.monotonic() - started
-        self.report_batch(1, int(ids.size), compute_s)
-        return BatchResult(rows, 0.0, compute_s, 1, int(ids.size))
+        self._report_batch(1, tokens, compute_s)
+        return BatchResult(result, 0.0, compute_s, 1, tokens)
 
     async def close(self) -> None:
         """Fail what is still queued, wait for batches computing now, stop the dispatcher."""
         self._closed = True
         while self._queue:
             item = self._queue.popleft()
-            self._queued_tokens -= int(item.ids.size)
+            self._queued_tokens -= item.tokens
             if not item.future.done():
                 item.future.set_exception(Unavailable("the server is shutting down"))
         if self._batch_tasks:
@@ -210,13 +195,13 @@ class Batcher:
         oldest = self._queue[0].enqueued_at
         return max(0.0, oldest + self._max_delay_s - time.monotonic())
 
-    def _take_batch(self) -> list[_Pending]:
-        batch: list[_Pending] = []
+    def _take_batch(self) -> list[_Pending[ItemT, ResultT]]:
+        batch: list[_Pending[ItemT, ResultT]] = []
         tokens = 0
         now = time.monotonic()
         while self._queue:
             item = self._queue[0]
-            size = int(item.ids.size)
+            size = item.tokens
             if batch and tokens + size > self._max_batch_tokens:
                 break
             self._queue.popleft()
@@ -235,16 +220,17 @@ class Batcher:
             tokens += size
         return batch
 
-    async def _run_batch(self, batch: list[_Pending]) -> None:
-        tokens = sum(int(item.ids.size) for item in batch)
+    async def _run_batch(self, batch: list[_Pending[ItemT, ResultT]]) -> None:
+        tokens = sum(item.tokens for item in batch)
+        items = [item.item for item in batch]
         started = time.monotonic()
         try:
             if tokens <= self._inline_max_tokens:
                 # Cheaper than a thread hop; see _compute_alone_inline.
-                answers = self._look_up(batch)
+                answers = self._checked_compute(items)
             else:
                 loop = asyncio.get_running_loop()
-                answers = await loop.run_in_executor(self._executor, self._look_up, batch)
+                answers = await loop.run_in_executor(self._executor, self._checked_compute, items)
             compute_s = time.monotonic() - started
         except Exception as exc:
             logger.exception("look-up failed for a batch of %d requests", len(batch))
@@ -256,53 +242,37 @@ class Batcher:
             self._computing -= 1
             if self._wakeup is not None:
                 self._wakeup.set()
-        self.report_batch(len(batch), tokens, compute_s)
-        for item, rows in zip(batch, answers, strict=True):
+        self._report_batch(len(batch), tokens, compute_s)
+        for item, answer in zip(batch, answers, strict=True):
             if not item.future.done():
                 item.future.set_result(
                     BatchResult(
-                        rows=rows,
+                        result=answer,
                         queue_s=started - item.enqueued_at,
                         compute_s=compute_s,
                         batch_requests=len(batch),
                         batch_tokens=tokens,
                     )
                 )
-        # Fix: the dispatcher's loop variable holds this list until it takes the next
-        # batch, and each future in it holds its answer's rows: one [32,512] answer
-        # (33.5 MB) stayed resident after the server went idle. Let go of them here.
+        # The dispatcher's loop variable holds this list until it takes the next batch,
+        # and each future in it holds its answer: one [32,512] answer (33.5 MB) stayed
+        # resident after the server went idle. Let go of them here.
         batch.clear()
 
-    def _look_up(self, batch: list[_Pending]) -> list[np.ndarray]:
-        """Each request's rows: slices of one look-up, or looked up one by one."""
-        if self._rows_per_request:
-            return [self._checked_compute(item.ids) for item in batch]
-        if len(batch) == 1:
-            return [self._checked_compute(batch[0].ids)]
-        rows = self._checked_compute(np.concatenate([item.ids for item in batch]))
-        answers, offset = [], 0
-        for item in batch:
-            size = int(item.ids.size)
-            answers.append(rows[offset : offset + size])
-            offset += size
-        return answers
+    def _checked_compute(self, items: list[ItemT]) -> list[ResultT]:
+        results = self._compute(items)
+        if len(results) != len(items):
+            raise RuntimeError(f"compute returned {len(results)} results for {len(items)} items")
+        return results
 
-    def _checked_compute(self, ids: np.ndarray) -> np.ndarray:
-        rows = self._compute(ids)
-        if rows.shape[0] != ids.size:
-            raise RuntimeError(f"compute returned {rows.shape[0]} rows for {ids.size} ids")
-        return rows
-
-    def report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
-        """Tell the observer of a look-up; public for the look-ups the service does itself
-        (large answers gathered in place), so that they are reported the same way."""
-        # An observer (metrics) that fails must not leave a batch's callers hanging.
-        if self._observer is not None:
+    def _report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
+        # A reporter (metrics) that fails must not leave a batch's callers hanging.
+        if self._on_batch is not None:
             try:
-                self._observer.batch_done(requests, tokens, compute_s)
+                self._on_batch(requests, tokens, compute_s)
             except Exception:
-                logger.exception("batch observer failed; this is a bug")
+                logger.exception("batch report failed; this is a bug")
 
     def _report_drop(self, reason: str) -> None:
-        if self._observer is not None:
-            self._observer.dropped(reason)
+        if self._on_drop is not None:
+            self._on_drop(reason)

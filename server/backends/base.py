@@ -1,0 +1,85 @@
+"""The backend interface: how one model's ids become rows.
+
+A backend is chosen for a model at load (``tokembed.server.loading``) and reported in
+GetModelInfo and the logs. The engine asks it for the rows of one request, or of a batch
+of requests when the backend gains from company (``batches``); it never asks how.
+
+Rows come back as ``Rows``: pieces of bytes in the order of the ids, which the answer is
+made of without another copy (see ``types.Answer``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from tokembed.server.core.types import Buffer, TokenIds
+
+FLOAT32 = np.dtype("<f4")
+FLOAT16 = np.dtype("<f2")
+OUTPUT_DTYPES = (FLOAT32, FLOAT16)
+
+
+class Rows(ABC):
+    """The rows of some ids, in their order."""
+
+    @abstractmethod
+    def pieces(self, start: int, stop: int) -> list[Buffer]:
+        """The bytes of rows ``[start, stop)``, as pieces to join in order."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """How many rows."""
+
+
+class ArrayRows(Rows):
+    """Rows held in one C-contiguous ``[n, D]`` array (an onnxruntime run's output)."""
+
+    __slots__ = ("_bytes", "_row_bytes", "_rows")
+
+    def __init__(self, array: np.ndarray) -> None:
+        if array.ndim != 2 or not array.flags.c_contiguous:
+            raise ValueError(f"this is a bug: rows must be a C-contiguous [n, D] array, got "
+                             f"shape {array.shape}")  # fmt: skip
+        self._rows = len(array)
+        self._row_bytes = array.shape[1] * array.itemsize
+        self._bytes = array.data.cast("B") if array.size else memoryview(b"")
+
+    def pieces(self, start: int, stop: int) -> list[Buffer]:
+        size = self._row_bytes
+        return [self._bytes[start * size : stop * size]]
+
+    def __len__(self) -> int:
+        return self._rows
+
+
+class Backend(ABC):
+    """One model's look-ups. Implementations are thread-safe: the engine calls them on
+    the event loop or on worker threads, several at once."""
+
+    kind: str  # "table" or "onnxruntime": what GetModelInfo reports
+    execution_provider: str  # the onnxruntime provider that computed (or computes) the rows
+    d_model: int
+    # True when one look-up of many requests' ids costs less than one each (an
+    # onnxruntime run has a fixed cost per call, and on CUDA a kernel launch): the
+    # engine then batches. A gather from memory gains nothing from company.
+    batches: bool = False
+
+    @abstractmethod
+    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
+        """The rows of ``ids`` (each already in [0, V)) in ``dtype`` (float32 or float16)."""
+
+    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+        """The rows of several requests, one ``Rows`` each, in order. By default one
+        look-up each; a backend that ``batches`` does them in one go."""
+        return [self.look_up(ids, dtype) for ids, dtype in requests]
+
+    @abstractmethod
+    def pad_row(self, dtype: np.dtype) -> bytes:
+        """What padded positions of ragged answers hold, as one row of ``dtype``: the
+        padding id's row as the model computes it, zeros when it has no padding id."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to let go of
+        """Let go of what the backend holds (the server is stopping)."""

@@ -1,0 +1,82 @@
+"""Admission control: refuse at once what the server cannot hold, rather than queue it.
+
+Two bounds, both checked before a request can join a batch:
+- tokens waiting in one model's batcher (queueing more only adds latency for everyone
+  asking that model): per model;
+- output bytes of all admitted, unfinished requests of every model. An id costs 8 bytes
+  in and D x 4 bytes out (256x at D=512), so this is what bounds the process's memory
+  under a flood: one budget for the process (``OutputBudget``), shared by the models.
+A refused request gets ``Overloaded`` (RESOURCE_EXHAUSTED) immediately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tokembed.server.core.errors import Overloaded
+
+
+class OutputBudget:
+    """Output bytes of every admitted, unfinished request in the process."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.inflight_bytes = 0
+
+
+class Admission:
+    """One model's admission: its queue bound, and the process's output budget."""
+
+    def __init__(
+        self, budget: OutputBudget, *, max_queued_tokens: int, queued_tokens: Callable[[], int]
+    ) -> None:
+        self._budget = budget
+        self._max_queued_tokens = max_queued_tokens
+        self._queued_tokens = queued_tokens
+
+    @property
+    def inflight_output_bytes(self) -> int:
+        """Output bytes in flight in the whole process (every model's)."""
+        return self._budget.inflight_bytes
+
+    def admit(self, tokens: int, output_bytes: int) -> Ticket:
+        """Reserve room for one request or raise ``Overloaded``; release the ticket after."""
+        queued = self._queued_tokens()
+        # A request alone in an empty queue is always admitted; otherwise one larger
+        # than max_queued_tokens (but within max_tokens_per_request) would get
+        # "overloaded, retry" forever.
+        if queued and queued + tokens > self._max_queued_tokens:
+            raise Overloaded(
+                f"server overloaded: {queued} tokens queued, {tokens} more would pass the "
+                f"limit of {self._max_queued_tokens}; retry with backoff"
+            )
+        budget = self._budget
+        # Likewise one request alone is always admitted (per-request limits already bound
+        # it), so a budget below one request's size cannot starve everybody.
+        inflight = budget.inflight_bytes
+        if inflight and inflight + output_bytes > budget.max_bytes:
+            raise Overloaded(
+                f"server overloaded: {inflight} output bytes in flight, "
+                f"{output_bytes} more would pass the limit of {budget.max_bytes}; "
+                "retry with backoff"
+            )
+        budget.inflight_bytes = inflight + output_bytes
+        return Ticket(budget, output_bytes)
+
+
+class Ticket:
+    """Room held for one request; ``release`` is idempotent (done callbacks may race)."""
+
+    __slots__ = ("_budget", "_output_bytes")
+
+    def __init__(self, budget: OutputBudget, output_bytes: int) -> None:
+        self._budget: OutputBudget | None = budget
+        self._output_bytes = output_bytes
+
+    def release(self, *_: object) -> None:
+        """Give the room back (extra arguments are ignored, so that it can be a done
+        callback as it is)."""
+        budget = self._budget
+        if budget is not None:
+            self._budget = None
+            budget.inflight_bytes -= self._output_bytes

@@ -1,0 +1,278 @@
+"""The core's answers -> tokembed.v1 response bytes, encoded by hand around the tensor.
+
+Building an ``EmbedResponse`` message and serialising it copies the tensor twice (into
+the message, then into the wire bytes). Writing the few header bytes ourselves and
+joining them with the answer's pieces (views of the looked-up rows) copies each byte
+once, straight into the response. The bytes are standard protobuf wire format: any
+protobuf client parses them (tests/server/test_responses.py proves it against the
+generated classes, byte for byte).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from tokembed.server.core.engine import ServedModel
+from tokembed.server.core.types import Answer, Buffer, Timings
+from tokembed.v1 import embedding_pb2 as pb
+
+_WIRE_DTYPES = {np.dtype("<f4"): pb.DTYPE_FLOAT32, np.dtype("<f2"): pb.DTYPE_FLOAT16}
+
+_LEN = 2  # protobuf wire types: length-delimited, varint, 64-bit
+_VARINT = 0
+_I64 = 1
+
+
+# --- EmbedResponse
+
+
+def embed_response(
+    answer: Answer, model_name: str, model_version: str, request_id: str, server_s: float
+) -> bytes:
+    """``EmbedResponse`` wire bytes: the tensor field, then the other fields (protobuf
+    parsers merge fields in any order, so the tensor may come first)."""
+    metadata = answer_metadata(
+        answer.timings, answer.lengths, model_name, model_version, request_id, server_s
+    )
+    prefix = _response_prefix(answer.shape, answer.dtype, answer.nbytes)
+    return b"".join([prefix, *answer.pieces, metadata])
+
+
+def answer_metadata(
+    timings: Timings,
+    lengths: tuple[int, ...] | None,
+    model_name: str,
+    model_version: str,
+    request_id: str,
+    server_s: float,
+) -> bytes:
+    """Every field of the ``EmbedResponse`` but the tensor, as wire bytes.
+
+    Written by hand like the tensor: building the two messages and serialising them cost
+    a tiny request more than the rest of its encode. Fields in number order, zeros and
+    empty strings left out but ``timings`` always present, as protobuf itself writes a
+    response whose timings were set (tests compare the bytes).
+    """
+    parts: list[bytes] = []
+    if lengths:
+        packed = b"".join([varint(length) for length in lengths])
+        parts += [_LENGTHS_KEY, varint(len(packed)), packed]
+    timing_fields = b"".join([
+        _double_field(_QUEUE_SECONDS_KEY, timings.queue_s),
+        _double_field(_COMPUTE_SECONDS_KEY, timings.compute_s),
+        _double_field(_SERVER_SECONDS_KEY, server_s),
+        _varint_field(_BATCH_REQUESTS_KEY, timings.batch_requests),
+        _varint_field(_BATCH_TOKENS_KEY, timings.batch_tokens),
+    ])  # fmt: skip
+    parts += [
+        _TIMINGS_KEY,
+        varint(len(timing_fields)),
+        timing_fields,  # always set, even if empty
+        _model_fields(model_name, model_version),
+        _string_field(_REQUEST_ID_KEY, request_id),
+    ]
+    return b"".join(parts)
+
+
+# --- EmbedStream and EmbedChunked
+
+
+def stream_answer(response_bytes: bytes) -> bytes:
+    """Wrap encoded ``EmbedResponse`` bytes as ``EmbedStreamResponse.response``."""
+    return b"".join([_key(1, _LEN), varint(len(response_bytes)), response_bytes])
+
+
+def stream_error(code: int, message: str, reason: str) -> bytes:
+    error = pb.Error(code=code, message=message, reason=reason)
+    return pb.EmbedStreamResponse(error=error).SerializeToString()
+
+
+def chunked_response(
+    answer: Answer,
+    model_name: str,
+    model_version: str,
+    request_id: str,
+    server_s: float,
+    chunk_bytes: int,
+) -> Iterator[bytes]:
+    """``EmbedChunk`` wire bytes: the header (the response without the tensor's data),
+    then the data in slices of at most ``chunk_bytes``, each made when it is asked for
+    (so an answer is never whole in memory twice)."""
+    metadata = answer_metadata(
+        answer.timings, answer.lengths, model_name, model_version, request_id, server_s
+    )
+    tensor = _tensor_fields(answer.shape, answer.dtype)
+    header = b"".join([_key(1, _LEN), varint(len(tensor)), tensor, metadata])
+    yield b"".join([_key(1, _LEN), varint(len(header)), header])
+    for size, group in _groups(answer.pieces, chunk_bytes):
+        yield b"".join([_CHUNK_DATA_KEY, varint(size), *group])
+
+
+def _groups(pieces: Sequence[Buffer], limit: int) -> Iterator[tuple[int, list[Buffer]]]:
+    """``pieces`` regrouped into runs of at most ``limit`` bytes (a piece larger than
+    what a run has room for is cut), with each run's size; only the last may be short."""
+    group: list[Buffer] = []
+    size = 0
+    for piece in pieces:
+        view = memoryview(piece)
+        while view.nbytes:
+            room = limit - size
+            if view.nbytes <= room:
+                group.append(view)
+                size += view.nbytes
+                break
+            group.append(view[:room])
+            view = view[room:]
+            yield limit, group
+            group, size = [], 0
+        if size == limit:
+            yield size, group
+            group, size = [], 0
+    if group:
+        yield size, group
+
+
+# --- GetModelInfo and ListModels
+
+
+def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
+    """The served model and the limits a caller must respect."""
+    manifest = served.model.manifest
+    answer = pb.ModelInfo(
+        name=manifest.name,
+        version=manifest.version,
+        vocab_size=manifest.vocab_size,
+        d_model=manifest.d_model,
+        scale=manifest.scale,
+        weight_dtype=manifest.weight_dtype,
+        input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
+        output_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16],
+        execution_provider=served.execution_provider,
+        limits=pb.Limits(
+            max_tokens_per_request=served.limits.max_tokens_per_request,
+            max_output_bytes_per_request=served.limits.max_output_bytes_per_request,
+            max_batch_tokens=served.batch.max_batch_tokens,
+            max_message_bytes=max_message_bytes,
+            max_delay_seconds=served.batch.max_delay_s,
+        ),
+        model_sha256=served.model.model_sha256,
+        backend=served.backend,
+    )
+    if manifest.padding_idx is not None:
+        answer.padding_id = manifest.padding_idx
+    return answer
+
+
+def list_models(
+    served: Sequence[ServedModel], default_model: str, max_message_bytes: int
+) -> pb.ListModelsResponse:
+    return pb.ListModelsResponse(
+        models=[model_info(model, max_message_bytes) for model in served],
+        default_model=default_model,
+    )
+
+
+# --- the wire format's pieces
+
+
+def varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"this is a bug: varint of negative {value}")
+    if value < _SMALL_VARINTS_LIMIT:
+        return _SMALL_VARINTS[value]
+    return _encode_varint(value)
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+# Shapes, tags and small lengths are almost always below 2**14: look them up, don't build
+# them (about 11 varints per response; building each costs ~1.5 us in Python).
+_SMALL_VARINTS_LIMIT = 1 << 14
+_SMALL_VARINTS = tuple(_encode_varint(value) for value in range(_SMALL_VARINTS_LIMIT))
+
+
+def _key(field_number: int, wire_type: int) -> bytes:
+    return varint(field_number << 3 | wire_type)
+
+
+def _tensor_fields(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """A Tensor message's dtype and shape fields."""
+    packed_shape = b"".join([varint(int(dim)) for dim in shape])
+    return b"".join([
+        _key(1, _VARINT), varint(_WIRE_DTYPES[dtype]),
+        _key(2, _LEN), varint(len(packed_shape)), packed_shape,
+    ])  # fmt: skip
+
+
+def _response_prefix(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> bytes:
+    """An EmbedResponse up to its tensor's data: the tensor field's key and length, the
+    Tensor's dtype and shape, and its data field's key and length.
+
+    Cached by shape and dtype (which fix ``nbytes``): building one is a dozen small
+    steps, ~2 us in a hot loop and several times that live, about a tenth of a tiny
+    request's handler; callers send few distinct shapes.
+    """
+    key = (shape, dtype.str)  # "<f4": the byte order too
+    prefix = _prefixes.get(key)
+    if prefix is None:
+        tensor_header = b"".join([_tensor_fields(shape, dtype), _key(3, _LEN), varint(nbytes)])
+        prefix = b"".join([_key(1, _LEN), varint(len(tensor_header) + nbytes), tensor_header])
+        if len(_prefixes) < _PREFIXES_CACHED:  # a caller of endless shapes gets no more
+            _prefixes[key] = prefix
+    return prefix
+
+
+_PREFIXES_CACHED = 4096
+_prefixes: dict[tuple[tuple[int, ...], str], bytes] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _model_fields(model_name: str, model_version: str) -> bytes:
+    """The model's name and version fields: the same in every answer of a model."""
+    return _string_field(_MODEL_NAME_KEY, model_name) + _string_field(
+        _MODEL_VERSION_KEY, model_version
+    )
+
+
+def _double_field(key: bytes, value: float) -> bytes:
+    return key + _pack_double(value) if value else b""
+
+
+def _varint_field(key: bytes, value: int) -> bytes:
+    return key + varint(value) if value else b""
+
+
+def _string_field(key: bytes, value: str) -> bytes:
+    if not value:
+        return b""
+    encoded = value.encode("utf-8")
+    return key + varint(len(encoded)) + encoded
+
+
+_pack_double = struct.Struct("<d").pack
+# EmbedResponse fields 2..6, Timings fields 1..5 (embedding.proto), EmbedChunk.data.
+_LENGTHS_KEY = _key(2, _LEN)
+_TIMINGS_KEY = _key(3, _LEN)
+_MODEL_NAME_KEY = _key(4, _LEN)
+_MODEL_VERSION_KEY = _key(5, _LEN)
+_REQUEST_ID_KEY = _key(6, _LEN)
+_QUEUE_SECONDS_KEY = _key(1, _I64)
+_COMPUTE_SECONDS_KEY = _key(2, _I64)
+_SERVER_SECONDS_KEY = _key(3, _I64)
+_BATCH_REQUESTS_KEY = _key(4, _VARINT)
+_BATCH_TOKENS_KEY = _key(5, _VARINT)
+_CHUNK_DATA_KEY = _key(2, _LEN)

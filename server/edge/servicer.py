@@ -1,0 +1,342 @@
+"""The tokembed.v1 servicer: translate, call the model's engine, translate back.
+
+Every Embed, EmbedStream request and EmbedChunked request takes the same steps once
+each: parsed (``requests``, as gRPC's deserializer), its model's engine found
+(``registry``), served by it (validate, admit, look up, answer: ``core.engine``), encoded
+(``responses``, called by the engine where its policy runs the look-up), and counted
+(``calls``). Domain errors become status codes through one table (``status_codes``).
+
+The Embed methods answer with bytes already encoded, so they are registered by hand
+with no serializer; GetModelInfo and ListModels return messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from tokembed.server.core.admission import Ticket
+from tokembed.server.core.engine import Engine
+from tokembed.server.core.errors import EmbedError, Internal, InvalidInput
+from tokembed.server.core.registry import ModelRegistry
+from tokembed.server.core.types import Answer
+from tokembed.server.edge import responses
+from tokembed.server.edge.calls import Calls
+from tokembed.server.edge.requests import (
+    EmbedCall,
+    Malformed,
+    ModelQuery,
+    parse_embed,
+    parse_list_models,
+    parse_model_query,
+)
+from tokembed.server.edge.status_codes import status_of, trailing_metadata
+from tokembed.v1 import embedding_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "tokembed.v1.EmbeddingService"
+# A call cancelled less than this before its deadline counts as deadline exceeded.
+DEADLINE_SLACK_S = 0.05
+# EmbedStream answers in order but works ahead on up to this many requests at once.
+STREAM_WINDOW = 32
+# One EmbedStream answer: its bytes, and the room it holds until they are sent.
+_StreamAnswer = tuple[bytes, Ticket | None]
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class EmbeddingServicer:
+    def __init__(
+        self, registry: ModelRegistry, calls: Calls, *, chunk_bytes: int, max_message_bytes: int
+    ) -> None:
+        """``chunk_bytes``: slice size of EmbedChunked answers; ``max_message_bytes``: the
+        message limit GetModelInfo reports."""
+        self._registry = registry
+        self._calls = calls
+        self._chunk_bytes = chunk_bytes
+        self._max_message_bytes = max_message_bytes
+
+    # --- RPCs
+
+    async def Embed(
+        self, request: EmbedCall | Malformed, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        started = time.perf_counter()
+        calls = self._calls
+        calls.enter()
+        model = ""
+        try:
+            try:
+                engine = self._engine(request)
+                model = engine.name
+                assert isinstance(request, EmbedCall)
+                served = await engine.embed(
+                    request.input, _deadline(context), _unary_encoder(engine, request, started)
+                )
+            except EmbedError as error:
+                await self._abort(context, "Embed", model, error, started)
+            except asyncio.CancelledError:
+                self._gone(context, "Embed", model, started)
+                raise
+            except Exception as exc:
+                logger.exception("Embed failed")
+                internal = Internal(f"internal error: {exc}")
+                await self._abort(context, "Embed", model, internal, started)
+            # The answer's bytes stay counted by admission until gRPC is done sending
+            # them (or gives up): the RPC's end, which this documented callback marks.
+            context.add_done_callback(served.ticket.release)
+            payload, encode_s = served.payload
+            calls.served("Embed", model, started, served.answer, encode_s)
+            return payload
+        finally:
+            calls.leave()
+
+    async def EmbedStream(
+        self,
+        request_iterator: AsyncIterator[EmbedCall | Malformed],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[bytes]:
+        answers: asyncio.Queue[asyncio.Task[_StreamAnswer] | None] = asyncio.Queue(STREAM_WINDOW)
+        unsent: set[asyncio.Task[_StreamAnswer]] = set()  # started, not yet handed to gRPC
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.ensure_future(self._stream_item(request, context))
+                    unsent.add(task)
+                    await answers.put(task)
+            except asyncio.CancelledError:
+                # The stream is over and nobody reads the queue; waiting there to put the
+                # end marker (a full queue: the caller sent more than the window and
+                # left) would hang this task until the garbage collector destroyed it.
+                raise
+            except BaseException:
+                await answers.put(None)
+                raise
+            await answers.put(None)
+
+        reader = asyncio.ensure_future(read_requests())
+        try:
+            while (task := await answers.get()) is not None:
+                payload, ticket = await task
+                unsent.discard(task)
+                # The answer's bytes stay reserved until gRPC has taken them: released
+                # at encode time, a stream whose caller did not read would pin up to
+                # STREAM_WINDOW answers that admission no longer counted.
+                try:
+                    yield payload
+                finally:
+                    if ticket is not None:
+                        ticket.release()
+            await reader  # surfaces a failure of the request stream itself
+        finally:
+            reader.cancel()
+            # The stream ended (or its caller left) with answers computing or computed:
+            # cancel them, and give back the room of those already done.
+            for leftover in unsent:
+                leftover.cancel()
+                leftover.add_done_callback(_release_unsent)
+
+    async def EmbedChunked(
+        self, request: EmbedCall | Malformed, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        started = time.perf_counter()
+        calls = self._calls
+        calls.enter()
+        model = ""
+        try:
+            try:
+                engine = self._engine(request)
+                model = engine.name
+                assert isinstance(request, EmbedCall)
+                served = await engine.embed(request.input, _deadline(context), _as_is)
+            except EmbedError as error:
+                await self._abort(context, "EmbedChunked", model, error, started)
+            except asyncio.CancelledError:
+                self._gone(context, "EmbedChunked", model, started)
+                raise
+            except Exception as exc:
+                logger.exception("EmbedChunked failed")
+                internal = Internal(f"internal error: {exc}")
+                await self._abort(context, "EmbedChunked", model, internal, started)
+            try:
+                chunks = responses.chunked_response(
+                    served.answer, engine.name, engine.served.version, request.request_id,
+                    time.perf_counter() - started, self._chunk_bytes,
+                )  # fmt: skip
+                for chunk in chunks:
+                    yield chunk
+            except asyncio.CancelledError:
+                self._gone(context, "EmbedChunked", model, started)
+                raise
+            finally:
+                served.ticket.release()
+            calls.served("EmbedChunked", model, started, served.answer, encode_s=None)
+        finally:
+            calls.leave()
+
+    async def GetModelInfo(
+        self, request: ModelQuery | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        started = time.perf_counter()
+        model = ""
+        try:
+            if isinstance(request, Malformed):
+                raise InvalidInput(request.message)
+            engine = self._registry.engine(request.model_name)
+            model = engine.name
+        except EmbedError as error:
+            await self._abort(context, "GetModelInfo", model, error, started)
+        answer = responses.model_info(engine.served, self._max_message_bytes)
+        self._calls.answered("GetModelInfo", model, started)
+        return answer
+
+    async def ListModels(
+        self, request: Malformed | None, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        started = time.perf_counter()
+        registry = self._registry
+        try:
+            if isinstance(request, Malformed):
+                raise InvalidInput(request.message)
+            registry.check_serving()
+        except EmbedError as error:
+            await self._abort(context, "ListModels", "", error, started)
+        answer = responses.list_models(
+            [engine.served for engine in registry], registry.default_name, self._max_message_bytes
+        )
+        self._calls.answered("ListModels", "", started)
+        return answer
+
+    # --- helpers
+
+    def _engine(self, request: EmbedCall | Malformed) -> Engine:
+        if isinstance(request, Malformed):
+            raise InvalidInput(request.message)
+        return self._registry.engine(request.model_name)
+
+    async def _stream_item(
+        self, request: EmbedCall | Malformed, context: grpc.aio.ServicerContext
+    ) -> _StreamAnswer:
+        """One answer of EmbedStream, with the room to release once it is sent."""
+        started = time.perf_counter()
+        calls = self._calls
+        calls.enter()
+        model = ""
+        try:
+            engine = self._engine(request)
+            model = engine.name
+            assert isinstance(request, EmbedCall)
+            served = await engine.embed(
+                request.input, _deadline(context), _unary_encoder(engine, request, started)
+            )
+        except EmbedError as error:
+            code = status_of(error)
+            calls.refused("EmbedStream", model, error.reason, code, started, str(error))
+            return responses.stream_error(code.value[0], str(error), error.reason), None
+        except asyncio.CancelledError:
+            self._gone(context, "EmbedStream", model, started)
+            raise
+        except Exception as exc:
+            logger.exception("EmbedStream item failed")
+            code = grpc.StatusCode.INTERNAL
+            calls.refused("EmbedStream", model, "internal", code, started, str(exc))
+            answer = responses.stream_error(code.value[0], f"internal error: {exc}", "internal")
+            return answer, None
+        finally:
+            calls.leave()
+        payload, encode_s = served.payload
+        calls.served("EmbedStream", model, started, served.answer, encode_s)
+        return responses.stream_answer(payload), served.ticket
+
+    def _gone(
+        self, context: grpc.aio.ServicerContext, method: str, model: str, started: float
+    ) -> None:
+        """The handler was cancelled: the caller went away, or its deadline passed.
+
+        gRPC cancels the handler in both cases; only the time left tells them apart.
+        The caller's own timer fires a moment before ours (its grpc-timeout was measured
+        before the request travelled), so its cancel can arrive first, just before our
+        deadline: a call cancelled that close to its deadline ran out of time.
+        """
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            self._calls.refused(
+                method, model, "deadline_exceeded", code, started, "deadline passed"
+            )
+        else:
+            code = grpc.StatusCode.CANCELLED
+            self._calls.refused(method, model, "cancelled", code, started, "caller left")
+
+    async def _abort(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        model: str,
+        error: EmbedError,
+        started: float,
+    ) -> NoReturn:
+        code = status_of(error)
+        self._calls.refused(method, model, error.reason, code, started, str(error))
+        await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
+        raise AssertionError("this is a bug: context.abort returned")
+
+
+def _unary_encoder(
+    engine: Engine, request: EmbedCall, started: float
+) -> functools.partial[tuple[bytes, float]]:
+    """How the engine encodes this request's answer: an ``EmbedResponse``'s bytes, and
+    the seconds the encode took."""
+    served = engine.served
+    return functools.partial(_encode, served.name, served.version, request.request_id, started)
+
+
+def _encode(
+    model_name: str, model_version: str, request_id: str, started: float, answer: Answer
+) -> tuple[bytes, float]:
+    encode_started = time.perf_counter()
+    payload = responses.embed_response(
+        answer, model_name, model_version, request_id, encode_started - started
+    )
+    return payload, time.perf_counter() - encode_started
+
+
+def _as_is(answer: Answer) -> Answer:
+    """EmbedChunked's "encode": none yet; its chunks are made as they are sent."""
+    return answer
+
+
+def _release_unsent(task: asyncio.Task[_StreamAnswer]) -> None:
+    """An answer computed for a stream that ended before sending it: free its room."""
+    if not task.cancelled() and task.exception() is None:
+        ticket = task.result()[1]
+        if ticket is not None:
+            ticket.release()
+
+
+def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
+    """The methods, registered by hand: the Embed methods' answers are bytes already, so
+    they have no serializer (gRPC sends bytes as they are)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, parse_embed),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, parse_embed),
+        "EmbedChunked": grpc.unary_stream_rpc_method_handler(servicer.EmbedChunked, parse_embed),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, parse_model_query, pb.ModelInfo.SerializeToString
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, parse_list_models, pb.ListModelsResponse.SerializeToString
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

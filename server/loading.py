@@ -1,0 +1,114 @@
+"""Loading one model directory: check it, choose its backend, compute what it needs.
+
+The backend is decided here, once per model, and reported in GetModelInfo and the logs:
+- ``table`` on CPU when the model's ``[V, D]`` float32 rows fit ``float32_table_max_bytes``:
+  the model runs once over the whole vocabulary and look-ups slice its rows (a float16
+  table too when it fits ``float16_table_max_bytes``; else float16 answers are cast);
+- ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokembed.export.errors import ModelDirError
+from tokembed.export.model_dir import ModelDir, load_model_dir
+from tokembed.server.backends.base import Backend
+from tokembed.server.backends.runtime import OnnxRuntimeBackend
+from tokembed.server.backends.sessions import (
+    CPU,
+    Float16Cast,
+    ModelSession,
+    SessionOptions,
+    expects_cpu,
+)
+from tokembed.server.backends.table import TableBackend
+from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.settings import Settings
+
+# Tables are computed (and cast) this many bytes of rows at a time, so that loading needs
+# no second full-size temporary.
+_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: ModelDir
+    backend: Backend
+    load_s: float  # opening the session, computing the tables or warming up
+
+
+# What the server loads each model directory with; tests wrap the backend of the real
+# one to hold or fail its look-ups.
+ModelLoader = Callable[[Path, Settings], LoadedModel]
+
+
+def load_model(directory: Path, settings: Settings) -> LoadedModel:
+    """Validate ``directory``, choose and build its backend (blocking)."""
+    try:
+        model = load_model_dir(directory)
+    except ModelDirError as exc:
+        raise ServerConfigError(f"invalid model directory: {exc}") from exc
+    started = time.perf_counter()
+    try:
+        backend = _backend(model, settings)
+    except ServerConfigError:
+        raise
+    except Exception as exc:
+        # onnxruntime can still refuse a directory the checks above accept (external
+        # weights cut short before the manifest was written): say so in one line, not
+        # with a traceback.
+        message = " ".join(str(exc).split())
+        raise ServerConfigError(
+            f"onnxruntime cannot load the model in {directory}: {message}"
+        ) from exc
+    return LoadedModel(model, backend, time.perf_counter() - started)
+
+
+def _backend(model: ModelDir, settings: Settings) -> Backend:
+    manifest = model.manifest
+    vocab_size, d_model = manifest.vocab_size, manifest.d_model
+    # The tables and casts computed at load need no arena: what they allocate is given
+    # back (an arena kept 16-32 MB resident that no look-up used afterwards).
+    at_load = SessionOptions(
+        device=settings.device,
+        intra_op_threads=settings.intra_op_threads,
+        inter_op_threads=settings.inter_op_threads,
+        cpu_arena=False,
+    )
+    cast = Float16Cast(at_load)
+    if settings.float32_table_bytes(vocab_size, d_model) and expects_cpu(settings.device):
+        session = ModelSession(model, at_load)
+        if session.provider == CPU:
+            float32_table = session.every_row(_CHUNK_BYTES)
+            float16_table = None
+            if settings.float16_table_bytes(vocab_size, d_model):
+                float16_table = _cast_in_chunks(float32_table, cast)
+            return TableBackend(
+                float32_table,
+                float16_table=float16_table,
+                padding_id=manifest.padding_idx,
+                execution_provider=session.provider,
+                cast=cast,
+            )
+    per_batch = dataclasses.replace(
+        at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
+    )
+    session = ModelSession(model, per_batch)
+    backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, cast=cast)
+    backend.warm_up(settings.max_batch_tokens)
+    return backend
+
+
+def _cast_in_chunks(table: np.ndarray, cast: Float16Cast) -> np.ndarray:
+    out = np.empty(table.shape, dtype=np.float16)
+    step = max(1, _CHUNK_BYTES // (table.shape[1] * table.itemsize))
+    for start in range(0, len(table), step):
+        out[start : start + step] = cast(table[start : start + step])
+    return out

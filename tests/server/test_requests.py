@@ -1,0 +1,126 @@
+"""Request bytes -> the core's types (``edge/requests.py``, gRPC's deserializers): every
+field, every enum value (unknown ones named), and bytes that do not parse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokembed.server.core.errors import InvalidInput
+from tokembed.server.core.types import FLAT, PADDED
+from tokembed.server.core.validation import Limits, validate
+from tokembed.server.edge.requests import (
+    EmbedCall,
+    Malformed,
+    ModelQuery,
+    parse_embed,
+    parse_list_models,
+    parse_model_query,
+)
+from tokembed.v1 import embedding_pb2 as pb
+
+
+def parsed(message: pb.EmbedRequest) -> EmbedCall:
+    call = parse_embed(message.SerializeToString())
+    assert isinstance(call, EmbedCall)
+    return call
+
+
+def test_every_field_is_read() -> None:
+    ids = np.array([5, 6, 7], dtype="<i8")
+    message = pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[3], data=ids.tobytes()),
+        lengths=[1, 2],
+        output_dtype=pb.DTYPE_FLOAT16,
+        ragged_layout=pb.RAGGED_LAYOUT_FLAT,
+        model_name="small",
+        request_id="abc",
+    )
+    call = parsed(message)
+    got = call.input
+    assert got.ids_dtype == "int64"
+    assert got.shape == (3,)
+    assert got.data == ids.tobytes()
+    assert got.lengths == (1, 2)
+    assert got.output_dtype == "float16"
+    assert got.layout == FLAT
+    assert (call.model_name, call.request_id) == ("small", "abc")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "name"),
+    [
+        ("ids", pb.DTYPE_INT64, "int64"),
+        ("ids", pb.DTYPE_INT32, "int32"),
+        ("ids", pb.DTYPE_UNSPECIFIED, "DTYPE_UNSPECIFIED"),
+        ("ids", pb.DTYPE_FLOAT32, "DTYPE_FLOAT32"),
+        ("ids", 42, "42 (unknown DType value)"),
+        ("output", pb.DTYPE_UNSPECIFIED, "float32"),
+        ("output", pb.DTYPE_FLOAT32, "float32"),
+        ("output", pb.DTYPE_FLOAT16, "float16"),
+        ("output", pb.DTYPE_INT32, "DTYPE_INT32"),
+        ("output", 9, "9 (unknown DType value)"),
+        ("layout", pb.RAGGED_LAYOUT_UNSPECIFIED, PADDED),
+        ("layout", pb.RAGGED_LAYOUT_PADDED, PADDED),
+        ("layout", pb.RAGGED_LAYOUT_FLAT, FLAT),
+        ("layout", 7, "7 (unknown RaggedLayout value)"),
+    ],
+)
+def test_enums_are_mapped_and_unknown_values_named(field: str, value: int, name: str) -> None:
+    message = pb.EmbedRequest(input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 1]))
+    if field == "ids":
+        message.input_ids.dtype = value  # type: ignore[assignment]
+        assert parsed(message).input.ids_dtype == name
+    elif field == "output":
+        message.output_dtype = value  # type: ignore[assignment]
+        assert parsed(message).input.output_dtype == name
+    else:
+        message.ragged_layout = value  # type: ignore[assignment]
+        assert parsed(message).input.layout == name
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"input_ids": pb.Tensor(dtype=42, shape=[1, 1], data=bytes(8))}, "dtype 42 (unknown"),
+        (
+            {"input_ids": pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 1], data=bytes(8))},
+            "dtype DTYPE_FLOAT32 is not supported",
+        ),
+        ({"output_dtype": 9}, "output_dtype 9 (unknown DType value)"),
+        ({"lengths": [1], "ragged_layout": 7}, "ragged_layout 7 (unknown RaggedLayout value)"),
+    ],
+)
+def test_unknown_enum_values_are_named_in_the_validation_error(
+    fields: dict[str, object], fragment: str
+) -> None:
+    fields.setdefault(
+        "input_ids",
+        pb.Tensor(
+            dtype=pb.DTYPE_INT64,
+            shape=[1] if "lengths" in fields else [1, 1],
+            data=bytes(8),
+        ),
+    )
+    limits = Limits(vocab_size=10, d_model=4, max_tokens_per_request=10,
+                    max_output_bytes_per_request=1000)  # fmt: skip
+    with pytest.raises(InvalidInput) as error:
+        validate(parsed(pb.EmbedRequest(**fields)).input, limits)  # type: ignore[arg-type]
+    assert fragment in str(error.value)
+
+
+def test_bytes_that_do_not_parse_are_malformed_never_an_exception() -> None:
+    for parse, what in (
+        (parse_embed, "EmbedRequest"),
+        (parse_model_query, "GetModelInfoRequest"),
+        (parse_list_models, "ListModelsRequest"),
+    ):
+        result = parse(b"\xff\xff\xff")  # type: ignore[operator]
+        assert isinstance(result, Malformed) and what in result.message
+
+
+def test_model_queries_read_the_name() -> None:
+    query = parse_model_query(pb.GetModelInfoRequest(model_name="dec").SerializeToString())
+    assert query == ModelQuery("dec")
+    assert parse_model_query(b"") == ModelQuery("")
+    assert parse_list_models(b"") is None
