@@ -69,9 +69,9 @@ class Calls:
         if logger.isEnabledFor(logging.DEBUG):
             timings = answer.timings
             logger.debug(
-                "%s ok model=%s shape=%s dtype=%s queue=%.6fs compute=%.6fs batch=%d/%d "
+                "%s ok shape=%s dtype=%s model=%s queue=%.6fs compute=%.6fs batch=%d/%d "
                 "total=%.6fs",
-                method, model, list(answer.shape), answer.dtype.name, timings.queue_s,
+                method, list(answer.shape), answer.dtype.name, model, timings.queue_s,
                 timings.compute_s, timings.batch_requests, timings.batch_tokens,
                 time.perf_counter() - started,
                 extra={"method": method, "model": model, "code": "OK"},

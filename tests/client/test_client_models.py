@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import FrozenInstanceError
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import pytest
-from client_fakes import FAKE_NAME, D, FakeServer, FakeService, rows
+from client_fakes import FAKE_NAME, Abort, D, FakeServer, FakeService, rows
 
 from tokembed.cli.main import main
 from tokembed.client import (
@@ -182,10 +183,7 @@ def test_models_decodes_list_models(two: FakeServer) -> None:
 
 
 def test_models_is_retried_on_unavailable(two: FakeServer) -> None:
-    from client_fakes import Abort
-    from grpc import StatusCode
-
-    two.service.script.append(Abort(StatusCode.UNAVAILABLE, "unavailable"))
+    two.service.script.append(Abort(grpc.StatusCode.UNAVAILABLE, "unavailable"))
     with sync_client(two, backoff_s=0.01) as client:
         assert client.models().names == (FAKE_NAME, DEC)
     assert two.service.count("ListModels") == 2
@@ -322,12 +320,9 @@ def test_async_unknown_model(two: FakeServer) -> None:
     async def main() -> list[BaseException]:
         errors: list[BaseException] = []
         async with async_client(two) as client:
-            for threshold_call in (
-                client.embed(IDS, model="nope"),
-                client.info("nope"),
-            ):
+            for pending in (client.embed(IDS, model="nope"), client.info("nope")):
                 try:
-                    await threshold_call
+                    await pending
                 except ModelNotFoundError as exc:
                     errors.append(exc)
             async for item in client.embed_stream_results(
@@ -359,8 +354,9 @@ def test_async_chunked_choice_uses_each_models_d(small_and_big: FakeServer) -> N
 
 
 @pytest.fixture
-def out(capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[[], str]]:
-    yield lambda: capsys.readouterr().out
+def out(capsys: pytest.CaptureFixture[str]) -> Callable[[], str]:
+    """What the CLI printed since the last call."""
+    return lambda: capsys.readouterr().out
 
 
 def test_cli_embed_model(two: FakeServer, out: Callable[[], str]) -> None:
@@ -400,9 +396,7 @@ def test_cli_info_all(two: FakeServer, out: Callable[[], str]) -> None:
     assert two.service.count("ListModels") == 2
 
 
-def test_cli_unknown_model_is_one_line(
-    two: FakeServer, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_unknown_model_is_one_line(two: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["embed", "--target", two.address, "--ids", "1", "--model", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1

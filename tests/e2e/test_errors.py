@@ -185,7 +185,8 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
     server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, max_queued_tokens=10
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, max_queued_tokens=10,
+        float32_table_max_bytes=0,
     )
 
     async def scenario() -> float:

@@ -39,7 +39,8 @@ def test_health_walks_not_serving_serving_not_serving_while_draining(
 ) -> None:
     loader = GatedLoader(open_loading=False)
     server = start_server(
-        small_model_dir, loader=loader, wait_ready=False, inline_compute_max_tokens=0
+        small_model_dir, loader=loader, wait_ready=False, inline_compute_max_tokens=0,
+        float32_table_max_bytes=0,
     )
     assert _health(server.target) == NOT_SERVING  # bound, model still loading
     with EmbeddingClient(server.target, retries=0) as client, pytest.raises(UnavailableError):
@@ -120,7 +121,7 @@ def _inflight(server: ServerProcess) -> float:
 
 def _accepted(server: ServerProcess) -> float:
     samples = _scrape(server)
-    done = samples.get('tokembed_requests_total{code="OK",method="Embed"}', 0.0)
+    done = samples.get('tokembed_requests_total{code="OK",method="Embed",model="small"}', 0.0)
     return done + samples.get("tokembed_inflight_requests", 0.0)
 
 

@@ -23,7 +23,7 @@ def _served(server: ServerProcess) -> float:
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         for line in response.read().decode().splitlines():
-            if line.startswith('tokembed_requests_total{code="OK",method="Embed"}'):
+            if line.startswith('tokembed_requests_total{code="OK",method="Embed",model="small"}'):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
 

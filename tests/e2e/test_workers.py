@@ -52,7 +52,7 @@ def _sample(metrics_port: int, prefix: str) -> float:
 
 
 def _served_by(metrics_port: int) -> float:
-    return _sample(metrics_port, 'tokembed_requests_total{code="OK",method="Embed"}')
+    return _sample(metrics_port, 'tokembed_requests_total{code="OK",method="Embed",model="small"}')
 
 
 def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> None:

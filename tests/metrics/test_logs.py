@@ -101,14 +101,19 @@ def test_json_logs_are_one_object_per_line_and_start_up_says_what_is_served(
     assert [(e["reason"], e["code"]) for e in refused] == [("invalid_input", "INVALID_ARGUMENT")]
     assert "input_ids[0,1] = 1000" in refused[0]["message"]
 
-    (start_up,) = [e for e in entries if e["message"].startswith("serving model")]
-    assert start_up["level"] == "info"
+    (loaded,) = [e for e in entries if e["message"].startswith("loaded model")]
+    assert loaded["level"] == "info" and loaded["model"] == "small"
     manifest = json.loads((small_model_dir / "manifest.json").read_text())
-    message = start_up["message"]
-    assert f"serving model small v{manifest['version']}" in message
+    message = loaded["message"]
+    assert f"loaded model small v{manifest['version']}" in message
     assert manifest["files"]["model.onnx"]["sha256"] in message
     assert "V=1000 D=64" in message
-    assert "CPUExecutionProvider" in message
+    assert "table backend on CPUExecutionProvider" in message
+    assert loaded["backend"] == "table"
+    (start_up,) = [e for e in entries if e["message"].startswith("serving model")]
+    assert start_up["level"] == "info"
+    message = start_up["message"]
+    assert "serving model small (default small)" in message
     for effective in (
         "4000 tokens and 3145728 output bytes per request",
         "batches of 2048 tokens after at most 3.5 ms",

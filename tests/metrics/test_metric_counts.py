@@ -175,6 +175,7 @@ def test_every_method_is_counted_under_its_name(
         # Ragged, padded to [2, 5]: 8 tokens, 10 rows returned.
         ragged = stub.Embed(embed_request(ids_of(8)[0], lengths=[3, 5]), timeout=10)
         stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        stub.ListModels(pb.ListModelsRequest(), timeout=10)
 
     assert [answer.WhichOneof("result") for answer in answers] == [
         "response", "response", "error", "response",
@@ -186,6 +187,7 @@ def test_every_method_is_counted_under_its_name(
     assert requests_by_code(server, "EmbedChunked") == {"OK": 2}
     assert requests_by_code(server, "Embed") == {"OK": 1}
     assert requests_by_code(server, "GetModelInfo") == {"OK": 1}
+    assert requests_by_code(server, "ListModels") == {"OK": 1}
     counted = {
         dict(labels)["method"]
         for (name, labels), value in samples(scrape(server.metrics_port)).items()
@@ -245,12 +247,11 @@ def test_too_large_is_counted_apart_from_overloaded(
     assert_each_failure_counted_once(server)
 
 
-def test_float16_answers_from_the_table_are_requests_but_not_batches(
+def test_float16_answers_count_as_requests_and_batches_as_float32_ones_do(
     small_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> None:
-    """On CPU, float16 answers are gathered from a float16 copy of the table kept at load,
-    without the batcher or onnxruntime: they count as requests, tokens and output bytes,
-    and not in the batch and compute metrics."""
+    """Every look-up is reported as a batch from one place, whatever its dtype: float16
+    answers from the float16 table too (each a batch of one: a table does not batch)."""
     server = start_server(small_model_dir)  # the 128 KB float16 table is kept by default
     m = server.metric
     with stub_for(server.target) as stub:
@@ -265,9 +266,10 @@ def test_float16_answers_from_the_table_are_requests_but_not_batches(
     returned = sum(len(r.hidden_states.data) for r in [*halves, full])
     assert m("tokembed_output_bytes_total") == returned == 3 * 8 * SMALL_D * 2 + 8 * ROW_BYTES
     assert m("tokembed_queue_wait_seconds_count") == 4
-    assert m("tokembed_batches_total") == 1  # the float32 request's
-    assert m("tokembed_compute_seconds_count") == 1
-    assert m("tokembed_batch_tokens_sum") == 8
+    assert m("tokembed_batches_total") == 4
+    assert m("tokembed_compute_seconds_count") == 4
+    assert m("tokembed_batch_tokens_sum") == 32
+    assert m("tokembed_batch_requests_sum") == 4
 
 
 def test_overloaded_is_counted_once_per_refusal(
@@ -374,11 +376,12 @@ def test_known_traffic_numbers_are_what_a_scrape_shows(
         for k in range(7):
             stub.Embed(embed_request(ids_of(3, start=k)), timeout=10)
     found = samples(scrape(server.metrics_port))
-    assert found[("tokembed_requests_total", (("code", "OK"), ("method", "Embed")))] == 7
-    assert found[("tokembed_tokens_total", ())] == 21
-    assert found[("tokembed_batch_tokens_sum", ())] == 21
-    assert found[("tokembed_output_bytes_total", ())] == 21 * ROW_BYTES
+    small = ("model", "small")
+    assert found[("tokembed_requests_total", (("code", "OK"), ("method", "Embed"), small))] == 7
+    assert found[("tokembed_tokens_total", (small,))] == 21
+    assert found[("tokembed_batch_tokens_sum", (small,))] == 21
+    assert found[("tokembed_output_bytes_total", (small,))] == 21 * ROW_BYTES
     assert np.isclose(
-        found[("tokembed_request_duration_seconds_sum", (("method", "Embed"),))],
+        found[("tokembed_request_duration_seconds_sum", (("method", "Embed"), small))],
         server.metric("tokembed_request_duration_seconds_sum", {"method": "Embed"}),
     )

@@ -22,27 +22,28 @@ from support.server import ServerThread
 LATENCY_HISTOGRAMS = (
     "tokembed_request_duration_seconds",  # total server time of an RPC
     "tokembed_queue_wait_seconds",
-    "tokembed_compute_seconds",  # the onnxruntime run
+    "tokembed_compute_seconds",  # the look-up
     "tokembed_encode_seconds",  # the response's encoding
 )
 # {family as the text format names it: (type, label names)}
 EXPECTED = {
-    "tokembed_requests": ("counter", {"method", "code"}),
-    "tokembed_request_duration_seconds": ("histogram", {"method"}),
-    "tokembed_queue_wait_seconds": ("histogram", set()),
-    "tokembed_compute_seconds": ("histogram", set()),
-    "tokembed_encode_seconds": ("histogram", set()),
-    "tokembed_batch_requests": ("histogram", set()),
-    "tokembed_batch_tokens": ("histogram", set()),
-    "tokembed_batches": ("counter", set()),
-    "tokembed_tokens": ("counter", set()),
-    "tokembed_output_bytes": ("counter", set()),
+    "tokembed_requests": ("counter", {"method", "code", "model"}),
+    "tokembed_request_duration_seconds": ("histogram", {"method", "model"}),
+    "tokembed_queue_wait_seconds": ("histogram", {"model"}),
+    "tokembed_compute_seconds": ("histogram", {"model"}),
+    "tokembed_encode_seconds": ("histogram", {"model"}),
+    "tokembed_batch_requests": ("histogram", {"model"}),
+    "tokembed_batch_tokens": ("histogram", {"model"}),
+    "tokembed_batches": ("counter", {"model"}),
+    "tokembed_tokens": ("counter", {"model"}),
+    "tokembed_output_bytes": ("counter", {"model"}),
     "tokembed_inflight_requests": ("gauge", set()),
-    "tokembed_queued_tokens": ("gauge", set()),
+    "tokembed_inflight_output_bytes": ("gauge", set()),
+    "tokembed_queued_tokens": ("gauge", {"model"}),
     "tokembed_rejections": ("counter", {"reason"}),
     "tokembed_model_info": (
         "gauge",
-        {"name", "version", "vocab_size", "d_model", "dtype", "execution_provider"},
+        {"name", "version", "vocab_size", "d_model", "dtype", "execution_provider", "backend"},
     ),
     "process_cpu_seconds": ("counter", set()),
     "process_resident_memory_bytes": ("gauge", set()),
@@ -90,7 +91,9 @@ def test_a_live_scrape_has_every_metric_with_its_type_and_labels(
         "d_model": str(info.d_model),
         "dtype": info.weight_dtype,
         "execution_provider": info.execution_provider,
+        "backend": info.backend,
     }
+    assert model.labels["backend"] == "table"
     assert model.labels["name"] == "small" and model.labels["vocab_size"] == "1000"
     assert model.labels["execution_provider"] == "CPUExecutionProvider"
 
@@ -101,9 +104,18 @@ def test_a_live_scrape_has_every_metric_with_its_type_and_labels(
     assert 0 < values["process_open_fds"] <= values["process_max_fds"]
 
 
+def _with_a_model(registry: CollectorRegistry, name: str = "small") -> Metrics:
+    from tokembed.server.metrics import ModelLabels
+
+    metrics = Metrics(registry)
+    labels = ModelLabels(name, "1", 1000, 64, "float32", "CPUExecutionProvider", "table")
+    metrics.add_model(labels, lambda: 0)
+    return metrics
+
+
 def test_latency_histograms_resolve_below_a_millisecond() -> None:
     registry = CollectorRegistry()
-    Metrics(registry)
+    _with_a_model(registry)
     for name in LATENCY_HISTOGRAMS:
         bounds = sorted(
             float(sample.labels["le"])
@@ -122,18 +134,27 @@ def test_reasons_methods_and_codes_exist_at_zero_before_any_request() -> None:
     """Series born at 0, so increase() and rate() count the first event after a start
     (the Prometheus test shows it: a series born at 3 would show no increase)."""
     registry = CollectorRegistry()
-    Metrics(registry)
+    _with_a_model(registry, "enc")
+    _ = _with_a_model  # (the second model, below)
     assert set(REJECTION_REASONS) >= ISSUE_REASONS
     for reason in REJECTION_REASONS:
         assert registry.get_sample_value("tokembed_rejections_total", {"reason": reason}) == 0
-    # Every code the server answers with: OK and each code of the error table.
+    # Every code the server answers with: OK and each code of the error table, for each
+    # model served and for requests that name none ("").
     assert set(RPC_CODES) == {"OK"} | {code.name for code in STATUS_BY_ERROR.values()}
-    for method in RPC_METHODS:
-        for code in RPC_CODES:
-            labels = {"method": method, "code": code}
-            assert registry.get_sample_value("tokembed_requests_total", labels) == 0
-        labels = {"method": method}
-        assert registry.get_sample_value("tokembed_request_duration_seconds_count", labels) == 0
+    for model in ("enc", ""):
+        for method in RPC_METHODS:
+            for code in RPC_CODES:
+                labels = {"method": method, "code": code, "model": model}
+                assert registry.get_sample_value("tokembed_requests_total", labels) == 0
+            labels = {"method": method, "model": model}
+            assert registry.get_sample_value("tokembed_request_duration_seconds_count", labels) == 0
+    for family in (
+        "tokembed_tokens_total",
+        "tokembed_batches_total",
+        "tokembed_output_bytes_total",
+    ):
+        assert registry.get_sample_value(family, {"model": "enc"}) == 0, family
 
 
 def test_nothing_is_registered_globally(
@@ -160,7 +181,7 @@ def test_the_docs_describe_every_metric_with_its_type_and_labels(document: str) 
     doc = (Path(__file__).resolve().parents[2] / document).read_text()
     rows = [line.split(" | ") for line in doc.splitlines() if line.startswith("| `")]
     registry = CollectorRegistry()
-    Metrics(registry)
+    _with_a_model(registry)
     for family in registry.collect():
         name = f"{family.name}_total" if family.type == "counter" else family.name
         (row,) = [row for row in rows if f"`{name}`" in row[0]] or [None]

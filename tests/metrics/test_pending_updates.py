@@ -14,33 +14,42 @@ from tokembed.server.metrics import Metrics, PendingUpdates
 def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, process_collector=False)
-    metrics.served("Embed", 0.0002, tokens=8, output_bytes=16384, queue_s=0.0, encode_s=2e-5)
-    metrics.batch_done(requests=3, tokens=24, compute_s=0.00005)
+    metrics.served("Embed", "enc", 0.0002, tokens=8, output_bytes=16384, queue_s=0.0, encode_s=2e-5)
+    metrics.batch_done("enc", requests=3, tokens=24, compute_s=0.00005)
     metrics.rejected("overloaded")
 
     def value(name: str, labels: dict[str, str] | None = None) -> float | None:
         return registry.get_sample_value(name, labels or {})
 
-    assert value("tokembed_requests_total", {"method": "Embed", "code": "OK"}) == 1
-    assert value("tokembed_request_duration_seconds_count", {"method": "Embed"}) == 1
+    enc = {"model": "enc"}
+    assert value("tokembed_requests_total", {"method": "Embed", "code": "OK", **enc}) == 1
+    assert value("tokembed_request_duration_seconds_count", {"method": "Embed", **enc}) == 1
     assert (
-        value("tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.00025"}) == 1
+        value(
+            "tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.00025", **enc}
+        )
+        == 1
     )
     assert (
-        value("tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.0001"}) == 0
+        value(
+            "tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.0001", **enc}
+        )
+        == 0
     )
-    assert value("tokembed_tokens_total") == 8
-    assert value("tokembed_output_bytes_total") == 16384
-    assert value("tokembed_queue_wait_seconds_count") == 1
-    assert value("tokembed_encode_seconds_count") == 1
-    assert value("tokembed_batches_total") == 1
-    assert value("tokembed_batch_tokens_sum") == 24
+    assert value("tokembed_tokens_total", enc) == 8
+    assert value("tokembed_output_bytes_total", enc) == 16384
+    assert value("tokembed_queue_wait_seconds_count", enc) == 1
+    assert value("tokembed_encode_seconds_count", enc) == 1
+    assert value("tokembed_batches_total", enc) == 1
+    assert value("tokembed_batch_tokens_sum", enc) == 24
     assert value("tokembed_rejections_total", {"reason": "overloaded"}) == 1
     # The text exposition a scrape gets reads through the same collection.
-    metrics.served("Embed", 0.0001, tokens=2, output_bytes=4096, queue_s=0.0, encode_s=None)
+    metrics.served("Embed", "enc", 0.0001, tokens=2, output_bytes=4096, queue_s=0.0, encode_s=None)
+    metrics.served("Embed", "dec", 0.0001, tokens=5, output_bytes=4096, queue_s=0.0, encode_s=None)
     exposition = generate_latest(registry)
-    assert b"tokembed_tokens_total 10.0" in exposition
-    assert b"tokembed_encode_seconds_count 1.0" in exposition  # None: not encoded as one
+    assert b'tokembed_tokens_total{model="enc"} 10.0' in exposition
+    assert b'tokembed_tokens_total{model="dec"} 5.0' in exposition  # each model its own
+    assert b'tokembed_encode_seconds_count{model="enc"} 1.0' in exposition  # None: not one
 
 
 def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() -> None:
@@ -51,11 +60,11 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
 
     def record() -> None:
         for _ in range(per_thread):
-            metrics.served("Embed", 0.0, tokens=1, output_bytes=2, queue_s=0.0, encode_s=0.0)
+            metrics.served("Embed", "m", 0.0, tokens=1, output_bytes=2, queue_s=0.0, encode_s=0.0)
 
     def scrape() -> None:
         while not done.is_set():
-            registry.get_sample_value("tokembed_tokens_total")
+            registry.get_sample_value("tokembed_tokens_total", {"model": "m"})
 
     scraper = threading.Thread(target=scrape)
     scraper.start()
@@ -67,11 +76,12 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
     done.set()
     scraper.join()
     total = threads_n * per_thread
-    assert registry.get_sample_value("tokembed_tokens_total") == total
-    assert registry.get_sample_value("tokembed_output_bytes_total") == 2 * total
-    assert registry.get_sample_value("tokembed_queue_wait_seconds_count") == total
-    assert registry.get_sample_value("tokembed_encode_seconds_count") == total
-    ok = {"method": "Embed", "code": "OK"}
+    m = {"model": "m"}
+    assert registry.get_sample_value("tokembed_tokens_total", m) == total
+    assert registry.get_sample_value("tokembed_output_bytes_total", m) == 2 * total
+    assert registry.get_sample_value("tokembed_queue_wait_seconds_count", m) == total
+    assert registry.get_sample_value("tokembed_encode_seconds_count", m) == total
+    ok = {"method": "Embed", "code": "OK", **m}
     assert registry.get_sample_value("tokembed_requests_total", ok) == total
 
 

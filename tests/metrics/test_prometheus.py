@@ -263,8 +263,12 @@ def test_prometheus_scrapes_the_server_with_the_repository_config(
     server = start_server(small_model_dir)
     prometheus = run_prometheus(f"127.0.0.1:{server.metrics_port}")
 
-    ok = f'tokembed_requests_total{{job="{JOB}",method="Embed",code="OK"}}'
-    invalid = f'tokembed_requests_total{{job="{JOB}",method="Embed",code="INVALID_ARGUMENT"}}'
+    # Each model's series, and model="" for requests that name no served model.
+    ok = f'tokembed_requests_total{{job="{JOB}",method="Embed",code="OK",model="small"}}'
+    invalid = (
+        f'tokembed_requests_total{{job="{JOB}",method="Embed",code="INVALID_ARGUMENT",'
+        'model="small"}'
+    )
     # Up, and the counters scraped at 0 before any traffic.
     prometheus.poll(f'up{{job="{JOB}"}}', 1)
     prometheus.poll(ok, 0)
@@ -291,6 +295,7 @@ def test_prometheus_scrapes_the_server_with_the_repository_config(
     assert increase(f'tokembed_batches_total{{job="{JOB}"}}') == 37
     assert increase(f'tokembed_queue_wait_seconds_count{{job="{JOB}"}}') == 37
     assert prometheus.value(f'tokembed_model_info{{job="{JOB}",name="small"}}') == 1
+    assert increase(f'tokembed_requests_total{{job="{JOB}",model=""}}') == 0
 
     # The documented queries give the traffic's figures.
     for document in (METRICS_DOC, ROOT / "README.md"):

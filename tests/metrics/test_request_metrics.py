@@ -19,15 +19,18 @@ from tokembed.server.metrics import (
     Metrics,
 )
 
-# Refused: (method, code, seconds).
-RPCS = [("Embed", "INVALID_ARGUMENT", 3.0), ("EmbedStream", "CANCELLED", 0.0)]
-# Served: (method, seconds, tokens, bytes, queue seconds, encode seconds or None); exact
-# bucket edges, values past the last bucket, and answers not encoded as one message.
+# Refused: (method, model, code, seconds).
+RPCS = [("Embed", "enc", "INVALID_ARGUMENT", 3.0), ("EmbedStream", "", "CANCELLED", 0.0)]
+# Served: (method, model, seconds, tokens, bytes, queue seconds, encode seconds or None);
+# exact bucket edges, values past the last bucket, answers not encoded as one message,
+# and two models.
 SERVED = [
-    ("Embed", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01), ("Embed", 0.00025, 256, 524288, 0.002, 2.5e-5),
-    ("Embed", 1e9, 1, 64, 0.0, None), ("EmbedChunked", 0.5, 3, 192, 0.25, None),
+    ("Embed", "enc", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01),
+    ("Embed", "dec", 0.00025, 256, 524288, 0.002, 2.5e-5),
+    ("Embed", "enc", 1e9, 1, 64, 0.0, None), ("EmbedChunked", "enc", 0.5, 3, 192, 0.25, None),
 ]  # fmt: skip
-BATCHES = [(1, 7, 1e-5), (3, 70000, 1e-6), (600, 300000, 12.5)]  # requests, tokens, seconds
+# (model, requests, tokens, seconds)
+BATCHES = [("enc", 1, 7, 1e-5), ("dec", 3, 70000, 1e-6), ("enc", 600, 300000, 12.5)]
 
 
 def ours() -> CollectorRegistry:
@@ -48,62 +51,64 @@ def prometheus_clients_own() -> CollectorRegistry:
     registry = CollectorRegistry()
     requests = Counter(
         "tokembed_requests",
-        "RPCs finished, by method and gRPC status code (EmbedStream: one per request)",
-        ["method", "code"], registry=registry,
+        "RPCs finished, by method, gRPC status code and model (EmbedStream: one per request)",
+        ["method", "code", "model"], registry=registry,
     )  # fmt: skip
     duration = Histogram(
         "tokembed_request_duration_seconds",
         "Server time of an RPC, from decoding the request to handing the answer to gRPC",
-        ["method"], buckets=LATENCY_BUCKETS_S, registry=registry,
+        ["method", "model"], buckets=LATENCY_BUCKETS_S, registry=registry,
     )  # fmt: skip
     queue = Histogram(
         "tokembed_queue_wait_seconds",
         "Time a served request waited in the batcher before its batch's look-up started",
-        buckets=LATENCY_BUCKETS_S, registry=registry,
+        ["model"], buckets=LATENCY_BUCKETS_S, registry=registry,
     )  # fmt: skip
     compute = Histogram(
         "tokembed_compute_seconds",
-        "Look-up time of one batch: the onnxruntime run, or the float32 table gather",
-        buckets=LATENCY_BUCKETS_S, registry=registry,
+        "Look-up time of one batch: the rows sliced from a table, or an onnxruntime run",
+        ["model"], buckets=LATENCY_BUCKETS_S, registry=registry,
     )  # fmt: skip
     encode = Histogram(
         "tokembed_encode_seconds",
         "Time to encode one response's bytes (Embed and EmbedStream answers)",
-        buckets=LATENCY_BUCKETS_S, registry=registry,
+        ["model"], buckets=LATENCY_BUCKETS_S, registry=registry,
     )  # fmt: skip
     batch_requests = Histogram(
-        "tokembed_batch_requests", "Requests per batch", buckets=BATCH_REQUESTS_BUCKETS,
-        registry=registry,
+        "tokembed_batch_requests", "Requests per batch", ["model"],
+        buckets=BATCH_REQUESTS_BUCKETS, registry=registry,
     )  # fmt: skip
     batch_tokens = Histogram(
-        "tokembed_batch_tokens", "Tokens per batch", buckets=BATCH_TOKENS_BUCKETS,
+        "tokembed_batch_tokens", "Tokens per batch", ["model"], buckets=BATCH_TOKENS_BUCKETS,
         registry=registry,
     )  # fmt: skip
-    batches = Counter("tokembed_batches", "Batches computed", registry=registry)
-    tokens = Counter("tokembed_tokens", "Tokens embedded", registry=registry)
+    batches = Counter("tokembed_batches", "Batches computed", ["model"], registry=registry)
+    tokens = Counter("tokembed_tokens", "Tokens embedded", ["model"], registry=registry)
     output_bytes = Counter(
-        "tokembed_output_bytes", "Bytes of hidden_states returned", registry=registry
+        "tokembed_output_bytes", "Bytes of hidden_states returned", ["model"], registry=registry
     )
     for method in RPC_METHODS:
-        duration.labels(method=method)
+        duration.labels(method=method, model="")
         for code in RPC_CODES:
-            requests.labels(method=method, code=code)
-    for method, code, seconds in RPCS:
-        requests.labels(method=method, code=code).inc()
-        duration.labels(method=method).observe(seconds)
-    for method, seconds, count, nbytes, queue_s, encode_s in SERVED:
-        requests.labels(method=method, code="OK").inc()
-        duration.labels(method=method).observe(seconds)
-        tokens.inc(count)
-        output_bytes.inc(nbytes)
-        queue.observe(queue_s)
+            requests.labels(method=method, code=code, model="")
+    for method, model, code, seconds in RPCS:
+        requests.labels(method=method, code=code, model=model).inc()
+        duration.labels(method=method, model=model).observe(seconds)
+    for method, model, seconds, count, nbytes, queue_s, encode_s in SERVED:
+        requests.labels(method=method, code="OK", model=model).inc()
+        duration.labels(method=method, model=model).observe(seconds)
+        tokens.labels(model=model).inc(count)
+        output_bytes.labels(model=model).inc(nbytes)
+        queue.labels(model=model).observe(queue_s)
         if encode_s is not None:
-            encode.observe(encode_s)
-    for n_requests, n_tokens, seconds in BATCHES:
-        batches.inc()
-        batch_requests.observe(n_requests)
-        batch_tokens.observe(n_tokens)
-        compute.observe(seconds)
+            encode.labels(model=model).observe(encode_s)
+        else:
+            encode.labels(model=model)  # ours makes a model's series all at once
+    for model, n_requests, n_tokens, seconds in BATCHES:
+        batches.labels(model=model).inc()
+        batch_requests.labels(model=model).observe(n_requests)
+        batch_tokens.labels(model=model).observe(n_tokens)
+        compute.labels(model=model).observe(seconds)
     return registry
 
 
@@ -142,5 +147,6 @@ def test_a_scrape_filtered_by_name_sees_the_latest_updates() -> None:
         for metric in filtered.collect()
         for sample in metric.samples
     }
-    assert samples[("tokembed_requests_total", (("code", "OK"), ("method", "Embed")))] == 3
-    assert samples[("tokembed_compute_seconds_count", ())] == len(BATCHES)
+    ok_enc = (("code", "OK"), ("method", "Embed"), ("model", "enc"))
+    assert samples[("tokembed_requests_total", ok_enc)] == 2
+    assert samples[("tokembed_compute_seconds_count", (("model", "enc"),))] == 2
