@@ -12,6 +12,9 @@ from support.models import export_model_dir, reference_rows
 from support.server import ServerThread
 
 SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD = 1000, 64, 1, 0
+# A second model, as a decoder's entrance beside the small "encoder": another V and D, no
+# padding id.
+DECODER_V, DECODER_D, DECODER_SEED = 400, 24, 2
 DEFAULT_V, DEFAULT_D, DEFAULT_SEED = 32000, 512, 0
 
 
@@ -25,6 +28,18 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed=SMALL_SEED,
         padding_idx=SMALL_PAD,
         name="small",
+    )
+
+
+@pytest.fixture(scope="session")
+def decoder_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """V=400, D=24, seed 2, no padding id, named "decoder"."""
+    return export_model_dir(
+        tmp_path_factory.mktemp("decoder-model") / "model",
+        vocab_size=DECODER_V,
+        d_model=DECODER_D,
+        seed=DECODER_SEED,
+        name="decoder",
     )
 
 
@@ -64,8 +79,13 @@ def start_server() -> Iterator[Callable[..., ServerThread]]:
     started: list[ServerThread] = []
 
     def start(
-        model_dir: Path, *, wait_ready: bool = True, loader: Any = None, **overrides: Any
+        model_dir: Path | tuple[Path, ...],
+        *,
+        wait_ready: bool = True,
+        loader: Any = None,
+        **overrides: Any,
     ) -> ServerThread:
+        """``model_dir``: one directory, or several (served side by side)."""
         settings = Settings(model_dir=model_dir, port=0, metrics_port=0, **overrides).validate()
         server = ServerThread(settings) if loader is None else ServerThread(settings, loader=loader)
         started.append(server)
