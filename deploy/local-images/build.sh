@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Build the local stand-ins for the public base images that the compose stack uses,
 # for machines where no container registry can be reached (see docs/deployment.md,
-# "Testing the stack without a registry"). Each image is built only when its tag is
-# missing; `--rebuild` rebuilds all three.
+# "Without a Docker engine: podman"). An image is built only when its tag is missing or
+# was built from another version of this recipe (the label org.tokembed.recipe holds the
+# sha256 of build.sh and the two Dockerfiles beside it), so a machine that keeps the
+# images (CI) builds them once per recipe; `--rebuild` rebuilds all three, `--remove`
+# removes them.
 #
 #   localhost/tokembed-local/debian:bookworm      debootstrap of Debian bookworm from the
 #                                                 mirror apt on this machine already uses,
@@ -26,7 +29,14 @@ PROMETHEUS_IMAGE="$PREFIX/prometheus:bookworm"
 LOCAL_CA_DIR="/usr/local/share/ca-certificates"
 
 rebuild=0
-[ "${1:-}" = "--rebuild" ] && rebuild=1
+case "${1:-}" in
+    "") ;;
+    --rebuild) rebuild=1 ;;
+    --remove) ;;
+    *) echo "usage: $0 [--rebuild | --remove]" >&2; exit 2 ;;
+esac
+RECIPE="$(cat "$HERE/build.sh" "$HERE/python.Dockerfile" "$HERE/prometheus.Dockerfile" \
+    | sha256sum | cut -c1-16)"
 
 mkdir -p "$WORK"
 if [ -z "${CONTAINERS_CONF:-}" ]; then
@@ -38,7 +48,20 @@ if [ -z "${CONTAINERS_CONF:-}" ]; then
 fi
 
 log() { printf '[local-images %s] %s\n' "$(date +%T)" "$*" >&2; }
-have() { [ "$rebuild" = 0 ] && podman image exists "$1"; }
+# The image is there and was built by this recipe.
+have() {
+    [ "$rebuild" = 0 ] && podman image exists "$1" && [ "$(podman image inspect \
+        --format '{{index .Labels "org.tokembed.recipe"}}' "$1")" = "$RECIPE" ]
+}
+
+if [ "${1:-}" = --remove ]; then
+    for image in "$PROMETHEUS_IMAGE" "$PYTHON_IMAGE" "$DEBIAN_IMAGE"; do
+        if podman image exists "$image"; then
+            podman rmi "$image" >/dev/null && log "removed $image"
+        fi
+    done
+    exit 0
+fi
 
 # The first Debian mirror apt uses for bookworm main, and its security mirror.
 mirror_for() {
@@ -80,6 +103,7 @@ build_debian() {
         --change 'ENV LANG=C.UTF-8' \
         --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
         --change 'ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
+        --change "LABEL org.tokembed.recipe=$RECIPE" \
         - "$DEBIAN_IMAGE" >/dev/null
     rm -rf "$rootfs"
 }
@@ -88,9 +112,15 @@ build_from() {
     local image="$1" dockerfile="$2"
     log "building $image"
     podman build --quiet --build-arg "BASE_IMAGE=$DEBIAN_IMAGE" -t "$image" \
+        --label "org.tokembed.recipe=$RECIPE" \
         -f "$HERE/$dockerfile" "$HERE" >/dev/null
 }
 
+if ! { have "$DEBIAN_IMAGE" && have "$PYTHON_IMAGE" && have "$PROMETHEUS_IMAGE"; } &&
+    [ "$(id -u)" != 0 ]; then
+    echo "$0: building the local images needs root (debootstrap, chroot); run it with sudo" >&2
+    exit 2
+fi
 have "$DEBIAN_IMAGE" || build_debian
 have "$PYTHON_IMAGE" || build_from "$PYTHON_IMAGE" python.Dockerfile
 have "$PROMETHEUS_IMAGE" || build_from "$PROMETHEUS_IMAGE" prometheus.Dockerfile
