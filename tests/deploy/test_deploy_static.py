@@ -96,6 +96,14 @@ def test_runtime_stage_installs_no_torch(dockerfile: tuple[str, Dockerfile]) -> 
                 )
 
 
+def test_no_stage_is_empty(dockerfile: tuple[str, Dockerfile]) -> None:
+    """After an empty stage (FROM only), podman 4.3 leaves a build container mounted, and
+    the image it holds undeletable, when the build comes through its Docker API (compose)."""
+    name, df = dockerfile
+    for stage in df.stages:
+        assert stage.instructions, f"{name}: stage {stage.name} is empty"
+
+
 def test_runtime_requirements_hold_no_torch() -> None:
     """What the runtime venv installs (base + [server], or + [gpu]) holds no torch, and
     the GPU variant swaps onnxruntime for onnxruntime-gpu instead of adding it."""
