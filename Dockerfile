@@ -81,6 +81,9 @@ ARG MODEL_DIR=models/default
 COPY ${MODEL_DIR}/ /model/
 
 FROM model-${MODEL_SOURCE} AS model
+# Not an empty stage: podman 4.3 leaves a build container mounted (holding the model's
+# layer) after an empty one when the build comes through its Docker API (compose).
+LABEL org.tokembed.stage=model
 
 # ---------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Build the local stand-ins for the public base images that the compose stack uses,
 # for machines where no container registry can be reached (see docs/deployment.md,
-# "Testing the stack without a registry"). Each image is built only when its tag is
-# missing; `--rebuild` rebuilds all three.
+# "Without a Docker engine: podman").
+#
+#   deploy/local-images/build.sh             # build what is missing or outdated
+#   deploy/local-images/build.sh --rebuild   # build all three again
+#   deploy/local-images/build.sh --remove    # remove them and every image built on them
+#
+# An image is built only when its tag is missing or was built by another version of this
+# recipe: the label org.tokembed.local-images holds the sha256 of build.sh and the two
+# Dockerfiles beside it. So a machine that keeps the images (CI) builds them once per
+# recipe, and reuses them by their tags in every later run. Images built FROM them inherit
+# the label, which is how --remove finds those too.
 #
 #   localhost/tokembed-local/debian:bookworm      debootstrap of Debian bookworm from the
 #                                                 mirror apt on this machine already uses,
@@ -11,8 +20,8 @@
 #   localhost/tokembed-local/prometheus:bookworm  stand-in for prom/prometheus (Debian's
 #                                                 prometheus package)
 #
-# Needs root (debootstrap, chroot) and podman. Honours CONTAINERS_CONF; when it is unset,
-# writes and uses the podman settings this machine needs ($WORK/containers.conf).
+# Building needs root (debootstrap, chroot) and podman. Honours CONTAINERS_CONF; when it
+# is unset, writes and uses the podman settings this machine needs ($WORK/containers.conf).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -26,7 +35,14 @@ PROMETHEUS_IMAGE="$PREFIX/prometheus:bookworm"
 LOCAL_CA_DIR="/usr/local/share/ca-certificates"
 
 rebuild=0
-[ "${1:-}" = "--rebuild" ] && rebuild=1
+case "${1:-}" in
+    "") ;;
+    --rebuild) rebuild=1 ;;
+    --remove) ;;
+    *) echo "usage: $0 [--rebuild | --remove]" >&2; exit 2 ;;
+esac
+RECIPE="$(cat "$HERE/build.sh" "$HERE/python.Dockerfile" "$HERE/prometheus.Dockerfile" \
+    | sha256sum | cut -c1-16)"
 
 mkdir -p "$WORK"
 if [ -z "${CONTAINERS_CONF:-}" ]; then
@@ -38,7 +54,20 @@ if [ -z "${CONTAINERS_CONF:-}" ]; then
 fi
 
 log() { printf '[local-images %s] %s\n' "$(date +%T)" "$*" >&2; }
-have() { [ "$rebuild" = 0 ] && podman image exists "$1"; }
+# The image is there and was built by this recipe.
+have() {
+    [ "$rebuild" = 0 ] && podman image exists "$1" && [ "$(podman image inspect \
+        --format '{{index .Labels "org.tokembed.local-images"}}' "$1")" = "$RECIPE" ]
+}
+
+if [ "${1:-}" = --remove ]; then
+    # The three images and every image built on them (they inherit the label): server
+    # images and their build cache. Images a container still uses stay (podman says which).
+    mapfile -t ids < <(podman images -aq --filter label=org.tokembed.local-images | sort -u)
+    [ ${#ids[@]} -eq 0 ] || podman rmi "${ids[@]}" >/dev/null
+    log "removed ${#ids[@]} image(s) built on $PREFIX/*"
+    exit 0
+fi
 
 # The first Debian mirror apt uses for bookworm main, and its security mirror.
 mirror_for() {
@@ -48,6 +77,10 @@ mirror_for() {
 
 build_debian() {
     local mirror security rootfs
+    command -v debootstrap >/dev/null || {
+        echo "$0: debootstrap is not installed (apt-get install debootstrap)" >&2
+        exit 2
+    }
     mirror="$(mirror_for bookworm)"
     mirror="${mirror:-http://deb.debian.org/debian}"
     security="$(mirror_for bookworm-security)"
@@ -80,6 +113,7 @@ build_debian() {
         --change 'ENV LANG=C.UTF-8' \
         --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
         --change 'ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
+        --change "LABEL org.tokembed.local-images=$RECIPE" \
         - "$DEBIAN_IMAGE" >/dev/null
     rm -rf "$rootfs"
 }
@@ -88,9 +122,15 @@ build_from() {
     local image="$1" dockerfile="$2"
     log "building $image"
     podman build --quiet --build-arg "BASE_IMAGE=$DEBIAN_IMAGE" -t "$image" \
+        --label "org.tokembed.local-images=$RECIPE" \
         -f "$HERE/$dockerfile" "$HERE" >/dev/null
 }
 
+if ! { have "$DEBIAN_IMAGE" && have "$PYTHON_IMAGE" && have "$PROMETHEUS_IMAGE"; } &&
+    [ "$(id -u)" != 0 ]; then
+    echo "$0: building the local images needs root (debootstrap, chroot); run it with sudo" >&2
+    exit 2
+fi
 have "$DEBIAN_IMAGE" || build_debian
 have "$PYTHON_IMAGE" || build_from "$PYTHON_IMAGE" python.Dockerfile
 have "$PROMETHEUS_IMAGE" || build_from "$PROMETHEUS_IMAGE" prometheus.Dockerfile

@@ -205,6 +205,64 @@ def env_of(stage: Stage) -> dict[str, str]:
     return env
 
 
+# --- the Grafana dashboard ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    panel: str  # the panel's title
+    ref_id: str
+    expr: str  # PromQL, with Grafana's template variables in it
+    legend: str  # legendFormat, "" when the panel has none
+
+    @property
+    def name(self) -> str:
+        return f"{self.panel!r} {self.ref_id}"
+
+
+def dashboard() -> dict[str, Any]:
+    import json
+
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def dashboard_queries() -> list[PanelQuery]:
+    """Every Prometheus query of every panel (rows' nested panels too)."""
+    out = []
+    panels = list(dashboard()["panels"])
+    while panels:
+        panel = panels.pop(0)
+        panels.extend(panel.get("panels", []))  # a collapsed row holds its panels
+        for target in panel.get("targets", []):
+            legend = target.get("legendFormat") or ""
+            out.append(PanelQuery(panel["title"], target["refId"], target["expr"], legend))
+    assert out, f"{DASHBOARD} has no queries"
+    return out
+
+
+def grafana_regex_escape(value: str) -> str:
+    """A selected value as Grafana writes it into a query for a multi-value variable:
+    regex metacharacters escaped, doubled for the PromQL string it lands in
+    (Grafana's prometheusSpecialRegexEscape)."""
+    value = value.replace("\\", "\\\\\\\\")
+    return re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(0), value)
+
+
+def fill_variables(expr: str, values: Mapping[str, str]) -> str:
+    """``expr`` with Grafana's variables ($name, ${name}) replaced by ``values``; a
+    variable without a value is an error, so that a new one cannot pass unnoticed."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        assert name in values, f"no value for ${name} in {expr}"
+        return values[name]
+
+    filled = re.sub(r"\$\{(\w+)\}|\$(\w+)", replace, expr)
+    assert "[[" not in filled, f"Grafana's deprecated [[variable]] syntax in {expr}"
+    return filled
+
+
 # --- tools ------------------------------------------------------------------------------
 
 

@@ -1,14 +1,17 @@
-"""`docker-compose up` for real: the server image and Prometheus under podman.
+"""`docker-compose up --build` for real: the server image and Prometheus under podman.
 
-The project's docker-compose.yml plus deploy/compose/podman-local.override.yml (host
-networking on loopback, local stand-in base images), as ../shared/CONTAINERS.md
-describes for machines without a Docker engine or registry access:
+The route docs/deployment.md gives where no Docker engine runs ("Without a Docker engine:
+podman"), on free loopback ports: docker-compose.yml plus
+deploy/compose/podman-local.override.yml (host networking on loopback, local stand-in base
+images), driven through deploy/docker-compose and podman's Docker-compatible socket:
 
-1. local base images (deploy/local-images/build.sh; kept between runs once built);
-2. a small model exported on the host, baked into the runtime image by `podman build`
-   with the build arguments the override gives compose;
-3. `docker-compose up -d tokembed prometheus` through podman's Docker-compatible socket,
-   with a loop that runs the healthchecks (podman 4.3 needs systemd for that);
+1. the local base images (deploy/local-images/build.sh: built once per recipe, then found
+   by their tags and reused);
+2. a small model exported on the host, which the build bakes into the runtime image;
+3. `up -d --build tokembed prometheus`, with a loop that runs the healthchecks (podman 4.3
+   needs systemd for that); the image gets a tag of this run's own, so that runs in other
+   checkouts on the machine cannot swap it, and is removed at the end (its build cache
+   stays, so the next run rebuilds only what changed);
 4. from the host, on loopback: Embed with the client, /metrics, Prometheus's API;
 5. `stop` (the server drains and exits 0), `down -v`, and everything this test started
    is stopped by its id.
@@ -50,9 +53,11 @@ from deploy_files import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-LOCAL_PYTHON_IMAGE = "localhost/tokembed-local/python:3.11-bookworm"
-LOCAL_PROMETHEUS_IMAGE = "localhost/tokembed-local/prometheus:bookworm"
-TEST_IMAGE = "localhost/tokembed:deploy-test"
+WRAPPER = ROOT / "deploy" / "docker-compose"
+# The route's files, as docs/deployment.md sets them (COMPOSE_FILE, paths from ROOT).
+COMPOSE_FILE = f"docker-compose.yml:{PODMAN_OVERRIDE}"
+TEST_IMAGE = f"localhost/tokembed:deploy-test-{os.getpid()}"
+SERVICES = ("tokembed", "prometheus")  # no grafana: its image cannot be had here
 # Small, so that export and image build stay quick; the values are still checked exactly.
 VOCAB_SIZE, D_MODEL, SEED = 4096, 64, 7
 MODEL_NAME = "deploy-test"
@@ -167,27 +172,21 @@ class Stack:
         return run([*self.compose, *args], env=self.env, cwd=ROOT, timeout=timeout_s)
 
 
-def _requirements() -> tuple[str, str]:
+def _requirements() -> str:
     podman, compose = shutil.which("podman"), shutil.which("docker-compose")
     if podman is None or compose is None:
         pytest.skip("podman and docker-compose are needed (.ci/run installs them)")
-    return podman, compose
+    return podman
 
 
-def _ensure_base_images(podman: str, env: dict[str, str]) -> None:
-    missing = [
-        image
-        for image in (LOCAL_PYTHON_IMAGE, LOCAL_PROMETHEUS_IMAGE)
-        if run([podman, "image", "exists", image], env=env).returncode != 0
-    ]
-    if not missing:
-        return
-    if shutil.which("debootstrap") is None or os.geteuid() != 0:
-        pytest.skip(f"{missing} missing, and building them needs root and debootstrap")
+def _ensure_base_images(env: dict[str, str]) -> None:
+    """build.sh: nothing to do (a second) when the images of its recipe are there."""
     started = time.monotonic()
     out = run([str(ROOT / "deploy/local-images/build.sh")], env=env, timeout=600)
+    if out.returncode == 2 and ("needs root" in out.stderr or "debootstrap" in out.stderr):
+        pytest.skip(f"the local base images must be built: {out.stderr.strip()}")
     assert out.returncode == 0, f"building the local base images failed:\n{out.stderr[-3000:]}"
-    print(f"local base images built in {time.monotonic() - started:.0f}s")
+    print(f"local base images ready in {time.monotonic() - started:.0f}s")
 
 
 def _export_model(out_dir: Path) -> None:
@@ -196,22 +195,6 @@ def _export_model(out_dir: Path) -> None:
     cmd += ["--name", MODEL_NAME]
     out = run(cmd, timeout=180)
     assert out.returncode == 0, out.stderr
-
-
-def _build_image(stack: Stack) -> None:
-    """`podman build` with what the override tells compose to build (one source of truth)."""
-    config = yaml.safe_load(stack.compose_run("config").stdout)
-    service = config["services"]["tokembed"]
-    assert service["image"] == stack.image
-    build = service["build"]
-    cmd = [stack.podman, "build", "--format", "docker", "-t", stack.image]
-    cmd += ["-f", str(Path(build["context"]) / build.get("dockerfile", "Dockerfile"))]
-    for key, value in build.get("args", {}).items():
-        cmd += ["--build-arg", f"{key}={value}"]
-    started = time.monotonic()
-    out = run([*cmd, build["context"]], env=stack.env, timeout=600)
-    assert out.returncode == 0, f"image build failed:\n{out.stdout[-4000:]}\n{out.stderr[-2000:]}"
-    print(f"runtime image built in {time.monotonic() - started:.0f}s")
 
 
 def _stop_process(proc: subprocess.Popen[bytes]) -> None:
@@ -226,7 +209,7 @@ def _stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    podman, compose = _requirements()
+    podman = _requirements()
     work = Path(tempfile.mkdtemp(prefix="tokembed-compose-"))  # short: holds a socket
     # The podman settings this machine needs (CONTAINERS.md); /etc stays untouched.
     (work / "containers.conf").write_text(
@@ -245,6 +228,7 @@ def stack() -> Iterator[Stack]:
         **base_env,
         "DOCKER_HOST": f"unix://{work}/podman.sock",
         "COMPOSE_PROJECT_NAME": project,
+        "COMPOSE_FILE": COMPOSE_FILE,
         "TOKEMBED_IMAGE": TEST_IMAGE,
         "MODEL_DIR": str(model_rel),
         "TOKEMBED_PORT": str(ports[0]),
@@ -256,7 +240,7 @@ def stack() -> Iterator[Stack]:
     stack = Stack(
         env=env,
         podman=podman,
-        compose=[compose, "-f", "docker-compose.yml", "-f", PODMAN_OVERRIDE],
+        compose=[str(WRAPPER)],
         project=project,
         image=TEST_IMAGE,
         grpc_port=ports[0],
@@ -266,9 +250,8 @@ def stack() -> Iterator[Stack]:
     )
     service: subprocess.Popen[bytes] | None = None
     try:
-        _ensure_base_images(podman, base_env)
+        _ensure_base_images(base_env)
         _export_model(model_dir)
-        _build_image(stack)
         service = subprocess.Popen(
             [podman, "system", "service", "--time=0", env["DOCKER_HOST"]],
             env=base_env,
@@ -276,11 +259,14 @@ def stack() -> Iterator[Stack]:
             stderr=subprocess.DEVNULL,
         )
         _wait_for("podman's socket", lambda: (work / "podman.sock").exists(), 30, 0.1)
+        config = yaml.safe_load(stack.compose_run("config").stdout)
+        assert config["services"]["tokembed"]["image"] == stack.image
         with HealthcheckLoop(podman, project, base_env):
             try:
                 started = time.monotonic()
-                up = stack.compose_run("up", "-d", "--no-build", "tokembed", "prometheus")
-                assert up.returncode == 0, up.stderr
+                up = stack.compose_run("up", "-d", "--build", *SERVICES, timeout_s=600)
+                assert up.returncode == 0, f"{up.stdout[-4000:]}\n{up.stderr[-2000:]}"
+                print(f"image built and stack up in {time.monotonic() - started:.0f}s")
                 _wait_healthy(stack)
                 print(f"stack up and healthy in {time.monotonic() - started:.0f}s")
                 yield stack
@@ -292,7 +278,10 @@ def stack() -> Iterator[Stack]:
         shutil.rmtree(model_dir, ignore_errors=True)
         if not models_existed and model_dir.parent.exists() and not any(model_dir.parent.iterdir()):
             model_dir.parent.rmdir()
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            _remove_image(podman, base_env, TEST_IMAGE)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _wait_healthy(stack: Stack) -> None:
@@ -309,6 +298,13 @@ def _wait_healthy(stack: Stack) -> None:
         _wait_for("the tokembed healthcheck to say healthy", healthy, 120)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{stack.logs('tokembed')}") from None
+
+
+def _remove_image(podman: str, env: dict[str, str], image: str) -> None:
+    """This run's image goes (its build cache stays: the next run reuses it)."""
+    if run([podman, "image", "exists", image], env=env).returncode == 0:
+        out = run([podman, "rmi", image], env=env, timeout=120)
+        assert out.returncode == 0, f"could not remove {image}: {out.stderr}"
 
 
 def _teardown(stack: Stack) -> None:
