@@ -26,6 +26,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--duration-s", type=float, default=None, help="seconds per cell")
     parser.add_argument("--name", default=None, help="file name stem (default bench or quick)")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the service alone (not the floor or the clients), "
+        "e.g. the deployment's GLIBC_TUNABLES; may be given several times",
+    )
     parser.set_defaults(run=run)
 
 
@@ -40,7 +48,13 @@ def run(args: argparse.Namespace) -> int:
     if args.duration_s is not None:
         plan = dataclasses.replace(plan, duration_s=args.duration_s)
     started = time.perf_counter()
-    results = harness.run_plan(plan, args.cache_dir, device=args.device)
+    server_env = {}
+    for item in args.server_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"tokembed bench: error: --server-env wants NAME=VALUE, got {item!r}")
+        server_env[name] = value
+    results = harness.run_plan(plan, args.cache_dir, device=args.device, server_env=server_env)
     targets = report.evaluate_targets(results)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("quick" if args.quick else "bench") + (

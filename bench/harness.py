@@ -13,7 +13,7 @@ Server CPU seconds per request and peak RSS are read from /proc for the server p
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,19 @@ def _requests(workload: Workload, count: int = 16) -> list[Any]:
 
 
 def run_plan(
-    plan: Plan, cache_dir: Path, *, device: str = "cpu", progress: Callable[[str], None] = print
+    plan: Plan,
+    cache_dir: Path,
+    *,
+    device: str = "cpu",
+    server_env: Mapping[str, str] | None = None,
+    progress: Callable[[str], None] = print,
 ) -> Results:
+    """``server_env``: variables the service runs with (and not the floor or clients)."""
     results = Results(plan=plan)
     results.environment = {
         "cpus": str(os.cpu_count()),
         "device": device,
+        **{f"server {key}": value for key, value in (server_env or {}).items()},
     }
     for d_model in plan.d_models:
         model_dir = ensure_model(cache_dir, d_model)
@@ -89,8 +96,10 @@ def run_plan(
         server_args = [*_server_args(plan, d_model), "--device", device]
         with (
             processes.floor(d_model) as floor_proc,
-            processes.service(str(model_dir), *server_args) as service_proc,
-            processes.service(str(model_dir), *server_args, "--max-batch-tokens", "1") as nobatch,
+            processes.service(str(model_dir), *server_args, env=server_env) as service_proc,
+            processes.service(
+                str(model_dir), *server_args, "--max-batch-tokens", "1", env=server_env
+            ) as nobatch,
         ):
             for cell in _measure_width(
                 plan, d_model, model_dir, floor_proc, service_proc, nobatch, device

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 _SERVICE_PORT = re.compile(r"listening on \S+:(\d+) \(gRPC")
 _FLOOR_PORT = re.compile(r"floor listening on \S+:(\d+)")
@@ -16,8 +17,15 @@ _FLOOR_PORT = re.compile(r"floor listening on \S+:(\d+)")
 class Child:
     """A child process whose port (and readiness) are read from its output."""
 
-    def __init__(self, args: Sequence[str], port_pattern: re.Pattern[str], ready_text: str) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        port_pattern: re.Pattern[str],
+        ready_text: str,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.args = list(args)
+        self._env = None if env is None else {**os.environ, **env}
         self._port_pattern = port_pattern
         self._ready_text = ready_text
         self.port = 0
@@ -27,7 +35,7 @@ class Child:
 
     def start(self, timeout_s: float = 180) -> Child:
         self.process = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env
         )
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(timeout_s):
@@ -71,10 +79,12 @@ class Child:
             self.stop()
 
 
-def service(model_dir: str, *extra: str) -> Child:
+def service(model_dir: str, *extra: str, env: Mapping[str, str] | None = None) -> Child:
+    """``tokembed serve``; ``env``: variables added to this process's for it alone (the
+    deployment's allocator settings, say)."""
     args = [sys.executable, "-m", "tokembed.cli", "serve", "--model-dir", model_dir,
             "--port", "0", "--metrics-port", "-1", "--log-level", "info", *extra]  # fmt: skip
-    return Child(args, _SERVICE_PORT, "serving model")
+    return Child(args, _SERVICE_PORT, "serving model", env)
 
 
 def floor(d_model: int) -> Child:

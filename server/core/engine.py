@@ -74,11 +74,16 @@ class ServedModel:
 
 @dataclass(slots=True)
 class Served(Generic[T]):
-    """A served request: the caller's encoding of its answer, the answer, and the room it
+    """A served request: the caller's encoding of its answer, what the answer was (not
+    its rows: those are in the payload, copied or not, and nowhere else), and the room it
     holds (release the ticket once the encoded answer has been sent)."""
 
     payload: T
-    answer: Answer
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    tokens: int
+    nbytes: int
+    timings: Timings
     ticket: Ticket
 
 
@@ -175,7 +180,10 @@ class Engine:
         except BaseException:
             ticket.release()
             raise
-        return Served(payload, answer, ticket)
+        return Served(
+            payload, answer.shape, answer.dtype, answer.tokens, answer.nbytes, answer.timings,
+            ticket,
+        )  # fmt: skip
 
     async def close(self) -> None:
         """Fail what is still queued, wait for the batches computing, let go."""

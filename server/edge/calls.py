@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import grpc
 
-from tokembed.server.core.types import Answer
+from tokembed.server.core.engine import Served
 from tokembed.server.metrics import Metrics
 
 # The RPCs' log keeps the name it has always had (log filters and dashboards use it).
@@ -57,8 +58,9 @@ class Calls:
     # --- outcomes
 
     def served(
-        self, method: str, model: str, started: float, answer: Answer, encode_s: float | None
-    ) -> None:
+        self, method: str, model: str, started: float, answer: Served[Any],
+        encode_s: float | None,
+    ) -> None:  # fmt: skip
         """An answer served (an RPC, or one EmbedStream request); ``encode_s``: its
         encode time (None: chunks, made as they are sent)."""
         if self._metrics is not None:

@@ -96,7 +96,7 @@ class EmbeddingServicer:
             # them (or gives up): the RPC's end, which this documented callback marks.
             context.add_done_callback(served.ticket.release)
             payload, encode_s = served.payload
-            calls.served("Embed", model, started, served.answer, encode_s)
+            calls.served("Embed", model, started, served, encode_s)
             return payload
         finally:
             calls.leave()
@@ -171,7 +171,7 @@ class EmbeddingServicer:
                 await self._abort(context, "EmbedChunked", model, internal, started)
             try:
                 chunks = responses.chunked_response(
-                    served.answer, engine.name, engine.served.version, request.request_id,
+                    served.payload, engine.name, engine.served.version, request.request_id,
                     time.perf_counter() - started, self._chunk_bytes,
                 )  # fmt: skip
                 for chunk in chunks:
@@ -181,7 +181,7 @@ class EmbeddingServicer:
                 raise
             finally:
                 served.ticket.release()
-            calls.served("EmbedChunked", model, started, served.answer, encode_s=None)
+            calls.served("EmbedChunked", model, started, served, encode_s=None)
         finally:
             calls.leave()
 
@@ -256,7 +256,7 @@ class EmbeddingServicer:
         finally:
             calls.leave()
         payload, encode_s = served.payload
-        calls.served("EmbedStream", model, started, served.answer, encode_s)
+        calls.served("EmbedStream", model, started, served, encode_s)
         return responses.stream_answer(payload), served.ticket
 
     def _gone(
