@@ -99,6 +99,8 @@ RUN /opt/venv/bin/pip install --no-deps --no-cache-dir /tmp/wheels/*.whl \
 COPY --from=model /model /opt/tokembed/model
 # Every server flag is also a TOKEMBED_* variable; these are the image's defaults, and
 # `docker run -e` or extra arguments after the image name override them.
+# GLIBC_TUNABLES: glibc backs its large blocks (answers' response bytes, gRPC's copies)
+# with transparent huge pages; docs/deployment.md, "Allocator", has the figures.
 # TOKEMBED_TARGET is where `tokembed health` (the HEALTHCHECK) looks: keep it on the
 # gRPC port when you change TOKEMBED_PORT.
 ENV PATH=/opt/venv/bin:$PATH \
@@ -111,7 +113,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKEMBED_METRICS_PORT=9464 \
     TOKEMBED_DEVICE=cpu \
     TOKEMBED_GRACE_S=10 \
-    TOKEMBED_TARGET=127.0.0.1:50051
+    TOKEMBED_TARGET=127.0.0.1:50051 \
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 # Numeric, so that Kubernetes can verify runAsNonRoot without reading /etc/passwd.
 USER ${TOKEMBED_UID}:${TOKEMBED_UID}
 WORKDIR /tmp

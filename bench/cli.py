@@ -32,7 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=[],
         metavar="NAME=VALUE",
         help="an environment variable for the service alone (not the floor or the clients), "
-        "e.g. the deployment's GLIBC_TUNABLES; may be given several times",
+        "added to those the deployment sets (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as the "
+        "images and the Kubernetes manifest do; GLIBC_TUNABLES= clears it); may be given "
+        "several times",
     )
     parser.set_defaults(run=run)
 
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.duration_s is not None:
         plan = dataclasses.replace(plan, duration_s=args.duration_s)
     started = time.perf_counter()
-    server_env = {}
+    server_env = dict(plans.DEPLOYMENT_ENV)
     for item in args.server_env:
         name, sep, value = item.partition("=")
         if not sep or not name:

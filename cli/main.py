@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tokembed import __version__
 
@@ -23,8 +25,17 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A mistake on the command line is one line (argparse prints its whole usage too),
+    naming what is wrong and where the full usage is; exit status 2, as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # Subcommands' parsers are made of the same class (argparse uses the parent's).
+    parser = OneLineErrors(
         prog="tokembed",
         description="Serve the input-embedding layer of a Transformer over gRPC.",
     )
@@ -68,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except _user_errors() as exc:
+        if getattr(args, "log_level", None) == "debug":
+            traceback.print_exc()  # asked for: where it came from, before the line itself
         print(f"tokembed {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

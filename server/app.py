@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ from tokembed.server.core.validation import Limits
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
 from tokembed.server.edge.calls import Calls
+from tokembed.server.edge.requests import EmbedParser
 from tokembed.server.edge.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
 from tokembed.server.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
@@ -101,7 +104,10 @@ class TokembedServer:
             options=[
                 *options,
                 ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.max_receive_message_length", settings.max_request_bytes),
+                # Above the largest valid request: a larger one reaches our deserializer,
+                # which refuses it by its size (see EmbedParser), and it is answered and
+                # counted like every other refusal.
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
                 # Several processes may share one port only when asked (--workers).
                 ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
                 # Clients keep long streams alive with a ping a minute; gRPC's default
@@ -112,6 +118,7 @@ class TokembedServer:
         servicer = EmbeddingServicer(
             self.models, self.calls, chunk_bytes=settings.stream_chunk_bytes,
             max_message_bytes=settings.max_message_bytes,
+            parse=EmbedParser(settings.max_request_bytes, settings.max_tokens_per_request),
         )  # fmt: skip
         self._server.add_generic_rpc_handlers([generic_handler(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -128,9 +135,17 @@ class TokembedServer:
         self.port = self._bind(self._server, settings)
         await self._server.start()
         if settings.metrics_port >= 0:
-            self._stop_metrics, self.metrics_port = start_metrics_server(
-                self.registry, settings.metrics_host, settings.metrics_port
-            )
+            try:
+                self._stop_metrics, self.metrics_port = start_metrics_server(
+                    self.registry, settings.metrics_host, settings.metrics_port
+                )
+            except OSError as exc:
+                await self._server.stop(0)  # not left for the loop's end to find running
+                raise ServerConfigError(
+                    f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                    f"{exc.strerror or exc}; choose another --metrics-port (0 picks a free "
+                    "one, -1 turns metrics off)"
+                ) from exc
         logger.info(
             "listening on %s:%d (gRPC%s), metrics on %s",
             settings.host, self.port, ", TLS" if settings.tls_cert else "",
@@ -141,18 +156,20 @@ class TokembedServer:
 
     def _bind(self, server: grpc.aio.Server, settings: Settings) -> int:
         address = f"{settings.host}:{settings.port}"
-        if settings.tls_cert is not None and settings.tls_key is not None:
-            client_ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca else None
-            credentials = grpc.ssl_server_credentials(
-                [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-                root_certificates=client_ca,
-                require_client_auth=client_ca is not None,
-            )
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
+        # Checked first, so that the mistake is one line of ours and not gRPC's C-core log
+        # lines and a RuntimeError.
+        credentials = tls_credentials(settings)
+        if settings.workers == 1:  # workers share the port on purpose (SO_REUSEPORT)
+            check_port_free(settings.host, settings.port)
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpcio raises where it used to return 0
+            raise ServerConfigError(f"cannot listen on {address}: {exc}") from exc
         if port == 0:
-            raise ServerConfigError(f"cannot bind the gRPC port at {address}")
+            raise ServerConfigError(f"cannot listen on {address}")
         return int(port)
 
     async def _load_all(self) -> None:
@@ -288,6 +305,60 @@ class TokembedServer:
         await self._stopped.wait()
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``ServerConfigError`` if ``host:port`` cannot be bound (in use, say)."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ServerConfigError(f"cannot listen on {host}:{port}: {exc}; check --host") from exc
+    for family, kind, proto, _, where in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: a port left in TIME_WAIT by a previous server is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                raise ServerConfigError(
+                    f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what "
+                    "listens there or choose another --port (0 picks a free one)"
+                ) from exc
+
+
+def tls_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """The server's TLS credentials, the files checked to parse first (gRPC reports a
+    bad one only in its own log, then fails to bind)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ServerConfigError(
+            f"tls_cert {settings.tls_cert} and tls_key {settings.tls_key} are not a PEM "
+            f"certificate chain and its private key ({_reason(exc)})"
+        ) from exc
+    client_ca = None
+    if settings.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=settings.tls_client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ServerConfigError(
+                f"tls_client_ca {settings.tls_client_ca} is not a PEM CA bundle ({_reason(exc)})"
+            ) from exc
+        client_ca = settings.tls_client_ca.read_bytes()
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
+
+
 def _labels(engine: Engine) -> ModelLabels:
     manifest = engine.served.model.manifest
     return ModelLabels(
@@ -304,7 +375,11 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop_requested.set)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop(0)  # nothing left running for the loop's end to trip over
+        raise
     ready = asyncio.ensure_future(server.wait_ready())
     stop_wait = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

@@ -148,12 +148,13 @@ class Settings:
 
     @property
     def max_request_bytes(self) -> int:
-        """gRPC receive limit: the largest valid request plus room for the envelope.
+        """The largest valid request plus room for the envelope: larger ones are refused
+        before they are decoded (``edge.requests.EmbedParser``).
 
-        Fix: a request needs at most 8 bytes per id and a <= 10-byte varint per length
-        (every sequence holds >= 1 id), so it is far smaller than an answer. Received up
-        to max_message_bytes, 100 MiB of one-byte lengths decoded into ~3 GB (8-byte
-        integers twice over) before validation could refuse it.
+        A request needs at most 8 bytes per id and a <= 10-byte varint per length (every
+        sequence holds >= 1 id), so it is far smaller than an answer. Decoded whatever
+        their size, 100 MiB of one-byte lengths became ~3 GB (8-byte integers twice over)
+        before validation could refuse them.
         """
         return self.max_tokens_per_request * (8 + 10) + MiB
 

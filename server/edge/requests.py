@@ -1,9 +1,10 @@
 """tokembed.v1 request bytes -> the core's types: the deserializers gRPC calls.
 
 A deserializer that raises makes gRPC answer UNKNOWN on its own, past our status table
-and metrics; these never raise. Bytes that do not parse become ``Malformed``, which the
-servicer refuses as INVALID_ARGUMENT like any other bad input (inside a stream: one
-error answer).
+and metrics; these never raise. Bytes that do not parse, or that are more than the
+largest valid request, become ``Refused``, which the servicer refuses like any other bad
+input (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for too large; inside a stream: one error
+answer).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from tokembed.server.core.errors import EmbedError, InvalidInput, TooLarge
 from tokembed.server.core.types import FLAT, PADDED, EmbedInput
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -29,11 +31,10 @@ _LAYOUT_NAMES = {
 
 
 @dataclass(slots=True)
-class Malformed:
-    """Request bytes that are not the message the method takes."""
+class Refused:
+    """Request bytes refused before parsing them into a request: what to raise."""
 
-    message: str  # what to tell the caller
-    request_id: str = ""
+    error: EmbedError
 
 
 @dataclass(slots=True)
@@ -52,12 +53,37 @@ class ModelQuery:
     model_name: str
 
 
-def parse_embed(data: bytes) -> EmbedCall | Malformed:
-    """The deserializer of Embed, EmbedStream and EmbedChunked."""
+class EmbedParser:
+    """The deserializer of Embed, EmbedStream and EmbedChunked.
+
+    gRPC receives messages up to its own limit, which is set well above the largest
+    valid request so that a larger one reaches this point and gets our answer (naming
+    the limit and the setting that raises it); it is refused by its size alone, before
+    it is decoded (100 MiB of one-byte lengths decode into ~3 GB of integers).
+    """
+
+    def __init__(self, max_bytes: int, max_tokens: int) -> None:
+        self._max_bytes = max_bytes
+        self._max_tokens = max_tokens
+
+    def __call__(self, data: bytes) -> EmbedCall | Refused:
+        if len(data) > self._max_bytes:
+            return Refused(
+                TooLarge(
+                    f"the request is {len(data)} bytes, over the limit of {self._max_bytes} "
+                    f"bytes that max_tokens_per_request={self._max_tokens} allows; split it, "
+                    "or raise --max-tokens-per-request (TOKEMBED_MAX_TOKENS_PER_REQUEST)"
+                )
+            )
+        return parse_embed(data)
+
+
+def parse_embed(data: bytes) -> EmbedCall | Refused:
+    """An EmbedRequest's bytes as an ``EmbedCall`` (whatever their size)."""
     try:
         request = pb.EmbedRequest.FromString(data)
     except DecodeError as exc:
-        return Malformed(f"the request is not a valid tokembed.v1.EmbedRequest: {exc}")
+        return Refused(InvalidInput(f"the request is not a valid tokembed.v1.EmbedRequest: {exc}"))
     tensor = request.input_ids
     return EmbedCall(
         request.model_name,
@@ -79,20 +105,20 @@ def parse_embed(data: bytes) -> EmbedCall | Malformed:
     )
 
 
-def parse_model_query(data: bytes) -> ModelQuery | Malformed:
+def parse_model_query(data: bytes) -> ModelQuery | Refused:
     """The deserializer of GetModelInfo."""
     try:
         return ModelQuery(pb.GetModelInfoRequest.FromString(data).model_name)
     except DecodeError:
-        return Malformed("the request is not a valid tokembed.v1.GetModelInfoRequest")
+        return Refused(InvalidInput("the request is not a valid tokembed.v1.GetModelInfoRequest"))
 
 
-def parse_list_models(data: bytes) -> Malformed | None:
+def parse_list_models(data: bytes) -> Refused | None:
     """The deserializer of ListModels (its request has no fields)."""
     try:
         pb.ListModelsRequest.FromString(data)
     except DecodeError:
-        return Malformed("the request is not a valid tokembed.v1.ListModelsRequest")
+        return Refused(InvalidInput("the request is not a valid tokembed.v1.ListModelsRequest"))
     return None
 
 

@@ -23,16 +23,16 @@ import grpc
 
 from tokembed.server.core.admission import Ticket
 from tokembed.server.core.engine import Engine
-from tokembed.server.core.errors import EmbedError, Internal, InvalidInput
+from tokembed.server.core.errors import EmbedError, Internal
 from tokembed.server.core.registry import ModelRegistry
 from tokembed.server.core.types import Answer
 from tokembed.server.edge import responses
 from tokembed.server.edge.calls import Calls
 from tokembed.server.edge.requests import (
     EmbedCall,
-    Malformed,
+    EmbedParser,
     ModelQuery,
-    parse_embed,
+    Refused,
     parse_list_models,
     parse_model_query,
 )
@@ -57,10 +57,17 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 class EmbeddingServicer:
     def __init__(
-        self, registry: ModelRegistry, calls: Calls, *, chunk_bytes: int, max_message_bytes: int
+        self,
+        registry: ModelRegistry,
+        calls: Calls,
+        *,
+        chunk_bytes: int,
+        max_message_bytes: int,
+        parse: EmbedParser,
     ) -> None:
         """``chunk_bytes``: slice size of EmbedChunked answers; ``max_message_bytes``: the
-        message limit GetModelInfo reports."""
+        message limit GetModelInfo reports; ``parse``: the Embed methods' deserializer."""
+        self.parse = parse
         self._registry = registry
         self._calls = calls
         self._chunk_bytes = chunk_bytes
@@ -68,9 +75,7 @@ class EmbeddingServicer:
 
     # --- RPCs
 
-    async def Embed(
-        self, request: EmbedCall | Malformed, context: grpc.aio.ServicerContext
-    ) -> bytes:
+    async def Embed(self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
         calls = self._calls
         calls.enter()
@@ -103,7 +108,7 @@ class EmbeddingServicer:
 
     async def EmbedStream(
         self,
-        request_iterator: AsyncIterator[EmbedCall | Malformed],
+        request_iterator: AsyncIterator[EmbedCall | Refused],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
         answers: asyncio.Queue[asyncio.Task[_StreamAnswer] | None] = asyncio.Queue(STREAM_WINDOW)
@@ -148,7 +153,7 @@ class EmbeddingServicer:
                 leftover.add_done_callback(_release_unsent)
 
     async def EmbedChunked(
-        self, request: EmbedCall | Malformed, context: grpc.aio.ServicerContext
+        self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         started = time.perf_counter()
         calls = self._calls
@@ -186,13 +191,13 @@ class EmbeddingServicer:
             calls.leave()
 
     async def GetModelInfo(
-        self, request: ModelQuery | Malformed, context: grpc.aio.ServicerContext
+        self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         started = time.perf_counter()
         model = ""
         try:
-            if isinstance(request, Malformed):
-                raise InvalidInput(request.message)
+            if isinstance(request, Refused):
+                raise request.error
             engine = self._registry.engine(request.model_name)
             model = engine.name
         except EmbedError as error:
@@ -202,13 +207,13 @@ class EmbeddingServicer:
         return answer
 
     async def ListModels(
-        self, request: Malformed | None, context: grpc.aio.ServicerContext
+        self, request: Refused | None, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         started = time.perf_counter()
         registry = self._registry
         try:
-            if isinstance(request, Malformed):
-                raise InvalidInput(request.message)
+            if isinstance(request, Refused):
+                raise request.error
             registry.check_serving()
         except EmbedError as error:
             await self._abort(context, "ListModels", "", error, started)
@@ -220,13 +225,13 @@ class EmbeddingServicer:
 
     # --- helpers
 
-    def _engine(self, request: EmbedCall | Malformed) -> Engine:
-        if isinstance(request, Malformed):
-            raise InvalidInput(request.message)
+    def _engine(self, request: EmbedCall | Refused) -> Engine:
+        if isinstance(request, Refused):
+            raise request.error
         return self._registry.engine(request.model_name)
 
     async def _stream_item(
-        self, request: EmbedCall | Malformed, context: grpc.aio.ServicerContext
+        self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext
     ) -> _StreamAnswer:
         """One answer of EmbedStream, with the room to release once it is sent."""
         started = time.perf_counter()
@@ -329,9 +334,9 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
     """The methods, registered by hand: the Embed methods' answers are bytes already, so
     they have no serializer (gRPC sends bytes as they are)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {
-        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, parse_embed),
-        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, parse_embed),
-        "EmbedChunked": grpc.unary_stream_rpc_method_handler(servicer.EmbedChunked, parse_embed),
+        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, servicer.parse),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, servicer.parse),
+        "EmbedChunked": grpc.unary_stream_rpc_method_handler(servicer.EmbedChunked, servicer.parse),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, parse_model_query, pb.ModelInfo.SerializeToString
         ),

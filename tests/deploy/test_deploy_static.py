@@ -360,6 +360,20 @@ def test_k8s_yaml_parses_and_every_kustomization_resource_exists() -> None:
         assert list(yaml.safe_load_all(path.read_text())), path
 
 
+def test_images_manifest_and_bench_run_the_server_with_one_allocator_setting() -> None:
+    """Allocator tuning is deployment configuration, set where the server is deployed; the
+    bench measures the server with the same (so its figures are the deployment's)."""
+    from tokembed.bench.plan import DEPLOYMENT_ENV
+
+    found = {name: env_of(parse_dockerfile(ROOT / name).stages[-1]) for name in DOCKERFILES}
+    for overlay in ("cpu", "gpu"):
+        docs = _by_kind(_kustomize(K8S if overlay == "cpu" else K8S / overlay))
+        (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+        found[f"k8s {overlay}"] = {e["name"]: e["value"] for e in container["env"]}
+    for where, env in found.items():
+        assert env.get("GLIBC_TUNABLES") == DEPLOYMENT_ENV["GLIBC_TUNABLES"], where
+
+
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_k8s_probes_and_ports_point_at_the_server(overlay: str) -> None:
     docs = _by_kind(_kustomize(K8S if overlay == "cpu" else K8S / overlay))

@@ -316,7 +316,9 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
     small_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> None:
     loader = PoisonLoader()
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    server = start_server(
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
+    )
     backend = loader.backend
     assert backend is not None
     poison = 999

@@ -38,6 +38,7 @@ from reliability_support import (
     varint,
 )
 
+from tokembed.bench.plan import DEPLOYMENT_ENV
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V
@@ -66,8 +67,6 @@ FLOOD_ARGS = (
     "--grace-s",
     "5",
 )
-# The opt-in allocator tuning (server/memory.py): freed blocks stay for reuse.
-MALLOC_TUNED = ("--malloc-mmap-threshold-bytes", str(1024 * MiB))
 
 
 @pytest.fixture(scope="module")
@@ -282,10 +281,12 @@ def test_a_flood_of_maximum_size_requests_keeps_rss_bounded_and_is_refused_fast(
     flood(flood_server, rows)
 
 
-def test_the_bound_holds_with_the_malloc_tuning_too(
+def test_the_bound_holds_with_the_deployment_s_allocator_settings_too(
     default_model_dir: Path, rows: np.ndarray
 ) -> None:
-    server = ServerProcess(serve_args(default_model_dir, *FLOOD_ARGS, *MALLOC_TUNED)).start()
+    # As the images and the Kubernetes manifest run it (huge pages for glibc's blocks).
+    server = ServerProcess(serve_args(default_model_dir, *FLOOD_ARGS), env=DEPLOYMENT_ENV)
+    server.start()
     try:
         flood(server, rows)
     finally:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokembed.server.core.errors import InvalidInput
+from tokembed.server.core.errors import InvalidInput, TooLarge
 from tokembed.server.core.types import FLAT, PADDED
 from tokembed.server.core.validation import Limits, validate
 from tokembed.server.edge.requests import (
     EmbedCall,
-    Malformed,
+    EmbedParser,
     ModelQuery,
+    Refused,
     parse_embed,
     parse_list_models,
     parse_model_query,
@@ -109,14 +110,34 @@ def test_unknown_enum_values_are_named_in_the_validation_error(
     assert fragment in str(error.value)
 
 
-def test_bytes_that_do_not_parse_are_malformed_never_an_exception() -> None:
+def test_bytes_that_do_not_parse_are_refused_never_an_exception() -> None:
     for parse, what in (
         (parse_embed, "EmbedRequest"),
         (parse_model_query, "GetModelInfoRequest"),
         (parse_list_models, "ListModelsRequest"),
     ):
         result = parse(b"\xff\xff\xff")  # type: ignore[operator]
-        assert isinstance(result, Malformed) and what in result.message
+        assert isinstance(result, Refused) and isinstance(result.error, InvalidInput)
+        assert what in str(result.error)
+
+
+def test_a_request_over_the_largest_valid_one_is_refused_by_its_size_unread() -> None:
+    parse = EmbedParser(max_bytes=100, max_tokens=7)
+    ids = np.arange(12, dtype="<i8")
+    message = pb.EmbedRequest(
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 12], data=ids.tobytes())
+    ).SerializeToString()
+    assert len(message) > 100
+    refused = parse(message)
+    assert isinstance(refused, Refused) and isinstance(refused.error, TooLarge)
+    text = str(refused.error)
+    assert f"the request is {len(message)} bytes, over the limit of 100 bytes" in text
+    assert "max_tokens_per_request=7" in text and "--max-tokens-per-request" in text
+    # Unread: even bytes that are no request at all are refused for their size.
+    garbage = parse(b"\xff" * 101)
+    assert isinstance(garbage, Refused) and isinstance(garbage.error, TooLarge)
+    # At the limit and below, requests are parsed as ever.
+    assert isinstance(EmbedParser(len(message), 7)(message), EmbedCall)
 
 
 def test_model_queries_read_the_name() -> None:

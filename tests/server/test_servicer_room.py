@@ -18,7 +18,7 @@ from tokembed.server.core.policy import Policy
 from tokembed.server.core.registry import ModelRegistry
 from tokembed.server.core.validation import Limits
 from tokembed.server.edge.calls import Calls
-from tokembed.server.edge.requests import parse_embed
+from tokembed.server.edge.requests import EmbedParser, parse_embed
 from tokembed.server.edge.servicer import EmbeddingServicer
 from tokembed.server.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
@@ -70,7 +70,10 @@ def test_embed_holds_the_room_until_its_rpc_ends(
     registry = ModelRegistry()
     registry.add(engine)
     registry.loaded()
-    servicer = EmbeddingServicer(registry, Calls(None), chunk_bytes=1 << 20, max_message_bytes=0)
+    servicer = EmbeddingServicer(
+        registry, Calls(None), chunk_bytes=1 << 20, max_message_bytes=0,
+        parse=EmbedParser(1 << 30, 65536),
+    )  # fmt: skip
 
     async def go() -> bytes:
         context = Context()
