@@ -29,6 +29,7 @@ from tokembed.export.manifest import (
     TensorSpec,
 )
 from tokembed.export.module import StoredAs, TokenEmbedding
+from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 from tokembed.export.parity import parity_ids
 from tokembed.export.staging import (
@@ -48,7 +49,8 @@ _PRODUCERS = ("torch", "onnx", "onnxscript", "onnxruntime")
 @dataclass(frozen=True)
 class ExportOptions:
     out_dir: Path
-    name: str = "tokembed-default"
+    # None: named after out_dir (tokembed.export.naming).
+    name: str | None = None
     version: str = "1"
     weight_dtype: str = "float32"
     force: bool = False
@@ -64,7 +66,7 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
         )
     out_dir = options.out_dir
     check_out_dir(out_dir, options.force)
-    name = options.name
+    name = options.name if options.name is not None else model_name_for(out_dir)
     module = module.eval()
     if options.weight_dtype == "float16":
         _check_fits_float16(module)
