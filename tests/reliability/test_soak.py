@@ -217,6 +217,7 @@ def soak(server: ServerProcess, seconds: float, rows: np.ndarray) -> None:
     assert growth < MAX_GROWTH, f"RSS grew {growth:.1%} from the first third to the last"
 
 
+@pytest.mark.slow  # ~90 s; `scripts/test --fast` leaves it out
 def test_soak_ci(soak_server: ServerProcess, rows: np.ndarray) -> None:
     soak(soak_server, CI_SOAK_S, rows)
 
