@@ -17,6 +17,7 @@ import torch
 
 from tokembed.cli.main import main
 from tokembed.export.model_dir import load_model_dir
+from tokembed.export.naming import model_name_for
 
 
 def export(capsys, out: Path, *flags: object) -> str:
@@ -129,12 +130,18 @@ def test_dtype_name_and_version_flags(tmp_path, capsys):
         ("repo/llama/3", "llama"),  # a model repository's <model>/<version>
         ("repo/llama/v3", "v3"),  # not all digits: not a version
         ("repo/2024/11", "2024"),
+        ("/3", "3"),  # no <model> above the digits: the digits
     ],
 )
-def test_a_model_is_named_after_its_directory(tmp_path, capsys, out, name):
-    line = export(capsys, tmp_path / out, "--vocab-size", 10, "--d-model", 4)
-    assert line.startswith(f"exported {name} v1: ")
-    assert manifest_of(tmp_path / out)["name"] == name
+def test_the_naming_rule(tmp_path, out, name):
+    assert model_name_for(tmp_path / out if not out.startswith("/") else Path(out)) == name
+
+
+def test_an_export_is_named_after_its_directory(tmp_path, capsys):
+    for out, name in (("models/my-model", "my-model"), ("repo/llama/3", "llama")):
+        line = export(capsys, tmp_path / out, "--vocab-size", 10, "--d-model", 4)
+        assert line.startswith(f"exported {name} v1: ")
+        assert manifest_of(tmp_path / out)["name"] == name
 
 
 def test_name_flag_wins_over_the_directory(tmp_path, capsys):
