@@ -7,11 +7,14 @@ import logging
 from pathlib import Path
 
 from tokembed.export.errors import ExportError
+from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_D_MODEL = 512
 DEFAULT_SEED = 0
+# What [export] adds to [server]: without them, the command says so in one line.
+_EXPORT_ONLY_PACKAGES = ("torch", "onnxscript")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,7 +72,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="padding id: its row starts as zeros (random init) and is recorded",
     )
-    parser.add_argument("--name", default="tokembed-default", help="model name in the manifest")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="model name in the manifest, which the server serves it under (default: the "
+        "name of --out; for a model repository's <model>/<version> layout, <model>)",
+    )
     parser.add_argument("--model-version", default="1", help="model version in the manifest")
     parser.add_argument(
         "--force", action="store_true", help="overwrite --out even if it is not empty"
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
     # Before loading and hashing a checkpoint that may be many GB, not after.
     check_out_dir(args.out, args.force)
+    name = args.name if args.name is not None else model_name_for(args.out)
     if args.weights is None:
         vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
         d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
@@ -99,8 +108,17 @@ def run(args: argparse.Namespace) -> int:
         _check_padding(args.padding_idx, vocab_size)
 
     # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    try:
+        from tokembed.export.module import TokenEmbedding, random_table
+        from tokembed.export.onnx_export import ExportOptions, export_model
+    except ModuleNotFoundError as exc:
+        # A server-only install (tokembed[server]) has the command but not torch.
+        if exc.name not in _EXPORT_ONLY_PACKAGES:
+            raise
+        raise ExportError(
+            f"tokembed export needs {exc.name}, which is not installed: install a CPU torch "
+            "and tokembed[export] (see the README)"
+        ) from exc
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
     source: dict[str, object]
@@ -140,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         module,
         ExportOptions(
             out_dir=args.out,
-            name=args.name,
+            name=name,
             version=args.model_version,
             weight_dtype=args.dtype,
             force=args.force,

@@ -9,48 +9,48 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import platform
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tokembed import __version__
 from tokembed.export.errors import ExportError, ParityError
-from tokembed.export.hashing import sha256_file
 from tokembed.export.manifest import (
     INPUT_NAME,
-    MANIFEST_NAME,
     MODEL_NAME,
     OUTPUT_NAME,
-    FileEntry,
     Manifest,
     Parity,
     TensorSpec,
 )
 from tokembed.export.module import StoredAs, TokenEmbedding
+from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
+from tokembed.export.parity import parity_ids
+from tokembed.export.staging import (
+    file_entries,
+    make_staging_dir,
+    move_into_place,
+    producer_versions,
+)
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-# Tables up to this size are checked on every row; larger ones on a random sample.
-_FULL_PARITY_MAX_BYTES = 256 * 1024 * 1024
-_SAMPLED_PARITY_IDS = 16384
+# The packages whose versions the manifest records.
+_PRODUCERS = ("torch", "onnx", "onnxscript", "onnxruntime")
 
 
 @dataclass(frozen=True)
 class ExportOptions:
     out_dir: Path
-    name: str = "tokembed-default"
+    # None: named after out_dir (tokembed.export.naming).
+    name: str | None = None
     version: str = "1"
     weight_dtype: str = "float32"
     force: bool = False
@@ -66,25 +66,17 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
         )
     out_dir = options.out_dir
     check_out_dir(out_dir, options.force)
+    name = options.name if options.name is not None else model_name_for(out_dir)
     module = module.eval()
     if options.weight_dtype == "float16":
         _check_fits_float16(module)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    except OSError as exc:
-        # e.g. a parent of --out is a file, or not writable: a bad input, not a bug.
-        reason = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc
-        raise ExportError(f"--out {out_dir}: cannot create it ({reason})") from exc
+    staging = make_staging_dir(out_dir)
     try:
         exported = _export_graph(module, options.weight_dtype, staging / MODEL_NAME)
         parity = _check_parity(module, staging / MODEL_NAME, options.weight_dtype, options.seed)
-        files = {
-            path.name: FileEntry(sha256=sha256_file(path), size_bytes=path.stat().st_size)
-            for path in sorted(staging.iterdir())
-        }
+        files = file_entries(staging)
         manifest = Manifest(
-            name=options.name,
+            name=name,
             version=options.version,
             vocab_size=module.vocab_size,
             d_model=module.d_model,
@@ -95,15 +87,15 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
             output=TensorSpec(OUTPUT_NAME, "float32", ["batch", "sequence", module.d_model]),
             opset=exported,
             files=files,
-            producer=_producer_versions(),
+            producer=producer_versions(_PRODUCERS),
             parity=parity,
             source=options.source or {},
         )
         manifest.write(staging)
-        _move_into_place(staging, out_dir)
+        move_into_place(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("exported %s to %s (max abs error %g)", options.name, out_dir, parity.max_abs_error)
+    logger.info("exported %s to %s (max abs error %g)", name, out_dir, parity.max_abs_error)
     return manifest
 
 
@@ -165,21 +157,6 @@ def _export_graph(module: TokenEmbedding, weight_dtype: str, model_path: Path) -
     return int(next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx")))
 
 
-def parity_ids(vocab_size: int, d_model: int, padding_idx: int | None, seed: int) -> np.ndarray:
-    """Ids for the export check: every row for small tables, else a random sample; always
-    0, V-1 and the padding id. Shaped ``[B,S]`` with B, S >= 2."""
-    rng = np.random.default_rng(seed)
-    if vocab_size * d_model * 4 <= _FULL_PARITY_MAX_BYTES:
-        ids = rng.permutation(vocab_size)
-    else:
-        ids = rng.integers(0, vocab_size, size=_SAMPLED_PARITY_IDS)
-    edges = [0, vocab_size - 1] + ([padding_idx] if padding_idx is not None else [])
-    ids = np.concatenate([np.asarray(edges, dtype=np.int64), ids.astype(np.int64)])
-    if ids.size % 2:
-        ids = np.append(ids, vocab_size - 1)
-    return ids.reshape(2, -1)
-
-
 def parity_tolerance(module: TokenEmbedding, weight_dtype: str) -> float:
     """float32 must match exactly: the graph does the same two IEEE operations as torch.
 
@@ -212,24 +189,3 @@ def _check_parity(module: TokenEmbedding, model_path: Path, weight_dtype: str, s
             f"{weight_dtype} weights) over {ids.size} ids"
         )
     return Parity(max_abs_error=error, tolerance=tolerance, ids_checked=int(ids.size))
-
-
-def _producer_versions() -> dict[str, str]:
-    versions = {"tokembed": __version__, "python": platform.python_version()}
-    for package in ("torch", "onnx", "onnxscript", "onnxruntime"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    return versions
-
-
-def _move_into_place(staging: Path, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # The manifest goes last and our old files go first: a reader never sees a manifest
-    # that describes files not yet (or no longer) there.
-    old_manifest = out_dir / MANIFEST_NAME
-    if old_manifest.exists():
-        old_manifest.unlink()
-    for stale in out_dir.glob(f"{MODEL_NAME}*"):
-        stale.unlink()
-    for path in sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
-        os.replace(path, out_dir / path.name)

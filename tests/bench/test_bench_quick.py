@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # ~30 s; `scripts/test --fast` leaves it out
 def test_quick_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = subprocess.run(

@@ -15,14 +15,13 @@ from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
 
 from support.fixtures import (
     DEFAULT_D,
-    DEFAULT_SEED,
     DEFAULT_V,
     SMALL_D,
     SMALL_PAD,
     SMALL_SEED,
     SMALL_V,
 )  # fmt: skip
-from support.models import reference_rows
+from support.models import default_rows, reference_rows
 
 SMALL_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
@@ -34,8 +33,7 @@ def test_the_keys_on_the_table_are_lost(default_model_dir: Path, start_server: A
         hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
     assert hidden.shape == (1, 8, 512)
     assert hidden.dtype == np.float32
-    want = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[5:13] * 1.0
-    np.testing.assert_array_equal(hidden[0], want)  # E[id] * sqrt(512), bit for bit
+    np.testing.assert_array_equal(hidden[0], default_rows()[5:13])  # E[id] * sqrt(512), exactly
 
 
 def test_model_info_reports_model_provider_and_limits(
@@ -197,7 +195,7 @@ def test_a_64_mib_response_works_with_default_settings(
     server = start_server(default_model_dir)
     tokens = 64 * 2**20 // (DEFAULT_D * 4)  # 32768 tokens -> exactly 64 MiB of float32
     ids = (np.arange(tokens, dtype=np.int64) * 7 % DEFAULT_V).reshape(8, -1)
-    want = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[ids]
+    want = default_rows()[ids]
     with EmbeddingClient(server.target, chunked_threshold_bytes=None) as unary:
         got = unary.embed(ids)
     assert got.nbytes == 64 * 2**20

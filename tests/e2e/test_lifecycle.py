@@ -19,9 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokembed.client import EmbeddingClient, UnavailableError
 
-from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V, SMALL_D
+from support.fixtures import DEFAULT_V, SMALL_D
 from support.gates import GatedLoader
-from support.models import reference_rows
+from support.models import default_rows
+from support.no_torch import env_without_torch
 from support.server import ServerProcess, serve_args, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -72,7 +73,7 @@ def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
     server = ServerProcess(serve_args(default_model_dir, "--grace-s", "20")).start()
     try:
         ids = (np.arange(32 * 512) % DEFAULT_V).reshape(32, 512)  # ~34 MB answers: slow
-        want = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[ids]
+        want = default_rows()[ids]
         results: list[Any] = []
         errors: list[BaseException] = []
 
@@ -141,22 +142,57 @@ def test_serve_refuses_an_invalid_model_directory(small_model_dir: Path, tmp_pat
     assert "Traceback" not in result.stderr
 
 
-def test_serve_without_a_model_creates_the_default_one(tmp_path: Path) -> None:
+def test_serve_without_a_model_creates_the_default_one_without_torch(tmp_path: Path) -> None:
+    """The main job needs only the server's install: here `import torch` fails in the
+    server process and in any process it starts."""
     default_dir = tmp_path / "models" / "default"
     server = ServerProcess(
-        ["--port", "0", "--metrics-port", "-1", "--default-model-dir", str(default_dir)]
+        ["--port", "0", "--metrics-port", "-1", "--default-model-dir", str(default_dir)],
+        env=env_without_torch(tmp_path / "no-torch"),
     )
     try:
         server.start(timeout_s=180)
         with EmbeddingClient(server.target) as client:
             hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
-        np.testing.assert_array_equal(
-            hidden[0], reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[5:13]
-        )
+            info = client.model_info()
+        np.testing.assert_array_equal(hidden[0], default_rows()[5:13])
+        assert (info.name, info.vocab_size, info.d_model) == ("tokembed-default", 32000, 512)
         assert (default_dir / "manifest.json").is_file()
+        assert "building the built-in default model" in server.output
     finally:
         server.send_signal(signal.SIGINT)
         assert server.wait(30) == 0
+    # A second start finds the model and serves it as it is.
+    data = default_dir / "model.onnx.data"
+    built = data.stat().st_mtime_ns
+    again = ServerProcess(
+        ["--port", "0", "--metrics-port", "-1", "--default-model-dir", str(default_dir)],
+        env=env_without_torch(tmp_path / "no-torch"),
+    )
+    try:
+        again.start(timeout_s=180)
+        assert "building" not in again.output
+    finally:
+        again.send_signal(signal.SIGINT)
+        assert again.wait(30) == 0
+    assert data.stat().st_mtime_ns == built
+
+
+def test_serve_refuses_a_default_model_dir_holding_other_files(tmp_path: Path) -> None:
+    default_dir = tmp_path / "default"
+    default_dir.mkdir()
+    (default_dir / "notes.txt").write_text("mine")
+    result = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "serve", "--port", "0", "--metrics-port", "-1",
+         "--default-model-dir", str(default_dir)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("tokembed serve: error: cannot create the default model: "), lines
+    assert "not empty, but holds no manifest.json" in lines[-1]
+    assert "Traceback" not in result.stderr
+    assert [p.name for p in default_dir.iterdir()] == ["notes.txt"]
 
 
 def test_serve_help_documents_every_setting_and_its_variable() -> None:

@@ -11,8 +11,7 @@ import numpy as np
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V
-from support.models import reference_rows
+from support.models import default_rows
 
 
 def test_design_example_with_generated_stubs(default_model_dir: Path, start_server: Any) -> None:
@@ -29,7 +28,7 @@ def test_design_example_with_generated_stubs(default_model_dir: Path, start_serv
     assert list(reply.hidden_states.shape) == [1, 8, 512]
     assert reply.hidden_states.dtype == pb.DTYPE_FLOAT32
     got = np.frombuffer(reply.hidden_states.data, dtype="<f4").reshape(1, 8, 512)
-    want = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)[ids]
+    want = default_rows()[ids]
     np.testing.assert_array_equal(got, want)
     assert reply.model_name == "tokembed-default"
     assert reply.timings.batch_tokens >= 8

@@ -17,6 +17,7 @@ import torch
 
 from tokembed.cli.main import main
 from tokembed.export.model_dir import load_model_dir
+from tokembed.export.naming import model_name_for
 
 
 def export(capsys, out: Path, *flags: object) -> str:
@@ -76,8 +77,7 @@ def test_seed_and_sizes(tmp_path, capsys, table_of, bitwise_equal):
     out = tmp_path / "model"
     line = export(capsys, out, "--vocab-size", 50, "--d-model", 8, "--seed", 3)
     assert line == (
-        f"exported tokembed-default v1: V=50 D=8 scale=2.82843 weights=float32 "
-        f"max_abs_error=0 -> {out}\n"
+        f"exported model v1: V=50 D=8 scale=2.82843 weights=float32 max_abs_error=0 -> {out}\n"
     )
     ids = np.arange(50, dtype=np.int64).reshape(5, 10)
     bitwise_equal(run(out, ids), table_of(50, 8, 3)[ids] * np.float32(math.sqrt(8)))
@@ -120,6 +120,42 @@ def test_dtype_name_and_version_flags(tmp_path, capsys):
     assert manifest["output"]["dtype"] == "float32"
     assert 0 < manifest["parity"]["max_abs_error"] <= manifest["parity"]["tolerance"]
     assert load_model_dir(out).manifest.weight_dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    ("out", "name"),
+    [
+        ("llama", "llama"),
+        ("models/my-model", "my-model"),
+        ("repo/llama/3", "llama"),  # a model repository's <model>/<version>
+        ("repo/llama/v3", "v3"),  # not all digits: not a version
+        ("repo/2024/11", "2024"),
+        ("/3", "3"),  # no <model> above the digits: the digits
+    ],
+)
+def test_the_naming_rule(tmp_path, out, name):
+    assert model_name_for(tmp_path / out if not out.startswith("/") else Path(out)) == name
+
+
+def test_an_export_is_named_after_its_directory(tmp_path, capsys):
+    for out, name in (("models/my-model", "my-model"), ("repo/llama/3", "llama")):
+        line = export(capsys, tmp_path / out, "--vocab-size", 10, "--d-model", 4)
+        assert line.startswith(f"exported {name} v1: ")
+        assert manifest_of(tmp_path / out)["name"] == name
+
+
+def test_name_flag_wins_over_the_directory(tmp_path, capsys):
+    export(capsys, tmp_path / "repo" / "llama" / "3", "--vocab-size", 10, "--d-model", 4,
+           "--name", "chosen")  # fmt: skip
+    assert manifest_of(tmp_path / "repo" / "llama" / "3")["name"] == "chosen"
+
+
+def test_out_dot_is_named_after_the_current_directory(tmp_path, capsys, monkeypatch):
+    work = tmp_path / "here-it-is"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    export(capsys, Path("."), "--vocab-size", 10, "--d-model", 4)
+    assert manifest_of(work)["name"] == "here-it-is"
 
 
 def test_manifest_records_what_design_md_names(small_export):

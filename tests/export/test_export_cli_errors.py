@@ -3,10 +3,14 @@ traceback, and leaves no model directory behind. Run as users run it: a subproce
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from support.no_torch import env_without_torch
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +143,15 @@ def test_output_path_is_a_file(tmp_path, tokembed_cli, user_error):
         tokembed_cli("export", "--out", nested, "--vocab-size", "10", "--d-model", "4"),
         f"--out {nested}: cannot create it",
     )
+
+
+def test_without_torch_the_command_says_what_to_install(tmp_path, user_error):
+    """A server-only install (tokembed[server]) has `tokembed export` but not torch."""
+    out = tmp_path / "model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "export", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env_without_torch(tmp_path / "no-torch"),
+    )  # fmt: skip
+    user_error(proc, "tokembed export needs torch, which is not installed", "tokembed[export]")
+    assert proc.returncode == 2
+    assert not out.exists()

@@ -37,8 +37,8 @@ from reliability_support import (
 
 from tokembed.server.app import DRAIN_QUIET_S
 
-from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V
-from support.models import reference_rows
+from support.fixtures import DEFAULT_V
+from support.models import default_rows
 from support.server import ServerProcess, ServerThread, serve_args, wait_for
 
 # --- SIGTERM during load
@@ -82,7 +82,7 @@ async def _sigterm_worker(
 def test_sigterm_under_load_loses_no_accepted_request_and_exits_0(default_model_dir: Path) -> None:
     grace_s = 15.0
     server = ServerProcess(serve_args(default_model_dir, "--grace-s", str(grace_s))).start()
-    rows = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)
+    rows = default_rows()
     log = LoadLog()
     sigterm_at = exited_at = 0.0
     code: int | None = None
@@ -189,7 +189,7 @@ def test_callers_leaving_mid_batch_disturb_nobody_and_leak_no_room(
     and afterwards admission holds no bytes and the queue no tokens: every path that
     ends a call early gave its room back."""
     server = start_server(default_model_dir, max_batch_tokens=4096)
-    rows = reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)
+    rows = default_rows()
     stats: Counter[str] = Counter()
     problems: list[str] = []
 

@@ -41,8 +41,8 @@ from reliability_support import (
 from tokembed.bench.plan import DEPLOYMENT_ENV
 from tokembed.v1 import embedding_pb2 as pb
 
-from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V
-from support.models import reference_rows
+from support.fixtures import DEFAULT_D, DEFAULT_V
+from support.models import default_rows
 from support.server import ServerProcess, serve_args
 
 MAX_TOKENS = 16384
@@ -80,7 +80,7 @@ def flood_server(default_model_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def rows() -> np.ndarray:
-    return reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)
+    return default_rows()
 
 
 def _max_ids(seed: int) -> np.ndarray:

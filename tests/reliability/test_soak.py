@@ -39,8 +39,8 @@ from reliability_support import (
 
 from tokembed.v1 import embedding_pb2 as pb
 
-from support.fixtures import DEFAULT_D, DEFAULT_SEED, DEFAULT_V
-from support.models import reference_rows
+from support.fixtures import DEFAULT_D, DEFAULT_V
+from support.models import default_rows
 from support.server import ServerProcess, serve_args
 
 CI_SOAK_S = 30.0
@@ -58,7 +58,7 @@ SHAPES = [(1, 8), (1, 64), (4, 16), (8, 128), (2, 512), (16, 64), (1, 2048), (4,
 
 @pytest.fixture(scope="module")
 def rows() -> np.ndarray:
-    return reference_rows(DEFAULT_V, DEFAULT_D, DEFAULT_SEED)
+    return default_rows()
 
 
 @pytest.fixture
@@ -217,6 +217,7 @@ def soak(server: ServerProcess, seconds: float, rows: np.ndarray) -> None:
     assert growth < MAX_GROWTH, f"RSS grew {growth:.1%} from the first third to the last"
 
 
+@pytest.mark.slow  # ~90 s; `scripts/test --fast` leaves it out
 def test_soak_ci(soak_server: ServerProcess, rows: np.ndarray) -> None:
     soak(soak_server, CI_SOAK_S, rows)
 

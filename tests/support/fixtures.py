@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from support.models import export_model_dir, reference_rows
+from support.models import build_default_model_dir, export_model_dir, reference_rows
 from support.server import ServerThread
 
 SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD = 1000, 64, 1, 0
@@ -61,14 +61,9 @@ def small_rows() -> Any:
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built-in default: V=32000, D=512, seed 0 (the design document's figures)."""
-    return export_model_dir(
-        tmp_path_factory.mktemp("default-model") / "model",
-        vocab_size=DEFAULT_V,
-        d_model=DEFAULT_D,
-        seed=DEFAULT_SEED,
-        name="tokembed-default",
-    )
+    """The built-in default: V=32000, D=512, seed 0 (the design document's figures), built
+    as ``tokembed serve`` builds it; ``support.models.default_rows`` holds its answers."""
+    return build_default_model_dir(tmp_path_factory.mktemp("default-model") / "model")
 
 
 @pytest.fixture

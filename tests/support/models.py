@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -26,6 +27,29 @@ def export_model_dir(
     module = TokenEmbedding(vocab_size, d_model, padding_idx=padding_idx, weight=table)
     export_model(module, ExportOptions(out_dir=out_dir, name=name, weight_dtype=dtype, seed=seed))
     return out_dir
+
+
+def build_default_model_dir(out_dir: Path) -> Path:
+    """The built-in default model, built as ``tokembed serve`` builds it (no torch)."""
+    from tokembed.export.builtin import build_builtin_model
+
+    assert build_builtin_model(out_dir)
+    return out_dir
+
+
+@functools.cache
+def default_rows() -> np.ndarray:
+    """The built-in default model's answer for every id, computed here from its definition,
+    independently of the builder: E from PCG64(0)'s raw 64-bit draws, each value from the
+    top 24 bits k of one draw as (2k + 1 - 2**24) / 2**24 * sqrt(3), row after row; the
+    answer is E[id] * sqrt(512) in float32. Read-only: every test shares it."""
+    vocab_size, d_model = 32000, 512
+    k = np.random.PCG64(0).random_raw(vocab_size * d_model) >> np.uint64(40)
+    centred = (k.astype(np.float64) * 2 + 1 - 2**24) / 2**24  # exact: 25-bit integers / 2**24
+    table = (centred * math.sqrt(3)).astype(np.float32).reshape(vocab_size, d_model)
+    rows = table * np.float32(math.sqrt(d_model))
+    rows.setflags(write=False)
+    return rows
 
 
 def reference_rows(

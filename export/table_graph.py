@@ -1,0 +1,71 @@
+"""The ONNX graph of a look-up table, written with ``onnx.helper`` (no torch).
+
+The same graph the exporter gets from torch: ``Gather(table, input_ids) * scale``, input
+``input_ids`` int64 ``[batch, sequence]``, output ``hidden_states`` float32
+``[batch, sequence, D]``, the table as external data in ``model.onnx.data`` and the scale
+as a float32 scalar initializer beside the graph, which is what ``model_dir`` reads back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tokembed import __version__
+from tokembed.export.manifest import INPUT_NAME, MODEL_NAME, OUTPUT_NAME
+
+# The opset torch's exporter writes today; onnxruntime >= 1.17 runs it.
+OPSET = 20
+DATA_NAME = f"{MODEL_NAME}.data"
+TABLE_NAME = "embedding.weight"
+SCALE_NAME = "scale"
+
+
+def write_table_graph(table: np.ndarray, scale: float, directory: Path) -> int:
+    """Write ``model.onnx`` and ``model.onnx.data`` into ``directory`` for a float32 [V, D]
+    ``table`` multiplied by ``scale`` (in float32); return the opset."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    if table.ndim != 2 or table.dtype != np.float32:
+        raise ValueError(f"expected a float32 [V, D] table, got {table.dtype}{list(table.shape)}")
+    vocab_size, d_model = (int(n) for n in table.shape)
+    data = np.ascontiguousarray(table, dtype="<f4")  # ONNX stores tensors little-endian
+    data.tofile(directory / DATA_NAME)
+
+    weight = TensorProto(name=TABLE_NAME, data_type=TensorProto.FLOAT, dims=[vocab_size, d_model])
+    # Written by hand: onnx's own helpers move raw_data out of a tensor, and building the
+    # tensor in memory first would hold a second copy of a table that may be gigabytes.
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", DATA_NAME), ("offset", "0"), ("length", str(data.nbytes))):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    scale_tensor = helper.make_tensor(SCALE_NAME, TensorProto.FLOAT, [], [float(np.float32(scale))])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", [TABLE_NAME, INPUT_NAME], ["rows"], name="lookup", axis=0),
+            helper.make_node("Mul", ["rows", SCALE_NAME], [OUTPUT_NAME], name="scale_rows"),
+        ],
+        "tokembed",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.INT64, ["batch", "sequence"])],
+        [
+            helper.make_tensor_value_info(
+                OUTPUT_NAME, TensorProto.FLOAT, ["batch", "sequence", d_model]
+            )
+        ],
+        initializer=[weight, scale_tensor],
+    )
+    opsets = [helper.make_opsetid("", OPSET)]
+    model = helper.make_model(
+        graph, opset_imports=opsets, producer_name="tokembed", producer_version=__version__
+    )
+    # The oldest IR version that carries this opset, not the installed onnx's newest: an
+    # older onnxruntime refuses IR versions it does not know.
+    model.ir_version = helper.find_min_ir_version_for(opsets)
+    model_path = directory / MODEL_NAME
+    model_path.write_bytes(model.SerializeToString())
+    # Given a path, the checker follows the external data too (and never loads it whole).
+    onnx.checker.check_model(str(model_path))
+    return OPSET
