@@ -1,14 +1,16 @@
 # tokembed server image: the gRPC embedding service with its model baked in.
 #
-#   docker build -t tokembed:cpu .                       # exports the default model with torch
-#   docker build -t tokembed:cpu \
-#       --build-arg MODEL_VOCAB_SIZE=50257 --build-arg MODEL_D_MODEL=768 .   # another model
-#   tokembed export --out models/default                # or export on the host ...
-#   docker build -t tokembed:cpu --build-arg MODEL_SOURCE=context .   # ... and skip torch
+#   docker build -t tokembed:cpu .                       # the built-in default model, no torch
+#   docker build -t tokembed:cpu --build-arg MODEL_SOURCE=export \
+#       --build-arg MODEL_VOCAB_SIZE=50257 --build-arg MODEL_D_MODEL=768 .   # another, with torch
+#   tokembed export --out models/mine ...               # or export on the host ...
+#   docker build -t tokembed:cpu --build-arg MODEL_SOURCE=context \
+#       --build-arg MODEL_DIR=models/mine .             # ... and bake that in
 #
 # Stages: `deps` (a venv with the server's dependencies), `builder` (the project's wheel);
-# `model-export` (CPU torch, runs `tokembed export`) or `model-context` (copies MODEL_DIR
-# from the build context), chosen by MODEL_SOURCE; `runtime` (the last stage, the image)
+# `model-builtin` (the built-in default model, no torch), `model-export` (CPU torch, runs
+# `tokembed export`) or `model-context` (copies MODEL_DIR from the build context), chosen
+# by MODEL_SOURCE; `runtime` (the last stage, the image)
 # copies the venv and the model and holds no compiler, no pip cache and no torch.
 # Builders that skip unused stages (BuildKit, buildah/podman) never run the stage that
 # MODEL_SOURCE does not select, so a build from a context model never downloads torch.
@@ -17,10 +19,11 @@
 # python:3.11-slim-bookworm by default; any image with a `python` (>= 3.11) that can
 # `python -m venv` works, e.g. the local stand-in in deploy/local-images/.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-# export: build the model here with torch; context: take MODEL_DIR from the build context.
-ARG MODEL_SOURCE=export
+# builtin: the built-in default model; export: export one here with torch (the MODEL_*
+# arguments); context: take MODEL_DIR from the build context.
+ARG MODEL_SOURCE=builtin
 # (Older buildah, e.g. podman 4.3's, resolves a stage name in FROM from --build-arg values
-# only, not from this default: pass --build-arg MODEL_SOURCE=export there. BuildKit and
+# only, not from this default: pass --build-arg MODEL_SOURCE=builtin there. BuildKit and
 # newer buildah do not need it; docker-compose.yml always passes it.)
 
 # ---------------------------------------------------------------------------------------
@@ -51,6 +54,14 @@ COPY bench/ bench/
 # A wheel, installed into the runtime stage's copy of the deps venv: a code change
 # rebuilds this and one small layer there, not the venv layer.
 RUN pip wheel --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------------------------------
+# The model, option 0 (the default): the built-in default model, built here exactly as
+# `tokembed serve` builds it when given none (the same bytes); the server's own packages
+# build it, no torch.
+FROM builder AS model-builtin
+RUN pip install --no-deps /wheels/*.whl \
+    && tokembed export --builtin --out /model
 
 # ---------------------------------------------------------------------------------------
 # The model, option 1: export it here. Only this stage ever sees torch.

@@ -82,11 +82,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--force", action="store_true", help="overwrite --out even if it is not empty"
     )
+    parser.add_argument(
+        "--builtin",
+        action="store_true",
+        help="write the built-in default model (V=32000, D=512, seed 0, tokembed-default), "
+        "the one `tokembed serve` builds when given no model; needs no torch, and takes "
+        "no other option but --out",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Export; a bad input is reported as one line (by the caller) via ExportError."""
+    if args.builtin:
+        return _builtin(args)
     # Flags that need no checkpoint are checked before torch is imported: a mistyped
     # command then answers at once instead of after a second of imports.
     if args.key is not None and args.weights is None:
@@ -171,6 +180,23 @@ def run(args: argparse.Namespace) -> int:
         f"D={manifest.d_model} scale={manifest.scale:g} weights={manifest.weight_dtype} "
         f"max_abs_error={manifest.parity.max_abs_error:g} -> {args.out}"
     )
+    return 0
+
+
+def _builtin(args: argparse.Namespace) -> int:
+    """``--builtin``: the server's own default model, built as ``tokembed serve`` builds it."""
+    others = [flag for flag, given in (
+        ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
+        ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
+        ("--force", args.force or None),
+    ) if given is not None]  # fmt: skip
+    if others:
+        raise ExportError(f"--builtin takes no {', '.join(others)}: its model is fixed")
+    from tokembed.export.builtin import build_builtin_model
+
+    check_out_dir(args.out, args.force)
+    build_builtin_model(args.out)
+    print(f"built the built-in default model -> {args.out}")
     return 0
 
 

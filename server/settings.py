@@ -34,7 +34,7 @@ class Settings:
         "model directory to serve (model.onnx + manifest.json), each under its manifest's "
         "name; give the flag once per model (the variable: paths separated by commas). "
         "Unset: the built-in default model (V=32000, D=512, seed 0) in default_model_dir, "
-        "created there on first start",
+        "built there on first start (no torch needed)",
         many=True,
     )
     default_model: str | None = _setting(

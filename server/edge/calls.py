@@ -17,6 +17,18 @@ from tokembed.server.metrics import Metrics
 logger = logging.getLogger("tokembed.server.servicer")
 
 
+class Call:
+    """One RPC (or one EmbedStream request) being served: what its outcome is told with."""
+
+    __slots__ = ("method", "model", "request_id", "started")
+
+    def __init__(self, method: str, request_id: str) -> None:
+        self.started = time.perf_counter()
+        self.method = method
+        self.model = ""  # the model that answers it, once known
+        self.request_id = request_id
+
+
 class Calls:
     def __init__(self, metrics: Metrics | None) -> None:
         self._metrics = metrics
@@ -26,11 +38,13 @@ class Calls:
 
     # --- in flight
 
-    def enter(self) -> None:
+    def start(self, method: str, request_id: str = "") -> Call:
+        """A call reached its handler: it is in flight until ``end``."""
         self.active += 1
         self.last_call_at = time.monotonic()
+        return Call(method, request_id)
 
-    def leave(self) -> None:
+    def end(self) -> None:
         self.active -= 1
         if self.active == 0 and self._idle is not None:
             self._idle.set()
@@ -57,46 +71,48 @@ class Calls:
 
     # --- outcomes
 
-    def served(
-        self, method: str, model: str, started: float, answer: Served[Any],
-        encode_s: float | None,
-    ) -> None:  # fmt: skip
-        """An answer served (an RPC, or one EmbedStream request); ``encode_s``: its
-        encode time (None: chunks, made as they are sent)."""
+    def served(self, call: Call, served: Served[Any], encode_s: float | None) -> None:
+        """An answer served; ``encode_s``: its encode time (None: chunks, made as they
+        are sent)."""
+        duration_s = time.perf_counter() - call.started
         if self._metrics is not None:
             self._metrics.served(
-                method, model, time.perf_counter() - started, answer.tokens, answer.nbytes,
-                answer.timings.queue_s, encode_s,
+                call.method, call.model, duration_s, served.tokens, served.nbytes,
+                served.timings.queue_s, encode_s,
             )  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
-            timings = answer.timings
+            timings = served.timings
             logger.debug(
                 "%s ok shape=%s dtype=%s model=%s queue=%.6fs compute=%.6fs batch=%d/%d "
-                "total=%.6fs",
-                method, list(answer.shape), answer.dtype.name, model, timings.queue_s,
-                timings.compute_s, timings.batch_requests, timings.batch_tokens,
-                time.perf_counter() - started,
-                extra={"method": method, "model": model, "code": "OK"},
+                "total=%.6fs%s",
+                call.method, list(served.shape), served.dtype.name, call.model,
+                timings.queue_s, timings.compute_s, timings.batch_requests,
+                timings.batch_tokens, duration_s, _request_id(call),
+                extra={"method": call.method, "model": call.model, "code": "OK",
+                       "request_id": call.request_id},
             )  # fmt: skip
 
-    def answered(self, method: str, model: str, started: float) -> None:
+    def answered(self, call: Call) -> None:
         """An RPC with no embedding in its answer (GetModelInfo, ListModels) ended OK."""
         if self._metrics is not None:
-            self._metrics.rpc_done(method, model, "OK", time.perf_counter() - started)
+            self._metrics.rpc_done(
+                call.method, call.model, "OK", time.perf_counter() - call.started
+            )
 
-    def refused(
-        self,
-        method: str,
-        model: str,
-        reason: str,
-        code: grpc.StatusCode,
-        started: float,
-        message: str,
-    ) -> None:
+    def refused(self, call: Call, reason: str, code: grpc.StatusCode, message: str) -> None:
         if self._metrics is not None:
-            self._metrics.rpc_done(method, model, code.name, time.perf_counter() - started)
+            self._metrics.rpc_done(
+                call.method, call.model, code.name, time.perf_counter() - call.started
+            )
             self._metrics.rejected(reason)
         logger.warning(
-            "%s rejected (%s, %s): %s", method, reason, code.name, message,
-            extra={"method": method, "model": model, "reason": reason, "code": code.name},
+            "%s rejected (%s, %s): %s%s", call.method, reason, code.name, message,
+            _request_id(call),
+            extra={"method": call.method, "model": call.model, "reason": reason,
+                   "code": code.name, "request_id": call.request_id},
         )  # fmt: skip
+
+
+def _request_id(call: Call) -> str:
+    """The caller's request id, as the log lines echo it (the proto promises so)."""
+    return f" request_id={call.request_id}" if call.request_id else ""

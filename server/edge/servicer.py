@@ -25,9 +25,9 @@ from tokembed.server.core.admission import Ticket
 from tokembed.server.core.engine import Engine
 from tokembed.server.core.errors import EmbedError, Internal
 from tokembed.server.core.registry import ModelRegistry
-from tokembed.server.core.types import Answer
+from tokembed.server.core.types import Answer, EmbedInput
 from tokembed.server.edge import responses
-from tokembed.server.edge.calls import Calls
+from tokembed.server.edge.calls import Call, Calls
 from tokembed.server.edge.requests import (
     EmbedCall,
     EmbedParser,
@@ -76,35 +76,30 @@ class EmbeddingServicer:
     # --- RPCs
 
     async def Embed(self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext) -> bytes:
-        started = time.perf_counter()
         calls = self._calls
-        calls.enter()
-        model = ""
+        call = calls.start("Embed", _request_id(request))
         try:
             try:
-                engine = self._engine(request)
-                model = engine.name
-                assert isinstance(request, EmbedCall)
+                engine, embed_input = self._resolve(request, call)
                 served = await engine.embed(
-                    request.input, _deadline(context), _unary_encoder(engine, request, started)
+                    embed_input, _deadline(context), _unary_encoder(engine, call)
                 )
             except EmbedError as error:
-                await self._abort(context, "Embed", model, error, started)
+                await self._abort(context, call, error)
             except asyncio.CancelledError:
-                self._gone(context, "Embed", model, started)
+                self._gone(context, call)
                 raise
             except Exception as exc:
                 logger.exception("Embed failed")
-                internal = Internal(f"internal error: {exc}")
-                await self._abort(context, "Embed", model, internal, started)
+                await self._abort(context, call, Internal(f"internal error: {exc}"))
             # The answer's bytes stay counted by admission until gRPC is done sending
             # them (or gives up): the RPC's end, which this documented callback marks.
             context.add_done_callback(served.ticket.release)
             payload, encode_s = served.payload
-            calls.served("Embed", model, started, served, encode_s)
+            calls.served(call, served, encode_s)
             return payload
         finally:
-            calls.leave()
+            calls.end()
 
     async def EmbedStream(
         self,
@@ -155,118 +150,109 @@ class EmbeddingServicer:
     async def EmbedChunked(
         self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        started = time.perf_counter()
         calls = self._calls
-        calls.enter()
-        model = ""
+        call = calls.start("EmbedChunked", _request_id(request))
         try:
             try:
-                engine = self._engine(request)
-                model = engine.name
-                assert isinstance(request, EmbedCall)
-                served = await engine.embed(request.input, _deadline(context), _as_is)
+                engine, embed_input = self._resolve(request, call)
+                served = await engine.embed(embed_input, _deadline(context), _as_is)
             except EmbedError as error:
-                await self._abort(context, "EmbedChunked", model, error, started)
+                await self._abort(context, call, error)
             except asyncio.CancelledError:
-                self._gone(context, "EmbedChunked", model, started)
+                self._gone(context, call)
                 raise
             except Exception as exc:
                 logger.exception("EmbedChunked failed")
-                internal = Internal(f"internal error: {exc}")
-                await self._abort(context, "EmbedChunked", model, internal, started)
+                await self._abort(context, call, Internal(f"internal error: {exc}"))
             try:
                 chunks = responses.chunked_response(
-                    served.payload, engine.name, engine.served.version, request.request_id,
-                    time.perf_counter() - started, self._chunk_bytes,
+                    served.payload, engine.name, engine.served.version, call.request_id,
+                    time.perf_counter() - call.started, self._chunk_bytes,
                 )  # fmt: skip
                 for chunk in chunks:
                     yield chunk
             except asyncio.CancelledError:
-                self._gone(context, "EmbedChunked", model, started)
+                self._gone(context, call)
                 raise
             finally:
                 served.ticket.release()
-            calls.served("EmbedChunked", model, started, served, encode_s=None)
+            calls.served(call, served, encode_s=None)
         finally:
-            calls.leave()
+            calls.end()
 
     async def GetModelInfo(
         self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        started = time.perf_counter()
-        model = ""
+        call = Call("GetModelInfo", "")  # not counted in flight: nothing to drain for
         try:
             if isinstance(request, Refused):
                 raise request.error
             engine = self._registry.engine(request.model_name)
-            model = engine.name
+            call.model = engine.name
         except EmbedError as error:
-            await self._abort(context, "GetModelInfo", model, error, started)
+            await self._abort(context, call, error)
         answer = responses.model_info(engine.served, self._max_message_bytes)
-        self._calls.answered("GetModelInfo", model, started)
+        self._calls.answered(call)
         return answer
 
     async def ListModels(
         self, request: Refused | None, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        started = time.perf_counter()
+        call = Call("ListModels", "")
         registry = self._registry
         try:
             if isinstance(request, Refused):
                 raise request.error
             registry.check_serving()
         except EmbedError as error:
-            await self._abort(context, "ListModels", "", error, started)
+            await self._abort(context, call, error)
         answer = responses.list_models(
             [engine.served for engine in registry], registry.default_name, self._max_message_bytes
         )
-        self._calls.answered("ListModels", "", started)
+        self._calls.answered(call)
         return answer
 
     # --- helpers
 
-    def _engine(self, request: EmbedCall | Refused) -> Engine:
+    def _resolve(self, request: EmbedCall | Refused, call: Call) -> tuple[Engine, EmbedInput]:
+        """The engine of the request's model, and its input; raises what refuses it."""
         if isinstance(request, Refused):
             raise request.error
-        return self._registry.engine(request.model_name)
+        engine = self._registry.engine(request.model_name)
+        call.model = engine.name
+        return engine, request.input
 
     async def _stream_item(
         self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext
     ) -> _StreamAnswer:
         """One answer of EmbedStream, with the room to release once it is sent."""
-        started = time.perf_counter()
         calls = self._calls
-        calls.enter()
-        model = ""
+        call = calls.start("EmbedStream", _request_id(request))
         try:
-            engine = self._engine(request)
-            model = engine.name
-            assert isinstance(request, EmbedCall)
+            engine, embed_input = self._resolve(request, call)
             served = await engine.embed(
-                request.input, _deadline(context), _unary_encoder(engine, request, started)
+                embed_input, _deadline(context), _unary_encoder(engine, call)
             )
         except EmbedError as error:
             code = status_of(error)
-            calls.refused("EmbedStream", model, error.reason, code, started, str(error))
+            calls.refused(call, error.reason, code, str(error))
             return responses.stream_error(code.value[0], str(error), error.reason), None
         except asyncio.CancelledError:
-            self._gone(context, "EmbedStream", model, started)
+            self._gone(context, call)
             raise
         except Exception as exc:
             logger.exception("EmbedStream item failed")
             code = grpc.StatusCode.INTERNAL
-            calls.refused("EmbedStream", model, "internal", code, started, str(exc))
+            calls.refused(call, "internal", code, str(exc))
             answer = responses.stream_error(code.value[0], f"internal error: {exc}", "internal")
             return answer, None
         finally:
-            calls.leave()
+            calls.end()
         payload, encode_s = served.payload
-        calls.served("EmbedStream", model, started, served, encode_s)
+        calls.served(call, served, encode_s)
         return responses.stream_answer(payload), served.ticket
 
-    def _gone(
-        self, context: grpc.aio.ServicerContext, method: str, model: str, started: float
-    ) -> None:
+    def _gone(self, context: grpc.aio.ServicerContext, call: Call) -> None:
         """The handler was cancelled: the caller went away, or its deadline passed.
 
         gRPC cancels the handler in both cases; only the time left tells them apart.
@@ -277,34 +263,28 @@ class EmbeddingServicer:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= DEADLINE_SLACK_S:
             code = grpc.StatusCode.DEADLINE_EXCEEDED
-            self._calls.refused(
-                method, model, "deadline_exceeded", code, started, "deadline passed"
-            )
+            self._calls.refused(call, "deadline_exceeded", code, "deadline passed")
         else:
-            code = grpc.StatusCode.CANCELLED
-            self._calls.refused(method, model, "cancelled", code, started, "caller left")
+            self._calls.refused(call, "cancelled", grpc.StatusCode.CANCELLED, "caller left")
 
     async def _abort(
-        self,
-        context: grpc.aio.ServicerContext,
-        method: str,
-        model: str,
-        error: EmbedError,
-        started: float,
+        self, context: grpc.aio.ServicerContext, call: Call, error: EmbedError
     ) -> NoReturn:
         code = status_of(error)
-        self._calls.refused(method, model, error.reason, code, started, str(error))
+        self._calls.refused(call, error.reason, code, str(error))
         await context.abort(code, str(error), trailing_metadata=trailing_metadata(error))
         raise AssertionError("this is a bug: context.abort returned")
 
 
-def _unary_encoder(
-    engine: Engine, request: EmbedCall, started: float
-) -> functools.partial[tuple[bytes, float]]:
+def _request_id(request: EmbedCall | Refused) -> str:
+    return request.request_id if isinstance(request, EmbedCall) else ""
+
+
+def _unary_encoder(engine: Engine, call: Call) -> functools.partial[tuple[bytes, float]]:
     """How the engine encodes this request's answer: an ``EmbedResponse``'s bytes, and
     the seconds the encode took."""
     served = engine.served
-    return functools.partial(_encode, served.name, served.version, request.request_id, started)
+    return functools.partial(_encode, served.name, served.version, call.request_id, call.started)
 
 
 def _encode(

@@ -227,7 +227,7 @@ def test_compose_config_validates_and_publishes_the_server_ports() -> None:
         assert settings.host == "0.0.0.0" and settings.metrics_host == "0.0.0.0"
         assert set(_published(service)) == {settings.port, settings.metrics_port}
         # Older buildah resolves `FROM model-${MODEL_SOURCE}` only from a --build-arg.
-        assert service["build"]["args"]["MODEL_SOURCE"] in ("export", "context")
+        assert service["build"]["args"]["MODEL_SOURCE"] in ("builtin", "export", "context")
         assert service["environment"]["TOKEMBED_TARGET"] == f"127.0.0.1:{settings.port}"
         test = service["healthcheck"]["test"]
         assert test == ["CMD", "tokembed", "health"], "exec form, no spaces (podman)"

@@ -119,7 +119,9 @@ def test_a_bad_request_among_good_ones_fails_alone(
     small_model_dir: Path, start_server: Any
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    server = start_server(
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
+    )
     good = [np.array([[i, i + 1, i + 2]]) for i in range(0, 60, 3)]
 
     async def scenario() -> tuple[list[Any], BaseException | None]:
@@ -150,7 +152,9 @@ def test_cancelled_and_expired_requests_disturb_nobody(
     small_model_dir: Path, start_server: Any
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    server = start_server(
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
+    )
 
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, retries=0) as client:
@@ -185,7 +189,10 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
     server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, max_queued_tokens=10,
+        small_model_dir,
+        loader=loader,
+        inline_compute_max_tokens=0,
+        max_queued_tokens=10,
         float32_table_max_bytes=0,
     )
 
@@ -212,7 +219,9 @@ def test_a_look_up_failure_fails_its_batch_with_internal_and_the_server_goes_on(
     small_model_dir: Path, start_server: Any
 ) -> None:
     loader = GatedLoader()
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    server = start_server(
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
+    )
     assert loader.backend is not None
     loader.backend.fail_next = True
     with EmbeddingClient(server.target, retries=0) as client:
@@ -251,7 +260,9 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
 ) -> None:
     """A chunked answer computed in a batch with others is correct and independent."""
     loader = GatedLoader(open_look_ups=False)
-    server = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0)
+    server = start_server(
+        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
+    )
 
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, chunked_threshold_bytes=1) as client:

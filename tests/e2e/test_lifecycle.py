@@ -40,7 +40,10 @@ def test_health_walks_not_serving_serving_not_serving_while_draining(
 ) -> None:
     loader = GatedLoader(open_loading=False)
     server = start_server(
-        small_model_dir, loader=loader, wait_ready=False, inline_compute_max_tokens=0,
+        small_model_dir,
+        loader=loader,
+        wait_ready=False,
+        inline_compute_max_tokens=0,
         float32_table_max_bytes=0,
     )
     assert _health(server.target) == NOT_SERVING  # bound, model still loading

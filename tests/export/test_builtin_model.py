@@ -198,3 +198,30 @@ def test_two_processes_without_torch_create_the_default_model_at_once(tmp_path: 
     )
     load_model_dir(out)
     assert [p.name for p in out.parent.iterdir()] == ["default"]
+
+
+def test_export_builtin_writes_the_server_s_default_model_without_torch(
+    default_dir: Path, tmp_path: Path
+) -> None:
+    """`tokembed export --builtin --out DIR` makes, without torch, the very model that
+    `tokembed serve` builds when given none (for images and compose steps to bake in)."""
+    out = tmp_path / "models" / "default"
+    env = env_without_torch(tmp_path / "no-torch")
+    result = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "export", "--builtin", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    built = json.loads((out / "manifest.json").read_text())
+    reference = json.loads((default_dir / "manifest.json").read_text())
+    assert built["files"] == reference["files"]  # the same bytes, file by file
+    assert built["name"] == "tokembed-default"
+    refused = subprocess.run(
+        [sys.executable, "-m", "tokembed.cli", "export", "--builtin", "--out", str(tmp_path / "x"),
+         "--d-model", "8"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "tokembed export: error: --builtin takes no --d-model: its model is fixed"
+    )

@@ -13,8 +13,8 @@ from metrics_helpers import embed_request, ids_of, scrape, stub_for
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokembed.server.metrics import REJECTION_REASONS, RPC_CODES, RPC_METHODS, Metrics
 from tokembed.server.edge.status_codes import STATUS_BY_ERROR
+from tokembed.server.metrics import REJECTION_REASONS, RPC_CODES, RPC_METHODS, Metrics
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.server import ServerThread

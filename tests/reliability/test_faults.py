@@ -35,8 +35,6 @@ from reliability_support import (
     reason_of,
 )
 
-from tokembed.server.app import DRAIN_QUIET_S
-
 from support.fixtures import DEFAULT_V
 from support.models import default_rows
 from support.server import ServerProcess, ServerThread, serve_args, wait_for
@@ -47,6 +45,7 @@ from support.server import ServerProcess, ServerThread, serve_args, wait_for
 @dataclass
 class Outcome:
     sent_at: float
+    request_id: str
     code: grpc.StatusCode
     reason: str | None = None
     details: str = ""
@@ -62,26 +61,50 @@ async def _sigterm_worker(
     channel: grpc.aio.Channel, seed: int, big: bool, until: float, rows: np.ndarray, log: LoadLog
 ) -> None:
     rng = np.random.default_rng(seed)
+    count = 0
     while time.monotonic() < until:
         shape = (16, 512) if big else (int(rng.integers(1, 8)), int(rng.integers(1, 256)))
         ids = rng.integers(0, DEFAULT_V, size=shape, dtype=np.int64)
+        request_id = f"w{seed}-{count}"
+        count += 1
         sent_at = time.monotonic()
         try:
-            got = decode_response(await channel.unary_unary(EMBED)(encode(ids), timeout=60))
+            raw = await channel.unary_unary(EMBED)(encode(ids, request_id=request_id), timeout=60)
+            got = decode_response(raw)
         except grpc.aio.AioRpcError as error:
             log.outcomes.append(
-                Outcome(sent_at, error.code(), reason_of(error), error.details() or "")
+                Outcome(sent_at, request_id, error.code(), reason_of(error), error.details() or "")
             )
             await asyncio.sleep(0.05)  # back off, as a client retry policy would
             continue
-        log.outcomes.append(Outcome(sent_at, grpc.StatusCode.OK))
+        log.outcomes.append(Outcome(sent_at, request_id, grpc.StatusCode.OK))
         if not np.array_equal(got, rows[ids]):
             log.wrong_values += 1
 
 
+def _handled(output: str) -> dict[str, str]:
+    """{request id: status code} of every call the server's handlers saw, from its JSON
+    log: one debug line per answer served, one warning per call refused or cancelled."""
+    handled: dict[str, str] = {}
+    for line in output.splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("request_id"):
+            handled[entry["request_id"]] = entry["code"]
+    return handled
+
+
 def test_sigterm_under_load_loses_no_accepted_request_and_exits_0(default_model_dir: Path) -> None:
+    """Every call a handler took is answered, whatever the timing: the server's own log
+    (each call's request id and how it ended) says which calls it took, and the clients
+    say what they got. A call refused or cut short was never taken."""
     grace_s = 15.0
-    server = ServerProcess(serve_args(default_model_dir, "--grace-s", str(grace_s))).start()
+    server = ServerProcess(
+        serve_args(default_model_dir, "--grace-s", str(grace_s), "--log-level", "debug",
+                   "--log-format", "json")
+    ).start()  # fmt: skip
     rows = default_rows()
     log = LoadLog()
     sigterm_at = exited_at = 0.0
@@ -113,40 +136,38 @@ def test_sigterm_under_load_loses_no_accepted_request_and_exits_0(default_model_
         asyncio.run(scenario())
     finally:
         server.kill()
+    handled = _handled(server.output)
     codes = Counter(o.code.name for o in log.outcomes)
     before = [o for o in log.outcomes if o.sent_at < sigterm_at]
-    after = [o for o in log.outcomes if o.sent_at >= sigterm_at]
     refused = [o for o in log.outcomes if o.reason == "unavailable"]
-    racing_stop = [o for o in after if o.code == grpc.StatusCode.CANCELLED]
+    untaken = [o for o in log.outcomes if o.request_id not in handled]
     print(
         f"\nSIGTERM under load: {len(log.outcomes)} requests, {dict(codes)}; {len(before)} sent "
         f"before the signal, {sum(o.code == grpc.StatusCode.OK for o in before)} of them OK; "
-        f"{len(refused)} refused while draining; {len(racing_stop)} sent after the signal "
-        f"CANCELLED as gRPC stopped; exit {code} after {exited_at - sigterm_at:.2f}s"
+        f"{len(refused)} refused while draining; {len(untaken)} never reached a handler "
+        f"({Counter(o.code.name for o in untaken)}); exit {code} after "
+        f"{exited_at - sigterm_at:.2f}s"
     )
     assert code == 0
     assert exited_at - sigterm_at < grace_s
     assert log.wrong_values == 0
-    # No accepted request lost: each one sent before the signal was answered, or refused
-    # with UNAVAILABLE by the drain (it had not reached the server yet); well before the
-    # signal, all were answered.
-    lost = [o for o in before if o.code != grpc.StatusCode.OK and o.reason != "unavailable"]
-    assert not lost, [(o.code.name, o.details, round(o.sent_at - sigterm_at, 3)) for o in lost]
-    assert all(o.code == grpc.StatusCode.OK for o in before if o.sent_at < sigterm_at - 0.5)
-    # New requests got UNAVAILABLE: the drain's refusal (saying why), or no connection
-    # once the server had gone. The one exception is upstream: calls that reach gRPC in
-    # the very instant the server stops, not yet handed to any handler, are CANCELLED by
-    # gRPC core (grpc/grpc#41785; test_calls_waiting_inside_grpc_at_the_drain_... shows
-    # the server leaves none waiting before that instant). Those are only possible once
-    # the drain has settled, at least DRAIN_QUIET_S after the signal.
-    odd = [o for o in after if o.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)]
-    assert all(o.code == grpc.StatusCode.CANCELLED for o in odd), odd[:5]
-    assert all(o.sent_at >= sigterm_at + DRAIN_QUIET_S for o in racing_stop), racing_stop[:5]
-    # (How many meet the drain itself depends on timing: tests/e2e/test_lifecycle.py and
-    # the test below hold requests at the drain deterministically.)
-    assert all("draining" in o.details for o in refused)
-    # The server never had to cancel a request at the end of the grace period.
+    assert sum(o.code == grpc.StatusCode.OK for o in before) > 20, "the load was real"
+    # No accepted call lost: every call a handler took ended as the server logged it,
+    # and every one it answered reached its caller; and no call was taken and then cut
+    # short (cancelled in flight by a stop that did not wait for it).
+    for outcome in log.outcomes:
+        logged = handled.get(outcome.request_id)
+        if logged is not None:
+            assert logged == outcome.code.name, (outcome, logged)
+    assert "CANCELLED" not in handled.values(), "a call was cut short in flight"
     assert "grace period" not in server.output and "Traceback" not in server.output
+    # The rest never reached a handler: refused as the server went (UNAVAILABLE: no
+    # connection), or CANCELLED by gRPC core as it stopped before handing them over
+    # (grpc/grpc#41785; the next test shows the drain leaves none waiting before that).
+    assert all(o.code.name in ("UNAVAILABLE", "CANCELLED") for o in untaken), untaken[:5]
+    # Calls that met the drain were refused, saying why (how many meet it depends on
+    # timing: tests/e2e/test_lifecycle.py holds requests at the drain deterministically).
+    assert all("draining" in o.details for o in refused)
     assert "signal received: draining" in server.output
 
 
