@@ -23,13 +23,15 @@ from tokembed.server.backends.base import Backend
 from tokembed.server.backends.runtime import OnnxRuntimeBackend
 from tokembed.server.backends.sessions import (
     CPU,
-    Float16Cast,
+    Cast,
     ModelSession,
     SessionOptions,
     expects_cpu,
+    output_casts,
 )
 from tokembed.server.backends.table import TableBackend
 from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.core.types import FLOAT32
 from tokembed.server.settings import Settings
 
 # Tables are computed (and cast) this many bytes of rows at a time, so that loading needs
@@ -82,32 +84,31 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
         inter_op_threads=settings.inter_op_threads,
         cpu_arena=False,
     )
-    cast = Float16Cast(at_load)
+    casts = output_casts(at_load)
     if settings.float32_table_bytes(vocab_size, d_model) and expects_cpu(settings.device):
         session = ModelSession(model, at_load)
         if session.provider == CPU:
-            float32_table = session.every_row(_CHUNK_BYTES)
-            float16_table = None
-            if settings.float16_table_bytes(vocab_size, d_model):
-                float16_table = _cast_in_chunks(float32_table, cast)
+            tables = {FLOAT32: session.every_row(_CHUNK_BYTES)}
+            for dtype, cast in casts.items():
+                if settings.cast_table_bytes(vocab_size, d_model, dtype.itemsize):
+                    tables[dtype] = _cast_in_chunks(tables[FLOAT32], cast, dtype)
             return TableBackend(
-                float32_table,
-                float16_table=float16_table,
+                tables,
+                casts=casts,
                 padding_id=manifest.padding_idx,
                 execution_provider=session.provider,
-                cast=cast,
             )
     per_batch = dataclasses.replace(
         at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
     )
     session = ModelSession(model, per_batch)
-    backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, cast=cast)
+    backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, casts=casts)
     backend.warm_up(settings.max_batch_tokens)
     return backend
 
 
-def _cast_in_chunks(table: np.ndarray, cast: Float16Cast) -> np.ndarray:
-    out = np.empty(table.shape, dtype=np.float16)
+def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: np.dtype) -> np.ndarray:
+    out = np.empty(table.shape, dtype=dtype)
     step = max(1, _CHUNK_BYTES // (table.shape[1] * table.itemsize))
     for start in range(0, len(table), step):
         out[start : start + step] = cast(table[start : start + step])

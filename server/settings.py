@@ -138,7 +138,12 @@ class Settings:
 
     def float16_table_bytes(self, vocab_size: int, d_model: int) -> int:
         """Bytes of the float16 row table kept on CPU for this model's shape (0: none)."""
-        table = vocab_size * d_model * 2
+        return self.cast_table_bytes(vocab_size, d_model, 2)
+
+    def cast_table_bytes(self, vocab_size: int, d_model: int, itemsize: int) -> int:
+        """Bytes of a row table in an output dtype other than float32 (float16), kept
+        beside the float32 one if at most float16_table_max_bytes (0: none)."""
+        table = vocab_size * d_model * itemsize
         return table if table <= self.float16_table_max_bytes else 0
 
     def float32_table_bytes(self, vocab_size: int, d_model: int) -> int:

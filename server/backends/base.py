@@ -17,10 +17,6 @@ import numpy as np
 
 from tokembed.server.core.types import Buffer, TokenIds
 
-FLOAT32 = np.dtype("<f4")
-FLOAT16 = np.dtype("<f2")
-OUTPUT_DTYPES = (FLOAT32, FLOAT16)
-
 
 class Rows(ABC):
     """The rows of some ids, in their order."""
@@ -69,7 +65,8 @@ class Backend(ABC):
 
     @abstractmethod
     def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
-        """The rows of ``ids`` (each already in [0, V)) in ``dtype`` (float32 or float16)."""
+        """The rows of ``ids`` (each already in [0, V)) in ``dtype`` (one of
+        ``types.OUTPUT_DTYPES``)."""
 
     def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
         """The rows of several requests, one ``Rows`` each, in order. By default one

@@ -1,8 +1,9 @@
 """The onnxruntime backend: the model runs for every look-up, one run per batch.
 
 Chosen where the table does not fit its memory limit, and on CUDA (where a run is a
-kernel launch, so requests batch). float16 answers are the float32 rows cast on the CPU
-with onnxruntime's own Cast (the same rounding as the table backend's float16 table).
+kernel launch, so requests batch). Answers in another dtype than float32 are the float32
+rows cast on the CPU with onnxruntime's own Cast (the same rounding as the table
+backend's tables of those dtypes).
 """
 
 from __future__ import annotations
@@ -12,18 +13,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokembed.server.backends.base import FLOAT16, FLOAT32, ArrayRows, Backend, Rows
-from tokembed.server.backends.sessions import Float16Cast, ModelSession
-from tokembed.server.core.types import TokenIds
+from tokembed.server.backends.base import ArrayRows, Backend, Rows
+from tokembed.server.backends.sessions import Cast, ModelSession
+from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES, TokenIds
 
 
 class OnnxRuntimeBackend(Backend):
     kind = "onnxruntime"
     batches = True
 
-    def __init__(self, session: ModelSession, *, padding_id: int | None, cast: Float16Cast) -> None:
+    def __init__(
+        self, session: ModelSession, *, padding_id: int | None, casts: dict[np.dtype, Cast]
+    ) -> None:
         self._session = session
-        self._cast = cast
+        self._casts = casts
         self.d_model = session.d_model
         self.execution_provider = session.provider
         pad = (
@@ -31,7 +34,9 @@ class OnnxRuntimeBackend(Backend):
             if padding_id is None
             else session.run(np.array([padding_id], dtype=np.int64))
         )
-        self._pad_rows = {FLOAT32: pad.tobytes(), FLOAT16: cast(pad).tobytes()}
+        self._pad_rows = {
+            dtype: self._in_dtype(pad, dtype).tobytes() for dtype in OUTPUT_DTYPES.values()
+        }
 
     def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
         return ArrayRows(self._in_dtype(self._session.run(ids.array()), dtype))
@@ -50,7 +55,9 @@ class OnnxRuntimeBackend(Backend):
             # Each answer owns its rows: a view would keep the whole batch's rows alive
             # for as long as its slowest reader takes, while admission counts only this
             # answer's bytes.
-            answers.append(ArrayRows(mine.copy() if dtype == FLOAT32 else self._cast(mine)))
+            answers.append(
+                ArrayRows(mine.copy() if dtype == FLOAT32 else self._in_dtype(mine, dtype))
+            )
         return answers
 
     def pad_row(self, dtype: np.dtype) -> bytes:
@@ -68,4 +75,4 @@ class OnnxRuntimeBackend(Backend):
         return time.perf_counter() - started
 
     def _in_dtype(self, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        return rows if dtype == FLOAT32 else self._cast(rows)
+        return rows if dtype == FLOAT32 else self._casts[dtype](rows)

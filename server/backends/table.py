@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokembed.server.backends.base import FLOAT16, FLOAT32, ArrayRows, Backend, Rows
-from tokembed.server.backends.sessions import Float16Cast
-from tokembed.server.core.types import Buffer, TokenIds
+from tokembed.server.backends.base import ArrayRows, Backend, Rows
+from tokembed.server.backends.sessions import Cast
+from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES, Buffer, TokenIds
 
 _INT64 = np.dtype("<i8")
 # Look-ups of this many rows and more are gathered by numpy into an array (see above).
@@ -55,19 +55,15 @@ class TableBackend(Backend):
 
     def __init__(
         self,
-        float32_table: np.ndarray,
+        tables: dict[np.dtype, np.ndarray],
         *,
-        float16_table: np.ndarray | None,
+        casts: dict[np.dtype, Cast],
         padding_id: int | None,
         execution_provider: str,
-        cast: Float16Cast,
     ) -> None:
-        """``float32_table``: the model's ``[V, D]`` rows; ``float16_table``: the same
-        cast to float16, or None to cast each float16 answer's rows instead (a table
-        over its memory limit)."""
-        tables: dict[np.dtype, np.ndarray] = {FLOAT32: float32_table}
-        if float16_table is not None:
-            tables[FLOAT16] = float16_table
+        """``tables``: the model's ``[V, D]`` rows in float32, and cast to each other
+        output dtype whose table is kept; ``casts``: how to cast float32 rows to the
+        others (answers in a dtype without a table are cast per answer)."""
         for table in tables.values():
             if table.ndim != 2 or not table.flags.c_contiguous:
                 raise ValueError("this is a bug: a row table is a C-contiguous [V, D] array")
@@ -79,14 +75,14 @@ class TableBackend(Backend):
             dtype: table.view(np.dtype((np.void, table.shape[1] * table.itemsize))).reshape(-1)
             for dtype, table in tables.items()
         }
-        self.d_model = int(float32_table.shape[1])
+        self.d_model = int(tables[FLOAT32].shape[1])
         self.execution_provider = execution_provider
-        self._cast = cast
+        self._casts = casts
         self._pad_rows = {
             dtype: bytes(self.d_model * dtype.itemsize)
             if padding_id is None
             else self._one_row(padding_id, dtype)
-            for dtype in (FLOAT32, FLOAT16)
+            for dtype in OUTPUT_DTYPES.values()
         }
 
     @property
@@ -107,7 +103,7 @@ class TableBackend(Backend):
             return TableRows(table, self.d_model * dtype.itemsize, ids.values())
         # No table of this dtype: the float32 rows, cast as the table would have been.
         rows = self._tables[FLOAT32].take(ids.array(), axis=0)
-        return ArrayRows(self._cast(rows))
+        return ArrayRows(self._casts[dtype](rows))
 
     def pad_row(self, dtype: np.dtype) -> bytes:
         return self._pad_rows[dtype]

@@ -274,5 +274,9 @@ class Batcher(Generic[ItemT, ResultT]):
                 logger.exception("batch report failed; this is a bug")
 
     def _report_drop(self, reason: str) -> None:
+        # As for batches: a reporter that fails must not strand the rest of the queue.
         if self._on_drop is not None:
-            self._on_drop(reason)
+            try:
+                self._on_drop(reason)
+            except Exception:
+                logger.exception("drop report failed; this is a bug")

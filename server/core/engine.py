@@ -129,7 +129,7 @@ class Engine:
                 max_batch_tokens=batch.max_batch_tokens,
                 max_delay_s=batch.max_delay_s,
                 max_concurrent_batches=batch.max_concurrent_batches,
-                inline_max_tokens=policy.inline_max_tokens,
+                inline_max_tokens=policy.batch_inline_max_tokens(limits.d_model * 4),
                 on_batch=self._report_batch,
                 on_drop=self._report_drop,
             )
@@ -245,4 +245,7 @@ class Engine:
 
     def _report_drop(self, reason: str) -> None:
         if self._observer is not None:
-            self._observer.dropped(self.name, reason)
+            try:
+                self._observer.dropped(self.name, reason)
+            except Exception:
+                logger.exception("drop report failed; this is a bug")

@@ -47,6 +47,12 @@ class Policy:
         """Whether a table look-up (and its encode) of this size runs on the event loop."""
         return tokens <= self.inline_max_tokens and output_bytes < self.inline_max_bytes
 
+    def batch_inline_max_tokens(self, row_bytes: int) -> int:
+        """The most tokens a batch may hold to be looked up on the event loop (the
+        batcher's bound, which counts tokens): as ``runs_inline``, for rows of
+        ``row_bytes`` (a batch computes float32 rows)."""
+        return min(self.inline_max_tokens, (self.inline_max_bytes - 1) // row_bytes)
+
     def encodes_inline(self, output_bytes: int) -> bool:
         """Whether a batched answer of this size is encoded on the event loop."""
         return output_bytes < self.inline_max_bytes

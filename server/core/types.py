@@ -22,6 +22,11 @@ FLAT = "flat"
 # What answers are made of: pieces of bytes that, joined in order, are a tensor's bytes.
 Buffer = bytes | memoryview
 
+# The dtypes an answer may be asked for, by name. float32 is what a model computes; each
+# other one is its rows cast (backends.sessions.output_casts), once per table or answer.
+FLOAT32 = np.dtype("<f4")
+OUTPUT_DTYPES: dict[str, np.dtype] = {"float32": FLOAT32, "float16": np.dtype("<f2")}
+
 _INT64 = np.dtype("<i8")
 _LITTLE_ENDIAN = sys.byteorder == "little"
 

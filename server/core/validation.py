@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 
 from tokembed.server.core.errors import InvalidInput, TooLarge
-from tokembed.server.core.types import FLAT, PADDED, EmbedInput, Job, TokenIds
+from tokembed.server.core.types import FLAT, OUTPUT_DTYPES, PADDED, EmbedInput, Job, TokenIds
 
 _INT64 = np.dtype("<i8")
 _ID_DTYPES: dict[str, np.dtype[Any]] = {"int64": _INT64, "int32": np.dtype("<i4")}
-_OUTPUT_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
 
 @dataclass(frozen=True)
@@ -36,10 +35,11 @@ def validate(request: EmbedInput, limits: Limits) -> Job:
         raise InvalidInput(
             f"input_ids dtype {request.ids_dtype} is not supported; send int64 or int32"
         )
-    output_dtype = _OUTPUT_DTYPES.get(request.output_dtype)
+    output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
     if output_dtype is None:
         raise InvalidInput(
-            f"output_dtype {request.output_dtype} is not supported; ask for float32 or float16"
+            f"output_dtype {request.output_dtype} is not supported; ask for "
+            f"{' or '.join(OUTPUT_DTYPES)}"
         )
     # The layout only shapes ragged answers (the proto says so); ignore it otherwise.
     if request.lengths and request.layout not in (PADDED, FLAT):

@@ -18,11 +18,10 @@ from tokembed.server.core.types import FLAT, PADDED, EmbedInput
 from tokembed.v1 import embedding_pb2 as pb
 
 _ID_DTYPE_NAMES = {pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int32"}
-_OUTPUT_DTYPE_NAMES = {
-    pb.DTYPE_UNSPECIFIED: "float32",
-    pb.DTYPE_FLOAT32: "float32",
-    pb.DTYPE_FLOAT16: "float16",
-}
+# The wire's output dtypes, by the names of core.types.OUTPUT_DTYPES (responses.py writes
+# them back with the same table).
+WIRE_OUTPUT_DTYPES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16"}
+_OUTPUT_DTYPE_NAMES = {pb.DTYPE_UNSPECIFIED: "float32", **WIRE_OUTPUT_DTYPES}
 _LAYOUT_NAMES = {
     pb.RAGGED_LAYOUT_UNSPECIFIED: PADDED,
     pb.RAGGED_LAYOUT_PADDED: PADDED,

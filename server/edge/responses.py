@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from tokembed.server.core.engine import ServedModel
-from tokembed.server.core.types import Answer, Buffer, Timings
+from tokembed.server.core.types import OUTPUT_DTYPES, Answer, Buffer, Timings
+from tokembed.server.edge.requests import WIRE_OUTPUT_DTYPES
 from tokembed.v1 import embedding_pb2 as pb
 
-_WIRE_DTYPES = {np.dtype("<f4"): pb.DTYPE_FLOAT32, np.dtype("<f2"): pb.DTYPE_FLOAT16}
+_WIRE_DTYPES = {OUTPUT_DTYPES[name]: code for code, name in WIRE_OUTPUT_DTYPES.items()}
 
 _LEN = 2  # protobuf wire types: length-delimited, varint, 64-bit
 _VARINT = 0
@@ -150,7 +151,7 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         scale=manifest.scale,
         weight_dtype=manifest.weight_dtype,
         input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
-        output_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16],
+        output_dtypes=list(WIRE_OUTPUT_DTYPES),
         execution_provider=served.execution_provider,
         limits=pb.Limits(
             max_tokens_per_request=served.limits.max_tokens_per_request,

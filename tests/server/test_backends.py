@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokembed.server.backends.base import FLOAT16, FLOAT32, Backend, Rows
-from tokembed.server.core.types import TokenIds
+from tokembed.server.backends.base import Backend, Rows
+from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES, TokenIds
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
@@ -18,6 +18,7 @@ from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
 from support.models import export_model_dir
 
 ONNXRUNTIME = {"float32_table_max_bytes": 0}
+FLOAT16 = OUTPUT_DTYPES["float16"]
 
 
 def token_ids(values: np.ndarray, dtype: str = "<i8") -> TokenIds:

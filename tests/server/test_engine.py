@@ -451,9 +451,12 @@ def test_a_token_s_vector_is_the_same_alone_or_in_a_large_mixed_batch(
 ) -> None:
     gated = GatedBackend(ort_loaded.backend, threading.Event())
     reports, budget = Reports(), OutputBudget(1 << 30)
-    engine = make_engine(gated, observer=reports, budget=budget, **NEVER_INLINE)
-    # Every form at two sizes, one answer over INLINE_MAX_BYTES (encoded off-loop), and
-    # one id alone in both dtypes; the ids repeat across requests. Sized to fit one batch.
+    # No look-up on the loop (one held at the gate would hold the loop); answers encoded
+    # where the server's byte bound says.
+    engine = make_engine(gated, observer=reports, budget=budget, inline_max_tokens=0)
+    # Every form at two sizes, one answer of INLINE_MAX_BYTES (encoded off-loop, the
+    # others on the loop), and one id alone in both dtypes; the ids repeat across
+    # requests. Sized to fit one batch.
     mixed = [request_of(form, "tiny") for form in FORMS]
     mixed += [FORMS[form](1500, (700, 1, 799)) for form in FORMS if form != "rect-int32-float16"]
     mixed += [request_of("rect-int32-float16", "large")]
@@ -477,9 +480,8 @@ def test_a_token_s_vector_is_the_same_alone_or_in_a_large_mixed_batch(
 
     together, alone = run(body(), engine)
     for request, in_batch, by_itself in zip(mixed, together, alone, strict=True):
-        assert (in_batch.timings.batch_requests, in_batch.timings.batch_tokens) == (
-            len(mixed), total,
-        )  # fmt: skip
+        assert in_batch.timings.batch_requests == len(mixed)
+        assert in_batch.timings.batch_tokens == total
         assert by_itself.timings.batch_requests == 1
         assert in_batch.payload == by_itself.payload == reference(request, small_rows)
         assert in_batch.shape == by_itself.shape and in_batch.dtype == by_itself.dtype
@@ -499,7 +501,7 @@ def test_every_look_up_of_a_table_is_reported_once_as_a_batch_of_one(
 ) -> None:
     reports = Reports()
     engine = make_engine(backends["table"], observer=reports)
-    # float16 included (the old float16 path reported nothing), inline and off-loop.
+    # Every form and dtype, inline and off-loop: all report the same way.
     sent = [request_of(form, size) for size in SIZES for form in FORMS]
 
     async def body() -> list[int]:
@@ -568,12 +570,12 @@ def test_a_request_refused_by_validation_holds_no_room_and_reaches_no_backend(
     assert reports.batches == [] and reports.drops == []
 
 
-# Requests placed each way (the backend, the policy, the size).
+# A request placed each way under the server's own policy: (backend, size).
 EVERYWHERE = {
-    "inline": ("table", {}, "tiny"),
-    "off-loop": ("table", {}, "large"),
-    "batched-alone": ("onnxruntime", {}, "tiny"),
-    "batched-queued": ("onnxruntime", {}, "large"),
+    "inline": ("table", "tiny"),
+    "off-loop": ("table", "large"),
+    "batched-alone": ("onnxruntime", "tiny"),  # the idle batcher's look-up on the loop
+    "batched-queued": ("onnxruntime", "large"),
 }
 
 
@@ -581,10 +583,10 @@ EVERYWHERE = {
 def test_a_look_up_that_raises_is_internal_and_gives_its_room_back(
     make_engine: Callable[..., Engine], backends: dict[str, Backend], placement: str
 ) -> None:
-    kind, policy, size = EVERYWHERE[placement]
+    kind, size = EVERYWHERE[placement]
     spy, reports = Spy(backends[kind], fail=True), Reports()
     budget = OutputBudget(1 << 30)
-    engine = make_engine(spy, observer=reports, budget=budget, **policy)
+    engine = make_engine(spy, observer=reports, budget=budget)
     encode = Encoder()
     with pytest.raises(Internal, match="the look-up failed: injected look-up failure"):
         run(engine.embed(request_of("padded-int64-float16", size), None, encode), engine)
@@ -598,9 +600,9 @@ def test_a_look_up_that_raises_is_internal_and_gives_its_room_back(
 def test_a_backend_that_loses_rows_is_internal_naming_the_counts(
     make_engine: Callable[..., Engine], backends: dict[str, Backend], placement: str
 ) -> None:
-    kind, policy, size = EVERYWHERE[placement]
+    kind, size = EVERYWHERE[placement]
     spy, budget = Spy(backends[kind], lose_a_row=True), OutputBudget(1 << 30)
-    engine = make_engine(spy, budget=budget, **policy)
+    engine = make_engine(spy, budget=budget)
     request = request_of("flat-int32-float16", size)
     tokens = SIZES[size][0]
     encode = Encoder()
@@ -621,8 +623,8 @@ def test_a_served_request_holds_its_room_until_its_ticket_is_released(
         held = []
         for engine in engines:
             for size in SIZES:
-                held.append(await engine.embed(request_of("padded-int64-float16", size), None,
-                                               Encoder()))  # fmt: skip
+                request = request_of("padded-int64-float16", size)
+                held.append(await engine.embed(request, None, Encoder()))
                 # Everything served so far is still counted: nothing has been sent.
                 assert budget.inflight_bytes == sum(s.nbytes for s in held)
         return held
@@ -691,9 +693,9 @@ def test_overloaded_past_the_output_budget_shared_by_two_engines(
         assert budget.inflight_bytes == budget.max_bytes
         # One answer more, from either engine, would pass the shared bound: refused before
         # any look-up.
+        refusal = f"{budget.max_bytes} output bytes in flight, 128 more"
         for engine in (ort, table):
-            with pytest.raises(Overloaded, match=f"{budget.max_bytes} output bytes in flight, "
-                               "128 more"):  # fmt: skip
+            with pytest.raises(Overloaded, match=refusal):
                 await engine.embed(one_more, None, Encoder())
         assert budget.inflight_bytes == budget.max_bytes
         assert (len(table_spy.calls), len(ort_spy.calls)) == (1, 1)
@@ -715,13 +717,12 @@ def test_overloaded_past_the_output_budget_shared_by_two_engines(
 def test_a_passed_deadline_fails_before_any_look_up(
     make_engine: Callable[..., Engine], backends: dict[str, Backend], placement: str
 ) -> None:
-    kind, policy, size = EVERYWHERE[placement]
+    kind, size = EVERYWHERE[placement]
     spy, reports, budget = Spy(backends[kind]), Reports(), OutputBudget(1 << 30)
-    engine = make_engine(spy, observer=reports, budget=budget, **policy)
-    encode = Encoder()
+    engine = make_engine(spy, observer=reports, budget=budget)
+    request, encode = request_of("rect-int64-float32", size), Encoder()
     with pytest.raises(DeadlineExceeded):
-        run(engine.embed(request_of("rect-int64-float32", size), time.monotonic() - 1, encode),
-            engine)  # fmt: skip
+        run(engine.embed(request, time.monotonic() - 1, encode), engine)
     assert spy.calls == [] and encode.answers == []
     assert budget.inflight_bytes == 0
     assert reports.batches == []
@@ -738,9 +739,9 @@ def test_a_failing_report_does_not_fail_the_request(
     placement: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    kind, policy, size = EVERYWHERE[placement]
+    kind, size = EVERYWHERE[placement]
     reports = Reports(fail=True)
-    engine = make_engine(backends[kind], observer=reports, **policy)
+    engine = make_engine(backends[kind], observer=reports)
     request = request_of("padded-int32-float32", size)
     served = run(engine.embed(request, None, Encoder()), engine)
     assert served.payload == reference(request, small_rows)
@@ -824,3 +825,21 @@ def test_a_failing_drop_report_leaves_no_queued_request_waiting(
     assert served.payload == reference(live, small_rows)
     served.ticket.release()
     assert reports.drops == [(engine.name, "deadline_exceeded")]
+
+
+def test_a_batched_look_up_over_the_inline_byte_bound_leaves_the_loop(
+    make_engine: Callable[..., Engine], backends: dict[str, Backend], small_rows: np.ndarray
+) -> None:
+    # inline_compute_max_tokens promises "look-ups (and batches) of up to this many
+    # tokens, under 1 MiB of answer, run on the event loop". At D=64, 256 tokens never
+    # reach 1 MiB, so the byte bound is lowered here to what 256 tokens give at D >= 1024
+    # (the models too big for a table, which the onnxruntime backend serves).
+    spy = Spy(backends["onnxruntime"])
+    engine = make_engine(spy, inline_max_tokens=INLINE_TOKENS, inline_max_bytes=16 << 10)
+    request = rectangular(token_ids(200, "<i8").reshape(1, -1))  # 51200 bytes of answer
+    encode = Encoder()
+    served = run(engine.embed(request, None, encode), engine)
+    assert served.payload == reference(request, small_rows)
+    served.ticket.release()
+    assert [thread_kind(t) for t in encode.threads] == ["workers"]  # the policy's bytes
+    assert [thread_kind(t) for _, t, _ in spy.calls] == ["batch"], "looked up on the loop"
