@@ -86,13 +86,7 @@ def run_plan(
     }
     for d_model in plan.d_models:
         model_dir = ensure_model(cache_dir, d_model)
-        # The served tables: the model's files, plus the row tables the server keeps with
-        # its default settings.
-        results.weights_bytes[d_model] = (
-            sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
-            + Settings().float16_table_bytes(VOCAB_SIZE, d_model)
-            + Settings().float32_table_bytes(VOCAB_SIZE, d_model)
-        )
+        results.weights_bytes[d_model] = _served_weights_bytes(model_dir, d_model)
         server_args = [*_server_args(plan, d_model), "--device", device]
         with (
             processes.floor(d_model) as floor_proc,
@@ -107,6 +101,17 @@ def run_plan(
                 results.cells.append(cell)
                 progress(_progress_line(cell))
     return results
+
+
+def _served_weights_bytes(model_dir: Path, d_model: int) -> int:
+    """What the server keeps of the model with its default settings: its row tables (the
+    table backend: float32, and float16 where it fits; the model itself is let go after
+    load), or the model's weights in onnxruntime (the onnxruntime backend, no tables)."""
+    settings = Settings()
+    float32_table = settings.float32_table_bytes(VOCAB_SIZE, d_model)
+    if float32_table:
+        return float32_table + settings.float16_table_bytes(VOCAB_SIZE, d_model)
+    return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 
 
 def _progress_line(cell: Cell) -> str:
