@@ -4,8 +4,9 @@ else).
 
 Requests name a model or leave the name empty for the default one: the model given
 first, or the one named by ``--default-model``. A name nobody serves is ``ModelNotFound``
-with the names that are served; while models are still loading, or once the server
-drains, every request gets ``Unavailable``.
+with the names that are served. While models are still loading, a model already loaded
+is served (its own health name says SERVING) and any other name gets ``Unavailable``;
+once the server drains, every request does.
 """
 
 from __future__ import annotations

@@ -75,7 +75,10 @@ def test_runtime_stage_installs_no_torch(dockerfile: tuple[str, Dockerfile]) -> 
     assert runtime.name == "runtime", f"{name}: the last stage (the image) must be `runtime`"
     sources = {stage.name.removeprefix("model-") for stage in df.stages}
     model_sources = sorted(s for s in sources if f"model-{s}" in {x.name for x in df.stages})
-    assert model_sources == ["context", "export"], model_sources
+    assert model_sources == ["builtin", "context", "export"], model_sources
+    # The built-in model is built by the server's own packages: no torch in its chain.
+    builtin_chain = df.chain(df.stage("model-builtin"), {"MODEL_SOURCE": "builtin"})
+    assert not any(_installs_torch(i.args) for s in builtin_chain for i in s.instructions)
     export_stage = df.stage("model-export")
     assert any(_installs_torch(r) for r in export_stage.all("RUN")), (
         f"{name}: the export stage should install torch (else this check proves nothing)"

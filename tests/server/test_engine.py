@@ -15,9 +15,11 @@ Proved here:
 - batches are reported from one place, once per look-up, with the right counts;
 - admission: a refused or failed request holds no room; a served one holds it until its
   ticket is released; ``Overloaded`` past the queue bound and past the shared budget;
-- a passed deadline fails before any look-up; a failing report fails no request; a
-  backend that loses rows is ``Internal`` naming the counts; ``close`` fails what is
-  queued with ``Unavailable``.
+- a passed deadline fails before any look-up; a failing report (of a batch, or of a
+  drop) fails no request and strands none; a backend that loses rows is ``Internal``
+  naming the counts; ``close`` fails what is queued with ``Unavailable``;
+- a batch is looked up on the loop only under the inline byte bound too, not just the
+  token bound.
 
 Look-ups are held at a gate (``support.gates.GatedBackend``) wherever a test needs
 requests to queue: nothing here waits on time.
@@ -827,19 +829,29 @@ def test_a_failing_drop_report_leaves_no_queued_request_waiting(
     assert reports.drops == [(engine.name, "deadline_exceeded")]
 
 
+@pytest.mark.parametrize("output", ["float32", "float16"])
+@pytest.mark.parametrize(("tokens", "on"), [(63, "loop"), (64, "batch")])
 def test_a_batched_look_up_over_the_inline_byte_bound_leaves_the_loop(
-    make_engine: Callable[..., Engine], backends: dict[str, Backend], small_rows: np.ndarray
+    make_engine: Callable[..., Engine],
+    backends: dict[str, Backend],
+    small_rows: np.ndarray,
+    tokens: int,
+    on: str,
+    output: str,
 ) -> None:
     # inline_compute_max_tokens promises "look-ups (and batches) of up to this many
     # tokens, under 1 MiB of answer, run on the event loop". At D=64, 256 tokens never
-    # reach 1 MiB, so the byte bound is lowered here to what 256 tokens give at D >= 1024
-    # (the models too big for a table, which the onnxruntime backend serves).
+    # reach 1 MiB, so the byte bound is lowered to 16 KiB, where a batch's float32 rows
+    # (256 bytes each: what a run computes, whatever the dtype asked) stay under it up to
+    # 63 tokens: the same cut as a model at D=1024 and 1 MiB makes at 255.
     spy = Spy(backends["onnxruntime"])
     engine = make_engine(spy, inline_max_tokens=INLINE_TOKENS, inline_max_bytes=16 << 10)
-    request = rectangular(token_ids(200, "<i8").reshape(1, -1))  # 51200 bytes of answer
+    request = rectangular(token_ids(tokens, "<i8").reshape(1, -1), output)
     encode = Encoder()
     served = run(engine.embed(request, None, encode), engine)
     assert served.payload == reference(request, small_rows)
     served.ticket.release()
-    assert [thread_kind(t) for t in encode.threads] == ["workers"]  # the policy's bytes
-    assert [thread_kind(t) for _, t, _ in spy.calls] == ["batch"], "looked up on the loop"
+    assert [thread_kind(t) for _, t, _ in spy.calls] == [on]
+    # The encode follows the answer's own bytes (float16: half the rows' bytes).
+    encodes_inline = served.nbytes < 16 << 10
+    assert [thread_kind(t) for t in encode.threads] == ["loop" if encodes_inline else "workers"]

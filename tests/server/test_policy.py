@@ -6,6 +6,9 @@ at or over ``inline_max_tokens``; output bytes at or over ``inline_max_bytes``):
 - otherwise a request runs inline exactly when its tokens are at most
   ``inline_max_tokens`` *and* its answer is strictly under ``inline_max_bytes``, and
   off-loop as soon as either bound is reached;
+- a batch is looked up inline up to ``batch_inline_max_tokens(row_bytes)`` tokens, and
+  that bound is ``runs_inline``'s two bounds for rows of that size: the token bound for
+  small rows, the byte bound for large ones;
 - a batched answer is encoded inline exactly when it is strictly under
   ``inline_max_bytes``, whatever the token count or the batching;
 - the default byte bound is ``INLINE_MAX_BYTES`` (1 MiB).
@@ -38,10 +41,9 @@ def job(tokens: int, output_bytes: int) -> Job:
     )
 
 
-TINY = (8, 8 * 64 * 4)
 # Each size names where it stands against the bounds (tokens, bytes).
 SIZES = {
-    "tiny": TINY,
+    "tiny": (8, 8 * 64 * 4),
     "tokens-at-bound": (MAX_TOKENS, 1000),
     "tokens-over-bound": (MAX_TOKENS + 1, 1000),
     "bytes-just-under": (8, MAX_BYTES - 1),
@@ -87,6 +89,29 @@ def test_no_inline_tokens_means_every_table_look_up_is_off_loop() -> None:
     policy = Policy(batches=False, inline_max_tokens=0)
     assert policy.place(job(1, 256)) is Placement.OFF_LOOP
     assert Policy(batches=True, inline_max_tokens=0).place(job(1, 256)) is Placement.BATCH
+
+
+@pytest.mark.parametrize(
+    ("row_bytes", "bound"),
+    [
+        (64 * 4, MAX_TOKENS),  # D=64: 256 tokens are 64 KiB, the token bound rules
+        (1024 * 4, 255),  # D=1024: 256 tokens would be 1 MiB exactly, not under it
+        (4096 * 4, 63),  # D=4096
+        (MAX_BYTES, 0),  # one row already reaches the bound
+    ],
+)
+def test_a_batch_s_inline_bound_is_runs_inline_for_its_rows(row_bytes: int, bound: int) -> None:
+    policy = Policy(batches=True, inline_max_tokens=MAX_TOKENS, inline_max_bytes=MAX_BYTES)
+    assert policy.batch_inline_max_tokens(row_bytes) == bound
+    # One rule: a batch of n tokens runs inline exactly when a look-up of n rows would.
+    for tokens in range(1, MAX_TOKENS + 2):
+        inline = tokens <= policy.batch_inline_max_tokens(row_bytes)
+        assert inline is policy.runs_inline(tokens, tokens * row_bytes), tokens
+
+
+def test_no_inline_bytes_means_no_batch_is_looked_up_inline() -> None:
+    policy = Policy(batches=True, inline_max_tokens=MAX_TOKENS, inline_max_bytes=0)
+    assert policy.batch_inline_max_tokens(256) < 1
 
 
 @pytest.mark.parametrize("batches", [False, True], ids=["table", "batched"])

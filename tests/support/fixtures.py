@@ -81,7 +81,9 @@ def start_server() -> Iterator[Callable[..., ServerThread]]:
         **overrides: Any,
     ) -> ServerThread:
         """``model_dir``: one directory, or several (served side by side)."""
-        settings = Settings(model_dir=model_dir, port=0, metrics_port=0, **overrides).validate()
+        directories = model_dir if isinstance(model_dir, tuple) else (model_dir,)
+        settings = Settings(model_dir=directories, port=0, metrics_port=0, **overrides)
+        settings = settings.validate()
         server = ServerThread(settings) if loader is None else ServerThread(settings, loader=loader)
         started.append(server)
         return server.start(wait_ready=wait_ready)
