@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -41,6 +42,18 @@ def embed_response(
     )
     prefix = _response_prefix(answer.shape, answer.dtype, answer.nbytes)
     return b"".join([prefix, *answer.pieces, metadata])
+
+
+def timed_embed_response(
+    model_name: str, model_version: str, request_id: str, started: float, answer: Answer
+) -> tuple[bytes, float]:
+    """:func:`embed_response`, with ``server_s`` counted from ``started`` (a
+    ``time.perf_counter()``), and the seconds the encode itself took."""
+    encode_started = time.perf_counter()
+    payload = embed_response(
+        answer, model_name, model_version, request_id, encode_started - started
+    )
+    return payload, time.perf_counter() - encode_started
 
 
 def answer_metadata(

@@ -281,20 +281,13 @@ def _request_id(request: EmbedCall | Refused) -> str:
 
 
 def _unary_encoder(engine: Engine, call: Call) -> functools.partial[tuple[bytes, float]]:
-    """How the engine encodes this request's answer: an ``EmbedResponse``'s bytes, and
-    the seconds the encode took."""
+    """How the engine encodes this request's answer, where it looked it up: an
+    ``EmbedResponse``'s bytes, and the seconds the encode took."""
     served = engine.served
-    return functools.partial(_encode, served.name, served.version, call.request_id, call.started)
-
-
-def _encode(
-    model_name: str, model_version: str, request_id: str, started: float, answer: Answer
-) -> tuple[bytes, float]:
-    encode_started = time.perf_counter()
-    payload = responses.embed_response(
-        answer, model_name, model_version, request_id, encode_started - started
-    )
-    return payload, time.perf_counter() - encode_started
+    return functools.partial(
+        responses.timed_embed_response, served.name, served.version, call.request_id,
+        call.started,
+    )  # fmt: skip
 
 
 def _as_is(answer: Answer) -> Answer:
