@@ -154,35 +154,26 @@ class Engine:
         try:
             placement = self._policy.place(job)
             if placement is Placement.BATCH:
-                assert self._batcher is not None, "This is a bug."
-                item = (job.ids, job.output_dtype)
-                batched = await self._batcher.submit(item, job.tokens, deadline)
-                timings = Timings(
-                    batched.queue_s, batched.compute_s, batched.batch_requests, batched.batch_tokens
-                )
-                answer = self._answer(job, batched.result, timings)
-                if self._policy.encodes_inline(answer.nbytes):
-                    payload = encode(answer)
-                else:
-                    loop = asyncio.get_running_loop()
-                    payload = await loop.run_in_executor(self._workers, encode, answer)
+                payload, timings = await self._batched(job, deadline, encode)
             else:
                 if deadline is not None and deadline <= time.monotonic():
                     # As the batcher does for queued requests: no look-up for nobody.
                     raise DeadlineExceeded("deadline passed before the look-up")
                 if placement is Placement.INLINE:
-                    payload, answer = self._look_up_alone(job, encode)
+                    payload, timings = self._look_up_alone(job, encode)
                 else:
                     loop = asyncio.get_running_loop()
-                    payload, answer = await loop.run_in_executor(
+                    payload, timings = await loop.run_in_executor(
                         self._workers, self._look_up_alone, job, encode
                     )
         except BaseException:
             ticket.release()
             raise
+        # Nothing but the payload refers to the answer's rows by now (the functions that
+        # held them have returned): a large answer is not alive twice while it is sent.
         return Served(
-            payload, answer.shape, answer.dtype, answer.tokens, answer.nbytes, answer.timings,
-            ticket,
+            payload, job.answer_shape(self._d_model), job.output_dtype, job.tokens,
+            job.output_bytes, timings, ticket,
         )  # fmt: skip
 
     async def close(self) -> None:
@@ -195,7 +186,7 @@ class Engine:
 
     # --- the look-up, for every placement
 
-    def _look_up_alone(self, job: Job, encode: Callable[[Answer], T]) -> tuple[T, Answer]:
+    def _look_up_alone(self, job: Job, encode: Callable[[Answer], T]) -> tuple[T, Timings]:
         """A look-up of one request (a batch of one), and its encode."""
         started = time.monotonic()
         try:
@@ -205,8 +196,23 @@ class Engine:
             raise Internal(f"the look-up failed: {exc}") from exc
         compute_s = time.monotonic() - started
         self._report_batch(1, job.tokens, compute_s)
-        answer = self._answer(job, rows, Timings(0.0, compute_s, 1, job.tokens))
-        return encode(answer), answer
+        timings = Timings(0.0, compute_s, 1, job.tokens)
+        return encode(self._answer(job, rows, timings)), timings
+
+    async def _batched(
+        self, job: Job, deadline: float | None, encode: Callable[[Answer], T]
+    ) -> tuple[T, Timings]:
+        """A look-up in the model's batch, and its encode (off the loop when large)."""
+        assert self._batcher is not None, "This is a bug."
+        batched = await self._batcher.submit((job.ids, job.output_dtype), job.tokens, deadline)
+        timings = Timings(
+            batched.queue_s, batched.compute_s, batched.batch_requests, batched.batch_tokens
+        )
+        answer = self._answer(job, batched.result, timings)
+        if self._policy.encodes_inline(answer.nbytes):
+            return encode(answer), timings
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, encode, answer), timings
 
     def _look_up_batch(self, items: list[_BatchItem]) -> list[Rows]:
         """The batcher's compute: the backend's look-up of several requests at once."""
