@@ -12,7 +12,10 @@ MiB = 1 << 20
 # set (Dockerfile, Dockerfile.cuda, deploy/k8s; tests/deploy checks they all agree), so
 # that the bench measures the server as deployed. docs/deployment.md gives the figures.
 DEPLOYMENT_ENV = {
-    "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=67108864"
+    "GLIBC_TUNABLES": (
+        "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304"
+        ":glibc.malloc.trim_threshold=67108864"
+    )
 }
 # The width at which the targets are judged (see report.evaluate_targets); the
 # tiny c=64 and large cells that they compare are measured in turns at this width
