@@ -125,7 +125,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKEMBED_DEVICE=cpu \
     TOKEMBED_GRACE_S=10 \
     TOKEMBED_TARGET=127.0.0.1:50051 \
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=67108864
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304
 # Numeric, so that Kubernetes can verify runAsNonRoot without reading /etc/passwd.
 USER ${TOKEMBED_UID}:${TOKEMBED_UID}
 WORKDIR /tmp
