@@ -1,5 +1,5 @@
 """Just enough of the protobuf wire format to find where a bytes field lies in a message,
-and to write the varints of a request (``codec.encode_request``).
+and to write the varints of an answer's known head (``decode``).
 
 Why: with protobuf's Python runtime (upb), parsing a 32 MiB EmbedResponse copies the
 payload into its arena, and every read of ``tensor.data`` copies it again into a new

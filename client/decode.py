@@ -94,7 +94,7 @@ def decode_response(raw: bytes | pb.EmbedResponse) -> EmbedResult:
 def decode_hidden_states(raw: bytes) -> npt.NDArray[Any]:
     """Only the array of an EmbedResponse's raw bytes, as :func:`decode_response` gives
     it, without the result around it: what ``embed`` returns, saving a tiny call the
-    timings, lengths and result objects (see ``codec.encode_request`` for the figures)."""
+    timings, lengths and result objects."""
     if len(raw) < ZERO_COPY_MIN_BYTES:
         return decode_tensor(_parse_response(raw).hidden_states)
     return _decode_response_span(raw, 0, len(raw)).hidden_states

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokembed.client import InvalidInputError
-from tokembed.client.codec import EncodedIds, encode_ids, encode_request, output_dtype_code
+from tokembed.client.codec import encode_ids, encode_request, output_dtype_code
 from tokembed.v1 import embedding_pb2 as pb
 
 _WIRE_NP = {pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
@@ -218,60 +218,6 @@ def test_any_list_of_lists_round_trips(seqs: list[list[int]]) -> None:
     else:
         assert len({len(s) for s in seqs}) == 1
         assert ids.tolist() == seqs
-
-
-def protobuf_request(
-    encoded: EncodedIds, dtype: str, layout: str, model_name: str, request_id: str
-) -> bytes:
-    """The reference: the same request built as protobuf messages and serialized by
-    protobuf itself."""
-    ids, lengths = encoded.ids, encoded.lengths
-    if layout == "flat" and lengths is None:
-        lengths = np.full(ids.shape[0], ids.shape[1], dtype=np.int64)
-        ids = ids.reshape(-1)
-    request = pb.EmbedRequest(
-        input_ids=pb.Tensor(
-            dtype=pb.DTYPE_INT32 if ids.dtype.itemsize == 4 else pb.DTYPE_INT64,
-            shape=ids.shape,
-            data=ids.tobytes(),
-        ),
-        output_dtype=output_dtype_code(dtype),
-        model_name=model_name,
-        request_id=request_id,
-    )
-    if lengths is not None:
-        request.lengths.extend(lengths.tolist())
-        request.ragged_layout = (
-            pb.RAGGED_LAYOUT_FLAT if layout == "flat" else pb.RAGGED_LAYOUT_PADDED
-        )
-    return request.SerializeToString()
-
-
-@given(
-    st.one_of(
-        sequences,
-        # Long rows and many of them: multi-byte varints for shapes, lengths and sizes.
-        st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=300), min_size=1,
-                 max_size=3),
-    ),
-    st.sampled_from(["int64", "int32", "uint8"]),
-    st.sampled_from(["float32", "float16"]),
-    st.sampled_from(["padded", "flat"]),
-    st.sampled_from(["", "bench-d512", "modèle-ü"]),
-    st.text(max_size=200),
-)  # fmt: skip
-def test_request_bytes_are_what_protobuf_writes(
-    seqs: list[list[int]], id_dtype: str, dtype: str, layout: str, model_name: str,
-    request_id: str,
-) -> None:  # fmt: skip
-    if id_dtype != "int64":
-        seqs = [[v % 200 for v in row] for row in seqs]
-    rows = [np.array(row, dtype=id_dtype) for row in seqs]
-    encoded = encode_ids(rows if len({len(r) for r in rows}) > 1 else np.stack(rows))
-    request_id = request_id.encode("utf-8", "ignore").decode("utf-8")  # no lone surrogates
-    assert encode_request(
-        encoded, dtype=dtype, layout=layout, model_name=model_name, request_id=request_id
-    ) == protobuf_request(encoded, dtype, layout, model_name, request_id)
 
 
 def test_text_that_is_not_unicode_is_refused_before_sending() -> None:

@@ -1,18 +1,16 @@
-"""Calls of a shape seen before: the request frames of ``codec.embed_call`` and the answer
-heads of ``decode.embed_answer`` give exactly what the full encode and decode give."""
+"""Answers of a shape seen before: the answer heads of ``decode.embed_answer`` give exactly
+what the full decode gives."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokembed.client import InvalidInputError, ServerError, codec, decode
-from tokembed.client.codec import EmbedCall, embed_call, encode_ids, encode_request
+from tokembed.client import ServerError, decode
 from tokembed.client.decode import decode_hidden_states, embed_answer
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -21,88 +19,10 @@ from support.replies import response
 
 @pytest.fixture(autouse=True)
 def fresh_caches() -> Iterator[None]:
-    """Every test starts with no frame or head known (they are process-wide)."""
-    codec._frames.clear()
+    """Every test starts with no head known (they are process-wide)."""
     decode._answer_heads.clear()
     yield
-    codec._frames.clear()
     decode._answer_heads.clear()
-
-
-def reference_call(
-    ids: Any, dtype: str = "float32", layout: str = "padded", **kw: str
-) -> EmbedCall:
-    """The call as the full path builds it: checked and encoded from scratch."""
-    encoded = encode_ids(ids)
-    checked = codec.check_layout(layout)
-    return EmbedCall(
-        encode_request(encoded, dtype=dtype, layout=layout, **kw),
-        encoded.leading_shape(checked),
-        encoded.output_rows(checked),
-        codec.output_itemsize(dtype),
-    )
-
-
-shapes = st.one_of(
-    st.tuples(st.integers(1, 4), st.integers(1, 300)),  # [B,S], long rows: 2-byte varints
-    st.tuples(st.integers(1, 40)),  # [S]: one sequence, sent as [1,S]
-)
-
-
-@given(
-    shapes,
-    st.sampled_from(["<i8", "<i4"]),
-    st.sampled_from(["float32", "float16"]),
-    st.sampled_from(["padded", "flat"]),
-    st.sampled_from(["", "modèle-ü"]),
-    st.integers(0, 2**31 - 1),
-)
-def test_a_framed_call_is_the_call_built_from_scratch(
-    shape: tuple[int, ...], id_dtype: str, dtype: str, layout: str, model_name: str, seed: int
-) -> None:
-    codec._frames.clear()
-    rng = np.random.default_rng(seed)
-    first, second = (rng.integers(0, 2**31 - 1, size=shape).astype(id_dtype) for _ in range(2))
-    # Not contiguous: the frame must send it in logical order, as the full path does.
-    third = np.asfortranarray(rng.integers(0, 2**31 - 1, size=shape).astype(id_dtype))
-    for ids in (first, second, third):
-        call = embed_call(ids, dtype, layout, model_name=model_name)
-        assert call == reference_call(ids, dtype, layout, model_name=model_name)
-    assert len(codec._frames) == 1  # the second and third came from the first's frame
-
-
-def test_frames_are_only_for_arrays_sent_as_they_are() -> None:
-    converted = np.array([[1, 2, 3]], dtype=np.uint8)  # sent as int32
-    swapped = np.array([[1, 2, 3]], dtype=">i8")  # sent as little-endian int64
-    for ids in (converted, swapped, [[1, 2, 3]]):
-        for _ in range(2):
-            assert embed_call(ids, "float32", "padded") == reference_call(ids)
-    assert codec._frames == {}
-    # Nor calls with a request id: each would make its own frame.
-    ids = np.array([[1, 2, 3]], dtype=np.int64)
-    for request_id in ("a", "b"):
-        call = embed_call(ids, "float32", "padded", request_id=request_id)
-        assert call == reference_call(ids, request_id=request_id)
-    assert codec._frames == {}
-
-
-def test_a_known_frame_does_not_let_bad_input_through() -> None:
-    embed_call(np.array([[1, 2]], dtype=np.int64), "float32", "padded")
-    assert len(codec._frames) == 1
-    with pytest.raises(InvalidInputError, match="must be integers"):
-        embed_call(np.array([[1.0, 2.0]]), "float32", "padded")
-    with pytest.raises(InvalidInputError, match="float32 or float16"):
-        embed_call(np.array([[1, 2]], dtype=np.int64), "float64", "padded")
-    with pytest.raises(InvalidInputError, match="'padded' or 'flat'"):
-        embed_call(np.array([[1, 2]], dtype=np.int64), "float32", "ragged")
-
-
-def test_no_more_frames_past_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codec, "_FRAMES_CACHED", 2)
-    for width in range(1, 6):
-        ids = np.arange(width, dtype=np.int64).reshape(1, width)
-        assert embed_call(ids, "float32", "padded") == reference_call(ids)
-    assert len(codec._frames) == 2
 
 
 # --- answers
