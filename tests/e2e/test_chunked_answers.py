@@ -18,15 +18,11 @@ from tokembed.server.core.policy import INLINE_MAX_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # looked up off the loop, both dtypes
 CHUNKED_ABOVE = 64 * 1024  # the client takes EmbedChunked for every answer here
-# The table backend (the default on CPU) and the onnxruntime backend.
-BACKENDS = pytest.mark.parametrize(
-    "backend", [{}, {"float32_table_max_bytes": 0}], ids=["table", "onnxruntime"]
-)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +30,7 @@ def expected() -> np.ndarray:
     return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
-@BACKENDS
+@EVERY_BACKEND
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_answers_one_after_the_other_stay_exact(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str, backend: Any
@@ -55,7 +51,7 @@ def test_answers_one_after_the_other_stay_exact(
         )
 
 
-@BACKENDS
+@EVERY_BACKEND
 def test_answers_side_by_side_never_mix(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
 ) -> None:
@@ -77,7 +73,7 @@ def _chunked_request(ids: np.ndarray) -> pb.EmbedRequest:
     )
 
 
-@BACKENDS
+@EVERY_BACKEND
 def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
 ) -> None:

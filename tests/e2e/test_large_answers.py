@@ -19,15 +19,11 @@ from tokembed.server.core.policy import INLINE_MAX_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # off the loop for both dtypes
 WIRE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
-# The table backend (the default on CPU) and the onnxruntime backend.
-BACKENDS = pytest.mark.parametrize(
-    "backend", [{}, {"float32_table_max_bytes": 0}], ids=["table", "onnxruntime"]
-)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +31,7 @@ def expected() -> np.ndarray:
     return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
-@BACKENDS
+@EVERY_BACKEND
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_large_answers_parse_with_plain_protobuf_and_are_exact(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str, backend: Any
@@ -63,7 +59,7 @@ def test_large_answers_parse_with_plain_protobuf_and_are_exact(
             assert (reply.timings.batch_requests, reply.timings.batch_tokens) == (1, ids.size)
 
 
-@BACKENDS
+@EVERY_BACKEND
 def test_large_answers_through_the_client_flat_ragged_and_padded(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
 ) -> None:
@@ -82,7 +78,7 @@ def test_large_answers_through_the_client_flat_ragged_and_padded(
         np.testing.assert_array_equal(client.embed([[1, 2, 3]]), expected[[[1, 2, 3]]])
 
 
-@BACKENDS
+@EVERY_BACKEND
 def test_large_answers_side_by_side_never_mix(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
 ) -> None:

@@ -36,6 +36,7 @@ from support.fixtures import (
     DECODER_D,
     DECODER_SEED,
     DECODER_V,
+    EVERY_BACKEND,
     SMALL_D,
     SMALL_PAD,
     SMALL_SEED,
@@ -90,9 +91,7 @@ def _mixed_requests(count: int, seed: int) -> list[tuple[str, Any, str]]:
     return requests
 
 
-@pytest.mark.parametrize(
-    "backend", [{}, {"float32_table_max_bytes": 0}], ids=["table", "onnxruntime"]
-)
+@EVERY_BACKEND
 def test_concurrent_mixed_traffic_gets_each_model_s_own_rows(
     small_model_dir: Path, decoder_model_dir: Path, start_server: Any, backend: Any
 ) -> None:

@@ -15,6 +15,11 @@ SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD = 1000, 64, 1, 0
 # A second model, as a decoder's entrance beside the small "encoder": another V and D, no
 # padding id.
 DECODER_V, DECODER_D, DECODER_SEED = 400, 24, 2
+# The server's settings for each backend: the table (the default on CPU) and onnxruntime.
+# ``@EVERY_BACKEND`` runs a test with each, as its ``backend`` argument.
+EVERY_BACKEND = pytest.mark.parametrize(
+    "backend", [{}, {"float32_table_max_bytes": 0}], ids=["table", "onnxruntime"]
+)
 DEFAULT_V, DEFAULT_D, DEFAULT_SEED = 32000, 512, 0
 
 
