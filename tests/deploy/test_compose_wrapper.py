@@ -52,8 +52,11 @@ class FakeEngine:
                 conn.sendall(head.encode() + body)
 
     def close(self) -> None:
+        # close() alone does not wake a thread blocked in accept(); shutdown() does.
+        self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         self._thread.join(5)
+        assert not self._thread.is_alive()
 
 
 @pytest.fixture

@@ -238,8 +238,8 @@ def test_the_models_share_one_output_budget(
     async def scenario() -> None:
         async with AsyncEmbeddingClient(server.target, retries=0) as client:
             held = asyncio.ensure_future(client.embed(np.zeros((1, 512), np.int64), model="small"))
-            assert loader.backend is not None
-            await asyncio.get_running_loop().run_in_executor(None, loader.backend.entered.wait, 10)
+            entered = loader.backends["small"].entered
+            assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
             from tokembed.client import OverloadedError
 
             with pytest.raises(OverloadedError, match="output bytes in flight"):

@@ -1,5 +1,7 @@
 """Every bad input to ``tokembed export`` is one line on stderr and a non-zero exit, never a
-traceback, and leaves no model directory behind. Run as users run it: a subprocess."""
+traceback, and leaves no model directory behind. The table of cases runs through ``main()``
+in this process (tokembed_main: an escaping exception fails the test as a traceback would);
+the tests after it run a subprocess, as users do, for what only a process shows."""
 
 from __future__ import annotations
 
@@ -102,12 +104,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line(case, ckpt, tmp_path, tokembed_cli, user_error):
+def test_bad_input_is_one_line(case, ckpt, tmp_path, tokembed_main, user_error):
     extra, fragments = CASES[case]
     (tmp_path / "weights.npz").write_bytes(b"")
     out = tmp_path / "model"
     args = [a.format(ckpt=ckpt, tmp=tmp_path) for a in extra]
-    proc = tokembed_cli("export", "--out", out, *args)
+    proc = tokembed_main("export", "--out", out, *args)
     user_error(proc, *fragments)
     assert proc.returncode == 2
     assert not out.exists()

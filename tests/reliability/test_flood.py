@@ -275,12 +275,14 @@ async def _flood(target: str, rows: np.ndarray, tally: FloodTally) -> None:
             await channel.close()
 
 
+@pytest.mark.slow  # a soak of ~10 s each; `scripts/test --fast` leaves both out
 def test_a_flood_of_maximum_size_requests_keeps_rss_bounded_and_is_refused_fast(
     flood_server: ServerProcess, rows: np.ndarray
 ) -> None:
     flood(flood_server, rows)
 
 
+@pytest.mark.slow
 def test_the_bound_holds_with_the_deployment_s_allocator_settings_too(
     default_model_dir: Path, rows: np.ndarray
 ) -> None:

@@ -67,11 +67,13 @@ class GatedLoader:
             self.look_up_gate.set()
         if open_loading:
             self.loading_gate.set()
-        self.backend: GatedBackend | None = None
+        self.backend: GatedBackend | None = None  # the last model loaded
+        self.backends: dict[str, GatedBackend] = {}  # every model's, by its name
 
     def __call__(self, directory: Path, settings: Settings) -> LoadedModel:
         loaded = load_model(directory, settings)
         self.backend = GatedBackend(loaded.backend, self.look_up_gate)
+        self.backends[loaded.model.manifest.name] = self.backend
         if not self.loading_gate.wait(timeout=60):
             raise TimeoutError("test loading gate never opened")
         return dataclasses.replace(loaded, backend=self.backend)
