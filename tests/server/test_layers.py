@@ -1,0 +1,52 @@
+"""The rooms' one rule: gRPC and the wire format stay in server/edge (and app.py, which
+wires the server together). Everything below, the core, the backends, loading, metrics,
+works on domain types, so a second protocol can sit beside edge/ without touching it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tokembed.server
+
+SERVER = Path(tokembed.server.__file__).resolve().parent
+# Where gRPC and the generated protobuf classes belong.
+EDGE = {SERVER / "edge", SERVER / "app.py"}
+FORBIDDEN = ("grpc", "tokembed.v1", "tokembed.server.edge", "google.protobuf")
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _below_the_edge() -> list[Path]:
+    return [
+        path
+        for path in sorted(SERVER.rglob("*.py"))
+        if not any(path == room or room in path.parents for room in EDGE)
+    ]
+
+
+def test_nothing_below_the_edge_imports_grpc_or_the_wire_format() -> None:
+    checked = _below_the_edge()
+    assert SERVER / "core" / "engine.py" in checked  # the walk found the rooms
+    assert SERVER / "backends" / "table.py" in checked
+    offenders = {
+        str(path.relative_to(SERVER)): sorted(
+            name for name in _imports(path) if name.startswith(FORBIDDEN)
+        )
+        for path in checked
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_the_check_sees_an_import_of_grpc(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    import grpc.aio\n    from tokembed.v1 import embedding_pb2\n")
+    assert _imports(module) == {"grpc.aio", "tokembed.v1"}
