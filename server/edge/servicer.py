@@ -16,13 +16,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import NoReturn
+from collections.abc import AsyncIterator, Callable
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from tokembed.server.core.admission import Ticket
-from tokembed.server.core.engine import Engine
+from tokembed.server.core.engine import Engine, Served
 from tokembed.server.core.errors import EmbedError, Internal
 from tokembed.server.core.registry import ModelRegistry
 from tokembed.server.core.types import Answer, EmbedInput
@@ -46,6 +46,7 @@ SERVICE_NAME = "tokembed.v1.EmbeddingService"
 DEADLINE_SLACK_S = 0.05
 # EmbedStream answers in order but works ahead on up to this many requests at once.
 STREAM_WINDOW = 32
+T = TypeVar("T")
 # One EmbedStream answer: its bytes, and the room it holds until they are sent.
 _StreamAnswer = tuple[bytes, Ticket | None]
 
@@ -79,19 +80,7 @@ class EmbeddingServicer:
         calls = self._calls
         call = calls.start("Embed", _request_id(request))
         try:
-            try:
-                engine, embed_input = self._resolve(request, call)
-                served = await engine.embed(
-                    embed_input, _deadline(context), _unary_encoder(engine, call)
-                )
-            except EmbedError as error:
-                await self._abort(context, call, error)
-            except asyncio.CancelledError:
-                self._gone(context, call)
-                raise
-            except Exception as exc:
-                logger.exception("Embed failed")
-                await self._abort(context, call, Internal(f"internal error: {exc}"))
+            _, served = await self._serve(request, context, call, _unary_encoder)
             # The answer's bytes stay counted by admission until gRPC is done sending
             # them (or gives up): the RPC's end, which this documented callback marks.
             context.add_done_callback(served.ticket.release)
@@ -153,17 +142,7 @@ class EmbeddingServicer:
         calls = self._calls
         call = calls.start("EmbedChunked", _request_id(request))
         try:
-            try:
-                engine, embed_input = self._resolve(request, call)
-                served = await engine.embed(embed_input, _deadline(context), _as_is)
-            except EmbedError as error:
-                await self._abort(context, call, error)
-            except asyncio.CancelledError:
-                self._gone(context, call)
-                raise
-            except Exception as exc:
-                logger.exception("EmbedChunked failed")
-                await self._abort(context, call, Internal(f"internal error: {exc}"))
+            engine, served = await self._serve(request, context, call, _chunks_later)
             try:
                 chunks = responses.chunked_response(
                     served.payload, engine.name, engine.served.version, call.request_id,
@@ -213,6 +192,28 @@ class EmbeddingServicer:
         return answer
 
     # --- helpers
+
+    async def _serve(
+        self,
+        request: EmbedCall | Refused,
+        context: grpc.aio.ServicerContext,
+        call: Call,
+        encoder: Callable[[Engine, Call], Callable[[Answer], T]],
+    ) -> tuple[Engine, Served[T]]:
+        """One unary request served by its model's engine, encoded by ``encoder(engine,
+        call)``; anything that refuses it aborts the RPC with its status."""
+        try:
+            engine, embed_input = self._resolve(request, call)
+            served = await engine.embed(embed_input, _deadline(context), encoder(engine, call))
+        except EmbedError as error:
+            await self._abort(context, call, error)
+        except asyncio.CancelledError:
+            self._gone(context, call)
+            raise
+        except Exception as exc:
+            logger.exception("%s failed", call.method)
+            await self._abort(context, call, Internal(f"internal error: {exc}"))
+        return engine, served
 
     def _resolve(self, request: EmbedCall | Refused, call: Call) -> tuple[Engine, EmbedInput]:
         """The engine of the request's model, and its input; raises what refuses it."""
@@ -290,8 +291,12 @@ def _unary_encoder(engine: Engine, call: Call) -> functools.partial[tuple[bytes,
     )  # fmt: skip
 
 
-def _as_is(answer: Answer) -> Answer:
+def _chunks_later(engine: Engine, call: Call) -> Callable[[Answer], Answer]:
     """EmbedChunked's "encode": none yet; its chunks are made as they are sent."""
+    return _as_is
+
+
+def _as_is(answer: Answer) -> Answer:
     return answer
 
 
