@@ -51,8 +51,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DRAIN_QUIET_S = 0.1
 DRAIN_SETTLE_MAX_S = 1.0
-# How often the end of the drain looks whether any RPC a handler took is still open.
-DRAIN_POLL_S = 0.05
 # Threads for off-loop look-ups and encodes, shared by every model: the large ones are
 # memory-bound copies, so more threads than this only queue behind each other here.
 WORKER_THREADS = 2
@@ -294,7 +292,7 @@ class TokembedServer:
         settle_until = min(deadline, time.monotonic() + DRAIN_SETTLE_MAX_S)
         await self.calls.wait_quiet(DRAIN_QUIET_S, drain_started, settle_until)
         if self._server is not None:
-            await stop_grpc(self._server, self.calls, deadline)
+            await self._server.stop(max(0.0, deadline - time.monotonic()))
         for engine in self.models:
             await engine.close()
         self._workers.shutdown(wait=False)
@@ -305,26 +303,6 @@ class TokembedServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-
-async def stop_grpc(server: grpc.aio.Server, calls: Calls, deadline: float) -> None:
-    """gRPC's stop, the RPCs still open given until ``deadline`` (the end of the grace).
-
-    gRPC's stop can also wait, until the grace runs out, for calls it took in but never
-    hands to a handler (they end CANCELLED then: grpc/grpc#41785; seen: a drain held 15 s
-    for two such calls). Once stopping, with no RPC a handler took still open and none
-    taken for DRAIN_QUIET_S (calls gRPC had queued are handed over at once when the loop
-    is free), nothing it waits for can be answered: stop at once.
-    """
-    since = time.monotonic()
-    stopping = asyncio.ensure_future(server.stop(max(0.0, deadline - since)))
-    while not stopping.done():
-        quiet_s = time.monotonic() - max(calls.last_rpc_at, since)
-        if calls.open_rpcs == 0 and quiet_s >= DRAIN_QUIET_S:
-            await server.stop(None)  # documented: a later, shorter grace wins
-            break
-        await asyncio.wait({stopping}, timeout=DRAIN_POLL_S)
-    await stopping
 
 
 def check_port_free(host: str, port: int) -> None:

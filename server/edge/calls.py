@@ -33,10 +33,6 @@ class Calls:
     def __init__(self, metrics: Metrics | None) -> None:
         self._metrics = metrics
         self.active = 0  # RPCs (and EmbedStream requests) being served now
-        # RPCs a handler of ours took that gRPC has not ended yet: longer than ``active``,
-        # an answer is still being sent after its handler returned.
-        self.open_rpcs = 0
-        self.last_rpc_at = 0.0  # time.monotonic() of the latest RPC a handler took
         self.last_call_at = 0.0  # time.monotonic() of the latest call to reach a handler
         self._idle: asyncio.Event | None = None
 
@@ -47,16 +43,6 @@ class Calls:
         self.active += 1
         self.last_call_at = time.monotonic()
         return Call(method, request_id)
-
-    def rpc_opened(self, context: grpc.aio.ServicerContext) -> None:
-        """A handler took this RPC: it is open until gRPC ends it (``add_done_callback``:
-        the answer sent, or the call given up)."""
-        self.open_rpcs += 1
-        self.last_rpc_at = time.monotonic()
-        context.add_done_callback(self._rpc_closed)
-
-    def _rpc_closed(self, _context: object) -> None:
-        self.open_rpcs -= 1
 
     def end(self) -> None:
         self.active -= 1

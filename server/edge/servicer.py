@@ -78,7 +78,6 @@ class EmbeddingServicer:
 
     async def Embed(self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext) -> bytes:
         calls = self._calls
-        calls.rpc_opened(context)
         call = calls.start("Embed", _request_id(request))
         try:
             _, served = await self._serve(request, context, call, _unary_encoder)
@@ -96,7 +95,6 @@ class EmbeddingServicer:
         request_iterator: AsyncIterator[EmbedCall | Refused],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
-        self._calls.rpc_opened(context)
         answers: asyncio.Queue[asyncio.Task[_StreamAnswer] | None] = asyncio.Queue(STREAM_WINDOW)
         unsent: set[asyncio.Task[_StreamAnswer]] = set()  # started, not yet handed to gRPC
 
@@ -142,7 +140,6 @@ class EmbeddingServicer:
         self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         calls = self._calls
-        calls.rpc_opened(context)
         call = calls.start("EmbedChunked", _request_id(request))
         try:
             engine, served = await self._serve(request, context, call, _chunks_later)
@@ -165,7 +162,6 @@ class EmbeddingServicer:
     async def GetModelInfo(
         self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        self._calls.rpc_opened(context)
         call = Call("GetModelInfo", "")  # not counted in flight: nothing to drain for
         try:
             if isinstance(request, Refused):
@@ -181,7 +177,6 @@ class EmbeddingServicer:
     async def ListModels(
         self, request: Refused | None, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        self._calls.rpc_opened(context)
         call = Call("ListModels", "")
         registry = self._registry
         try:
