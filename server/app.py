@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
-import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +35,7 @@ from tokembed.server.core.validation import Limits
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
 from tokembed.server.edge.calls import Calls
+from tokembed.server.edge.listening import check_port_free, tls_credentials
 from tokembed.server.edge.requests import EmbedParser
 from tokembed.server.edge.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
 from tokembed.server.loading import LoadedModel, ModelLoader, load_model
@@ -309,60 +308,6 @@ class TokembedServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise ``ServerConfigError`` if ``host:port`` cannot be bound (in use, say)."""
-    if port == 0:
-        return
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise ServerConfigError(f"cannot listen on {host}:{port}: {exc}; check --host") from exc
-    for family, kind, proto, _, where in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            # As gRPC binds: a port left in TIME_WAIT by a previous server is free.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(where)
-            except OSError as exc:
-                raise ServerConfigError(
-                    f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what "
-                    "listens there or choose another --port (0 picks a free one)"
-                ) from exc
-
-
-def tls_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """The server's TLS credentials, the files checked to parse first (gRPC reports a
-    bad one only in its own log, then fails to bind)."""
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ServerConfigError(
-            f"tls_cert {settings.tls_cert} and tls_key {settings.tls_key} are not a PEM "
-            f"certificate chain and its private key ({_reason(exc)})"
-        ) from exc
-    client_ca = None
-    if settings.tls_client_ca is not None:
-        try:
-            context.load_verify_locations(cafile=settings.tls_client_ca)
-        except (OSError, ssl.SSLError) as exc:
-            raise ServerConfigError(
-                f"tls_client_ca {settings.tls_client_ca} is not a PEM CA bundle ({_reason(exc)})"
-            ) from exc
-        client_ca = settings.tls_client_ca.read_bytes()
-    return grpc.ssl_server_credentials(
-        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
-
-
-def _reason(exc: BaseException) -> str:
-    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
 
 
 def _labels(engine: Engine) -> ModelLabels:
