@@ -109,7 +109,11 @@ class Settings:
         "close client connections after this long (0: never), so clients balancing over "
         "DNS re-resolve and find new replicas",
     )
-    grace_s: float = _setting(10.0, "on SIGTERM/SIGINT, time in-flight requests get to finish")
+    grace_s: float = _setting(
+        10.0,
+        "on SIGTERM/SIGINT, the process is gone within this long; in-flight requests get "
+        "all of it but the last second (at most a quarter), kept for closing down",
+    )
     log_level: str = _setting(
         "info", "debug, info, warning or error", choices=("debug", "info", "warning", "error")
     )

@@ -354,11 +354,18 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
             backend.entered.clear()
             blocker = asyncio.ensure_future(embed(encode(np.array([[1]])), timeout=30))
             await asyncio.get_running_loop().run_in_executor(None, backend.entered.wait, 10)
-            # The runtime is busy: these five queue up, and go as one batch next.
-            batch = [asyncio.ensure_future(embed(encode(ids), timeout=30)) for ids in mates]
-            assert await asyncio.get_running_loop().run_in_executor(
-                None, wait_for, lambda: server.metric("tokembed_queued_tokens") == 10, 10
-            )
+            # The runtime is busy: these five queue up, and go as one batch next. Each is
+            # sent once the one before is queued, so the arrival order is the list's order
+            # (five calls started together may reach the server in any order).
+            batch = []
+            for queued, ids in enumerate(mates, start=1):
+                batch.append(asyncio.ensure_future(embed(encode(ids), timeout=30)))
+                assert await asyncio.get_running_loop().run_in_executor(
+                    None,
+                    wait_for,
+                    lambda tokens=2 * queued: server.metric("tokembed_queued_tokens") == tokens,
+                    10,
+                )
             loader.gate.set()
             first = await blocker
             failed = await asyncio.gather(*batch, return_exceptions=True)
