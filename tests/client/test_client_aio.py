@@ -268,13 +268,23 @@ def test_round_robin(fake_factory: Callable[..., FakeServer]) -> None:
     servers = [fake_factory() for _ in range(2)]
     target = "ipv4:" + ",".join(s.address for s in servers)
 
-    async def main() -> None:
+    def spread() -> list[int]:
+        return [s.service.count("Embed") for s in servers]
+
+    async def main() -> list[int]:
         async with client_for(target, load_balancing_policy="round_robin") as client:
+            # round_robin picks among the connections already made: warm up until all are.
+            deadline = time.monotonic() + 10
+            while min(spread()) == 0:
+                assert time.monotonic() < deadline, spread()
+                await client.embed([[1]])
+            warm = spread()
             for _ in range(20):
                 await client.embed([[1]])
+            return warm
 
-    run(main())
-    counts = [s.service.count("Embed") for s in servers]
+    warm = run(main())
+    counts = [after - before for after, before in zip(spread(), warm, strict=True)]
     assert sum(counts) == 20
     assert min(counts) >= 5, counts
 

@@ -247,16 +247,26 @@ def test_backoff_grows_exponentially_with_jitter(fake: FakeServer) -> None:
         assert gap < ceiling + 1.0, (n, gaps)
 
 
-def test_backoff_is_capped(fake: FakeServer) -> None:
+def test_backoff_is_capped(fake: FakeServer, caplog: pytest.LogCaptureFixture) -> None:
     fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 4
-    with client_for(
-        fake, retries=4, backoff_s=0.05, backoff_max_s=0.06, chunked_threshold_bytes=None
-    ) as client:
+    with (
+        caplog.at_level(logging.INFO, logger="tokembed.client.sync"),
+        client_for(
+            fake, retries=4, backoff_s=0.05, backoff_max_s=0.06, chunked_threshold_bytes=None
+        ) as client,
+    ):
         client.embed([[1]])
     gaps = np.diff([c.at for c in fake.service.calls if c.method == "Embed"])
     assert len(gaps) == 4
-    # Uncapped, the 4th wait would be drawn from [0.2, 0.4]; capped it is at most 0.06.
-    assert gaps[-1] < 0.2, gaps
+    # The waits the client chose, from its log line per retry (the gaps between arrivals
+    # add each call's own time, which a loaded machine stretches). Uncapped, the 4th would
+    # be drawn from [0.2, 0.4]; capped, each is drawn from [0.03, 0.06] once 0.05·2^n > 0.06.
+    delays = [float(r.getMessage().rsplit(" in ", 1)[1].split()[0]) for r in caplog.records
+              if "; retry " in r.getMessage()]  # fmt: skip
+    assert len(delays) == 4, caplog.text
+    assert 0.025 <= delays[0] <= 0.05 and all(0.03 <= d <= 0.06 for d in delays[1:]), delays
+    # ... and they were slept (the log rounds to 1 ms).
+    assert all(gap >= delay - 0.001 for gap, delay in zip(gaps, delays, strict=True))
 
 
 def test_overall_timeout_spans_the_retries(fake: FakeServer) -> None:
@@ -596,9 +606,15 @@ def test_round_robin_spreads_over_all_addresses(fake_factory: Callable[..., Fake
     servers = [fake_factory() for _ in range(3)]
     target = "ipv4:" + ",".join(s.address for s in servers)
     with client_for(target, load_balancing_policy="round_robin") as client:
+        # round_robin picks among the connections already made: warm up until all are.
+        deadline = time.monotonic() + 10
+        while min(_spread(servers)) == 0:
+            assert time.monotonic() < deadline, _spread(servers)
+            client.embed([[1]])
+        warm = _spread(servers)
         for _ in range(60):
             client.embed([[1]])
-    counts = _spread(servers)
+    counts = [after - before for after, before in zip(_spread(servers), warm, strict=True)]
     assert sum(counts) == 60
     assert min(counts) >= 10, counts  # pick_first would give [0, 0, 60]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -63,10 +64,24 @@ VOCAB_SIZE, D_MODEL, SEED = 4096, 64, 7
 MODEL_NAME = "deploy-test"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """Free ports below the kernel's ephemeral range: the stack binds them only after the
+    image build (minutes), and a port the kernel hands out on its own (port 0, outgoing
+    connections) could be taken by then; one below the range only by an explicit bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    top = min(low, 32768)
+    candidates = random.sample(range(max(1024, top - 12000), top), 200)
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError("no free ports below the ephemeral range")
 
 
 def _wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 0.5) -> Any:
@@ -221,8 +236,7 @@ def stack() -> Iterator[Stack]:
     models_existed = model_dir.parent.exists()
     targets = work / "targets"
     targets.mkdir()
-    ports = [_free_port() for _ in range(3)]
-    assert len(set(ports)) == 3
+    ports = _free_ports(3)
     project = f"tokembedtest{os.getpid()}"
     env = {
         **base_env,

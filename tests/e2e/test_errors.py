@@ -29,9 +29,13 @@ from tokembed.v1 import embedding_pb2_grpc
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.gates import GatedLoader
 from support.models import reference_rows
-from support.server import ServerThread, wait_for
+from support.server import ServerThread, wait_for, wait_for_async
 
 SMALL_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+def queued_tokens(server: ServerThread) -> float:
+    return server.metric("tokembed_queued_tokens")
 
 
 def _tensor(ids: np.ndarray, dtype: int = pb.DTYPE_INT64, shape: Any = None) -> pb.Tensor:
@@ -123,29 +127,33 @@ def test_a_bad_request_among_good_ones_fails_alone(
         small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
     )
     good = [np.array([[i, i + 1, i + 2]]) for i in range(0, 60, 3)]
+    backend = loader.backend
+    assert backend is not None
 
-    async def scenario() -> tuple[list[Any], BaseException | None]:
+    async def scenario() -> tuple[Any, list[Any], BaseException | None]:
         async with AsyncEmbeddingClient(server.target) as client:
+            blocker = asyncio.ensure_future(client.embed([[1]]))  # holds the runtime
+            assert await wait_for_async(backend.entered.is_set, 10)
             tasks = [asyncio.ensure_future(client.embed(ids)) for ids in good[:10]]
-            await asyncio.sleep(0.2)
             bad = asyncio.ensure_future(client.embed([[5, -1, 6]]))
             tasks += [asyncio.ensure_future(client.embed(ids)) for ids in good[10:]]
-            await asyncio.sleep(0.2)
-            loader.look_up_gate.set()  # now the queued good requests compute together
-            results = await asyncio.gather(*tasks)
+            assert await wait_for_async(lambda: queued_tokens(server) == 60, 10)
             error = None
             try:
-                await bad
+                await bad  # refused while the good ones wait in the queue
             except InvalidInputError as exc:
                 error = exc
-            return results, error
+            loader.look_up_gate.set()  # now the queued good requests compute together
+            return await blocker, await asyncio.gather(*tasks), error
 
-    results, error = asyncio.run(scenario())
+    first, results, error = asyncio.run(scenario())
     assert error is not None and "-1" in str(error)
+    np.testing.assert_array_equal(first, SMALL_ROWS[[[1]]])
     for ids, got in zip(good, results, strict=True):
         np.testing.assert_array_equal(got, SMALL_ROWS[ids])
-    assert loader.backend is not None
-    assert all(np.all(call >= 0) for call in loader.backend.calls)  # -1 never reached compute
+    # One batch after the blocker held all twenty good requests, and never the bad one.
+    assert len(backend.calls) == 2
+    assert sorted(backend.calls[1].tolist()) == list(range(60))
 
 
 def test_cancelled_and_expired_requests_disturb_nobody(
@@ -156,15 +164,24 @@ def test_cancelled_and_expired_requests_disturb_nobody(
         small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
     )
 
+    backend = loader.backend
+    assert backend is not None
+
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, retries=0) as client:
             blocker = asyncio.ensure_future(client.embed([[1]]))  # holds the runtime
-            await asyncio.sleep(0.2)
+            assert await wait_for_async(backend.entered.is_set, 10)
             cancelled = asyncio.ensure_future(client.embed([[888, 887]]))
-            expiring = asyncio.ensure_future(client.embed([[777, 776]], timeout_s=0.3))
+            expiring = asyncio.ensure_future(client.embed([[777, 776]], timeout_s=2))
             others = [asyncio.ensure_future(client.embed([[i]])) for i in range(2, 12)]
-            await asyncio.sleep(0.1)
+            # All twelve are queued (2 + 2 + 10 tokens) before one leaves.
+            assert await wait_for_async(lambda: queued_tokens(server) == 14, 10)
+            assert server.metric("tokembed_inflight_requests") == 13
             cancelled.cancel()
+            # The server has seen it leave (its handler ended) before the runtime frees.
+            assert await wait_for_async(
+                lambda: server.metric("tokembed_inflight_requests") == 12, 10
+            )
             with pytest.raises(DeadlineExceededError):
                 await expiring
             loader.look_up_gate.set()
@@ -196,12 +213,15 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
         float32_table_max_bytes=0,
     )
 
+    backend = loader.backend
+    assert backend is not None
+
     async def scenario() -> float:
         async with AsyncEmbeddingClient(server.target, retries=0) as client:
             first = asyncio.ensure_future(client.embed([[1]]))  # computing, at the gate
-            await asyncio.sleep(0.2)
+            assert await wait_for_async(backend.entered.is_set, 10)
             queued = asyncio.ensure_future(client.embed([list(range(8))]))  # 8 queued tokens
-            await asyncio.sleep(0.1)
+            assert await wait_for_async(lambda: queued_tokens(server) == 8, 10)
             started = time.monotonic()
             with pytest.raises(OverloadedError):
                 await client.embed([list(range(5))])  # 8 + 5 > 10
@@ -263,13 +283,15 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
     server = start_server(
         small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
     )
+    backend = loader.backend
+    assert backend is not None
 
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, chunked_threshold_bytes=1) as client:
             first = asyncio.ensure_future(client.embed([[1]]))  # holds the runtime
-            await asyncio.sleep(0.2)
+            assert await wait_for_async(backend.entered.is_set, 10)
             batched = [asyncio.ensure_future(client.embed([[i, i + 1]])) for i in range(2, 8)]
-            await asyncio.sleep(0.2)
+            assert await wait_for_async(lambda: queued_tokens(server) == 12, 10)
             loader.look_up_gate.set()
             return [await first, *[await task for task in batched]]
 
@@ -278,3 +300,4 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
     for i, got in zip(range(2, 8), results[1:], strict=True):
         np.testing.assert_array_equal(got, SMALL_ROWS[[[i, i + 1]]])
     assert server.metric("tokembed_requests_total", {"method": "EmbedChunked", "code": "OK"}) == 7
+    assert [len(call) for call in backend.calls] == [1, 12]  # the six shared one batch

@@ -80,9 +80,13 @@ def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
         results: list[Any] = []
         errors: list[BaseException] = []
 
+        infos_done = threading.Barrier(6, timeout=30)
+
         def call() -> None:
             try:
                 with EmbeddingClient(server.target, retries=0, timeout_s=60) as client:
+                    client.info()  # first, so that from here on only the embeds are in flight
+                    infos_done.wait()
                     results.append(client.embed(ids))
             except BaseException as exc:
                 errors.append(exc)
@@ -124,8 +128,15 @@ def _inflight(server: ServerProcess) -> float:
 
 
 def _accepted(server: ServerProcess) -> float:
+    """Embeds answered or in flight (the client sends answers this large as EmbedChunked)."""
     samples = _scrape(server)
-    done = samples.get('tokembed_requests_total{code="OK",method="Embed",model="small"}', 0.0)
+    done = sum(
+        value
+        for key, value in samples.items()
+        if key.startswith("tokembed_requests_total{")
+        and 'code="OK"' in key
+        and any(f'method="{method}"' in key for method in ("Embed", "EmbedChunked"))
+    )
     return done + samples.get("tokembed_inflight_requests", 0.0)
 
 

@@ -43,7 +43,7 @@ from support.fixtures import (
     SMALL_V,
 )
 from support.models import reference_rows
-from support.server import ServerProcess, ServerThread, serve_args
+from support.server import ServerProcess, ServerThread, serve_args, wait_for_async
 
 ENCODER_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 DECODER_ROWS = reference_rows(DECODER_V, DECODER_D, DECODER_SEED)
@@ -246,6 +246,11 @@ def test_the_models_share_one_output_budget(
                 await client.embed(np.zeros((1, 8), np.int64), model="decoder")
             loader.look_up_gate.set()
             await held
+            # The held answer's bytes are given back once gRPC has sent it (a done
+            # callback, which may run just after the client has the answer).
+            assert await wait_for_async(
+                lambda: server.metric("tokembed_inflight_output_bytes") == 0, 10
+            )
             await client.embed(np.zeros((1, 8), np.int64), model="decoder")
 
     asyncio.run(scenario())

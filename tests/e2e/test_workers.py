@@ -56,8 +56,8 @@ def _served_by(metrics_port: int) -> float:
 
 
 def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> None:
-    port = _free_ports(1)
-    metrics_base = _free_ports(2)
+    port = _free_ports(3)  # one run, so the gRPC port cannot be one of the metrics ports
+    metrics_base = port + 1
     process = subprocess.Popen(
         [sys.executable, "-m", "tokembed.cli", "serve", "--model-dir", str(small_model_dir),
          "--port", str(port), "--metrics-port", str(metrics_base), "--workers", "2"],

@@ -181,10 +181,11 @@ async def _unary_caller(
     until: float,
     rows: np.ndarray,
     tally: FloodTally,
+    streams_in: asyncio.Event,
 ) -> None:
     ids = _max_ids(seed)
     raw = encode(ids)
-    await asyncio.sleep(0.2)  # the slow streams' first requests go in first
+    await streams_in.wait()  # the slow streams' first requests go in first
     while time.monotonic() < until:
         started = time.monotonic()
         try:
@@ -254,14 +255,47 @@ def _sampler(pid: int, metrics_port: int, stop: threading.Event, tally: FloodTal
                     tally.queued_samples.append(float(line.split()[1]))
 
 
-async def _flood(target: str, rows: np.ndarray, tally: FloodTally) -> None:
-    channels = [grpc.aio.insecure_channel(target, options=channel_options()) for _ in range(8)]
+def _stream_outcomes(metrics_port: int) -> float:
+    """EmbedStream requests the server has answered or refused so far."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("tokembed_requests_total{") and 'method="EmbedStream"' in line
+    )
+
+
+async def _when_streams_are_in(metrics_port: int, streams_in: asyncio.Event) -> None:
+    """Set ``streams_in`` once every stream's first request has its outcome: with room for
+    two answers, two are admitted (and held, read late) and the others refused, whatever
+    the timing; then the unary flood starts."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + 30
+    while await loop.run_in_executor(None, _stream_outcomes, metrics_port) < STREAM_CALLERS:
+        assert time.monotonic() < deadline, "the streams' first requests never got answers"
+        await asyncio.sleep(0.02)
+    streams_in.set()
+
+
+async def _flood(server: ServerProcess, rows: np.ndarray, tally: FloodTally) -> None:
+    channels = [
+        grpc.aio.insecure_channel(server.target, options=channel_options()) for _ in range(8)
+    ]
+    streams_in = asyncio.Event()
     until = time.monotonic() + FLOOD_S
     rng = random.Random(3)
     try:
         callers = [
             _unary_caller(
-                channels[i % 8], rng.getrandbits(32), i < CHUNKED_CALLERS, until, rows, tally
+                channels[i % 8],
+                rng.getrandbits(32),
+                i < CHUNKED_CALLERS,
+                until,
+                rows,
+                tally,
+                streams_in,
             )
             for i in range(UNARY_CALLERS + CHUNKED_CALLERS)
         ]
@@ -269,6 +303,7 @@ async def _flood(target: str, rows: np.ndarray, tally: FloodTally) -> None:
             _slow_stream_caller(channels[i % 8], rng.getrandbits(32), rows, tally)
             for i in range(STREAM_CALLERS)
         ]
+        callers.append(_when_streams_are_in(server.metrics_port, streams_in))
         await asyncio.gather(*callers)
     finally:
         for channel in channels:
@@ -322,7 +357,7 @@ def flood(server: ServerProcess, rows: np.ndarray) -> None:
     sampler = threading.Thread(target=_sampler, args=(pid, server.metrics_port, stop, tally))
     sampler.start()
     try:
-        asyncio.run(_flood(server.target, rows, tally))
+        asyncio.run(_flood(server, rows, tally))
     finally:
         stop.set()
         sampler.join(10)

@@ -105,6 +105,7 @@ class ServerProcess:
         self.lines: list[str] = []
         self.port = 0
         self.metrics_port = 0
+        self.exited_at = 0.0  # time.monotonic() when wait() saw the process end
         self._port_found = threading.Event()
         self._ready = threading.Event()
         self.process: subprocess.Popen[str] | None = None
@@ -151,6 +152,7 @@ class ServerProcess:
     def wait(self, timeout_s: float) -> int:
         assert self.process is not None
         code = self.process.wait(timeout_s)
+        self.exited_at = time.monotonic()  # before the pipe is drained, which takes a while
         self._close_pipe()
         return code
 
@@ -174,6 +176,17 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> bool
         if predicate():
             return True
         time.sleep(interval_s)
+    return bool(predicate())
+
+
+async def wait_for_async(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> bool:
+    """wait_for from inside a coroutine: the event loop goes on (so the test's own calls
+    still reach the server) while the predicate is polled."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval_s)
     return bool(predicate())
 
 
