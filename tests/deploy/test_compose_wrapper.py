@@ -66,7 +66,9 @@ def sandbox(tmp_path: Path) -> Iterator[Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in TOOLS:
-        found = shutil.which(tool)
+        # python3 is this interpreter's own binary: the first python3 on PATH may be a
+        # launcher script (pyenv's shims) that cannot run on the sandbox's PATH.
+        found = Path(sys.executable).resolve() if tool == "python3" else shutil.which(tool)
         assert found is not None, tool
         (bin_dir / tool).symlink_to(found)
     _script(bin_dir / "docker", "exit 1  # no compose plugin")
