@@ -70,7 +70,8 @@ def _free_ports(count: int) -> list[int]:
     connections) could be taken by then; one below the range only by an explicit bind."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     top = min(low, 32768)
-    candidates = random.sample(range(max(1024, top - 12000), top), 200)
+    span = range(max(1024, top - 12000), top)
+    candidates = random.sample(span, min(200, len(span)))
     ports: list[int] = []
     for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

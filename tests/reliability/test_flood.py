@@ -178,7 +178,6 @@ async def _unary_caller(
     channel: grpc.aio.Channel,
     seed: int,
     chunked: bool,
-    until: float,
     rows: np.ndarray,
     tally: FloodTally,
     streams_in: asyncio.Event,
@@ -186,6 +185,7 @@ async def _unary_caller(
     ids = _max_ids(seed)
     raw = encode(ids)
     await streams_in.wait()  # the slow streams' first requests go in first
+    until = time.monotonic() + FLOOD_S
     while time.monotonic() < until:
         started = time.monotonic()
         try:
@@ -214,17 +214,24 @@ async def _unary_caller(
 
 
 async def _slow_stream_caller(
-    channel: grpc.aio.Channel, seed: int, rows: np.ndarray, tally: FloodTally
+    channel: grpc.aio.Channel,
+    seed: int,
+    rows: np.ndarray,
+    tally: FloodTally,
+    streams_in: asyncio.Event,
 ) -> None:
     """Sends maximum-size requests a while apart and reads the answers late: the answers
-    wait in the server, and must stay counted against the in-flight cap while they do."""
+    wait in the server, and must stay counted against the in-flight cap while they do.
+    The first request goes alone; the rest once every stream's first is in."""
     ids = _max_ids(seed)
     raw = encode(ids)
 
     async def requests() -> object:
-        for _ in range(STREAM_REQUESTS):
-            yield raw
+        yield raw
+        await streams_in.wait()
+        for _ in range(STREAM_REQUESTS - 1):
             await asyncio.sleep(0.3)
+            yield raw
 
     call = channel.stream_stream(EMBED_STREAM)(requests(), timeout=60)
     await asyncio.sleep(2.0)
@@ -251,7 +258,7 @@ def _sampler(pid: int, metrics_port: int, stop: threading.Event, tally: FloodTal
             for line in response.read().decode().splitlines():
                 if line.startswith("tokembed_inflight_output_bytes "):
                     tally.inflight_samples.append(float(line.split()[1]))
-                elif line.startswith("tokembed_queued_tokens "):
+                elif line.startswith("tokembed_queued_tokens{"):  # one model's
                     tally.queued_samples.append(float(line.split()[1]))
 
 
@@ -267,13 +274,17 @@ def _stream_outcomes(metrics_port: int) -> float:
     )
 
 
-async def _when_streams_are_in(metrics_port: int, streams_in: asyncio.Event) -> None:
+async def _when_streams_are_in(metrics_port: int, before: float, streams_in: asyncio.Event) -> None:
     """Set ``streams_in`` once every stream's first request has its outcome: with room for
     two answers, two are admitted (and held, read late) and the others refused, whatever
-    the timing; then the unary flood starts."""
+    the timing; then the unary flood starts, and the streams go on."""
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + 30
-    while await loop.run_in_executor(None, _stream_outcomes, metrics_port) < STREAM_CALLERS:
+
+    def first_requests_done() -> float:
+        return _stream_outcomes(metrics_port) - before
+
+    while await loop.run_in_executor(None, first_requests_done) < STREAM_CALLERS:
         assert time.monotonic() < deadline, "the streams' first requests never got answers"
         await asyncio.sleep(0.02)
     streams_in.set()
@@ -284,26 +295,20 @@ async def _flood(server: ServerProcess, rows: np.ndarray, tally: FloodTally) -> 
         grpc.aio.insecure_channel(server.target, options=channel_options()) for _ in range(8)
     ]
     streams_in = asyncio.Event()
-    until = time.monotonic() + FLOOD_S
+    before = _stream_outcomes(server.metrics_port)  # the module's server may have served some
     rng = random.Random(3)
     try:
         callers = [
             _unary_caller(
-                channels[i % 8],
-                rng.getrandbits(32),
-                i < CHUNKED_CALLERS,
-                until,
-                rows,
-                tally,
-                streams_in,
+                channels[i % 8], rng.getrandbits(32), i < CHUNKED_CALLERS, rows, tally, streams_in
             )
             for i in range(UNARY_CALLERS + CHUNKED_CALLERS)
         ]
         callers += [
-            _slow_stream_caller(channels[i % 8], rng.getrandbits(32), rows, tally)
+            _slow_stream_caller(channels[i % 8], rng.getrandbits(32), rows, tally, streams_in)
             for i in range(STREAM_CALLERS)
         ]
-        callers.append(_when_streams_are_in(server.metrics_port, streams_in))
+        callers.append(_when_streams_are_in(server.metrics_port, before, streams_in))
         await asyncio.gather(*callers)
     finally:
         for channel in channels:
