@@ -30,7 +30,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from tokembed.server.core.errors import DeadlineExceeded, Internal, Unavailable
+from tokembed.server.core.errors import (
+    DeadlineExceeded,
+    Internal,
+    Unavailable,
+    ran_out_of_time,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class _Pending(Generic[ItemT, ResultT]):
     future: asyncio.Future[BatchResult[ResultT]]
     enqueued_at: float
     deadline: float | None  # time.monotonic() clock
+    left_at: float | None = None  # when its caller was cancelled while it was queued
 
 
 class Batcher(Generic[ItemT, ResultT]):
@@ -115,12 +121,18 @@ class Batcher(Generic[ItemT, ResultT]):
         self._ensure_running()
         assert self._wakeup is not None
         future: asyncio.Future[BatchResult[ResultT]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(item, tokens, future, time.monotonic(), deadline))
+        pending = _Pending(item, tokens, future, time.monotonic(), deadline)
+        self._queue.append(pending)
         self._queued_tokens += tokens
         self._wakeup.set()
         # If the caller is cancelled here, the future is cancelled with it and the
-        # dispatcher drops it before compute.
-        return await future
+        # dispatcher drops it before compute, saying why by when it left (the drop is
+        # counted later, when the batch is taken, and its reason must not depend on that).
+        try:
+            return await future
+        except asyncio.CancelledError:
+            pending.left_at = time.monotonic()
+            raise
 
     def _compute_alone_inline(self, item: ItemT, tokens: int) -> BatchResult[ResultT]:
         """The idle fast path: a lone small request is a batch of one, looked up right here.
@@ -207,7 +219,8 @@ class Batcher(Generic[ItemT, ResultT]):
             self._queue.popleft()
             self._queued_tokens -= size
             if item.future.done():  # cancelled by its caller while queued
-                expired = item.deadline is not None and item.deadline <= now
+                left_at = now if item.left_at is None else item.left_at
+                expired = ran_out_of_time(item.deadline, left_at)
                 self._report_drop("deadline_exceeded" if expired else "cancelled")
                 continue
             if item.deadline is not None and item.deadline <= now:

@@ -23,7 +23,7 @@ import grpc
 
 from tokembed.server.core.admission import Ticket
 from tokembed.server.core.engine import Engine, Served
-from tokembed.server.core.errors import EmbedError, Internal
+from tokembed.server.core.errors import EmbedError, Internal, ran_out_of_time
 from tokembed.server.core.registry import ModelRegistry
 from tokembed.server.core.types import Answer, EmbedInput
 from tokembed.server.edge import responses
@@ -42,8 +42,6 @@ from tokembed.v1 import embedding_pb2 as pb
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "tokembed.v1.EmbeddingService"
-# A call cancelled less than this before its deadline counts as deadline exceeded.
-DEADLINE_SLACK_S = 0.05
 # EmbedStream answers in order but works ahead on up to this many requests at once.
 STREAM_WINDOW = 32
 T = TypeVar("T")
@@ -256,13 +254,10 @@ class EmbeddingServicer:
     def _gone(self, context: grpc.aio.ServicerContext, call: Call) -> None:
         """The handler was cancelled: the caller went away, or its deadline passed.
 
-        gRPC cancels the handler in both cases; only the time left tells them apart.
-        The caller's own timer fires a moment before ours (its grpc-timeout was measured
-        before the request travelled), so its cancel can arrive first, just before our
-        deadline: a call cancelled that close to its deadline ran out of time.
+        gRPC cancels the handler in both cases; only the time left tells them apart, by
+        the same rule as the batcher's drops (errors.ran_out_of_time).
         """
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= DEADLINE_SLACK_S:
+        if ran_out_of_time(_deadline(context), time.monotonic()):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
             self._calls.refused(call, "deadline_exceeded", code, "deadline passed")
         else:

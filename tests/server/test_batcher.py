@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tokembed.server.core.batcher import Batcher, BatchResult
-from tokembed.server.core.errors import DeadlineExceeded, Internal, Unavailable
+from tokembed.server.core.errors import DEADLINE_SLACK_S, DeadlineExceeded, Internal, Unavailable
 
 T = TypeVar("T")
 D = 4
@@ -327,6 +327,36 @@ def test_cancelled_caller_is_dropped_before_compute() -> None:
     assert_own_rows(result, ids(5))
     assert result.batch_requests == 1
     assert observer.drops == ["cancelled"]
+    assert batcher.queued_tokens == 0
+
+
+def test_a_drop_is_counted_by_why_its_caller_left_not_by_when_the_batch_is_taken() -> None:
+    """A caller cancelled well before its deadline went away; one cancelled within
+    DEADLINE_SLACK_S of it ran out of time (its own timer fires just before the server's).
+    The drop is counted when the next batch is taken, here after both deadlines: each
+    reason is the one of the moment its caller left, as the call's status says."""
+    with fake_batcher() as (batcher, compute, observer):
+
+        async def body() -> None:
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
+            await wait_event(compute.blocked)
+            far = time.monotonic() + 0.5
+            left_early = asyncio.ensure_future(batcher.submit(*item(601), far))
+            near = time.monotonic() + DEADLINE_SLACK_S / 2
+            timed_out = asyncio.ensure_future(batcher.submit(*item(602), near))
+            await until(lambda: batcher.queued_requests == 2)
+            left_early.cancel()
+            timed_out.cancel()
+            for task in (left_early, timed_out):
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await asyncio.sleep(far - time.monotonic() + 0.01)  # both deadlines pass
+            compute.gate.set()
+            await first
+
+        run(closing(batcher, body()))
+    assert compute.calls == [[BLOCK]]
+    assert observer.drops == ["cancelled", "deadline_exceeded"]
     assert batcher.queued_tokens == 0
 
 
