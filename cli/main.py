@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -85,6 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`tokembed embed ... | head`): nothing more to say. Point
+        # stdout at /dev/null so that the interpreter's own flush at exit does not fail
+        # again (Python's documented recipe, "Note on SIGPIPE" in the signal module).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a process ended by SIGPIPE reads to a shell (128 + 13)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,24 @@ def test_health_target_from_the_environment(
     monkeypatch.setenv("TOKEMBED_TARGET", fake.address)
     assert main(["health"]) == 0
     assert fake.address in capsys.readouterr().out
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(fake: FakeServer) -> None:
+    """`tokembed embed ... | head -1`: the pipe's reader is gone before the command
+    writes (here from the start, so the write fails every time). No traceback: the exit
+    status a shell gives a process ended by SIGPIPE, and nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tokembed.cli", "embed", "--target", fake.address,
+             "--ids", "5 6 7"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+    assert fake.service.count("Embed") == 1  # it did its work; only the printing failed
 
 
 def test_help_does_not_load_grpc_or_numpy() -> None:
