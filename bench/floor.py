@@ -16,8 +16,9 @@ import sys
 import grpc
 import numpy as np
 
+from tokembed.server.core.dtypes import OUTPUT_DTYPES
 from tokembed.server.core.types import Answer, Timings
-from tokembed.server.edge import responses
+from tokembed.server.edge.v1 import responses
 from tokembed.v1 import embedding_pb2 as pb
 
 METHOD = "/tokembed.bench.Floor/Embed"
@@ -42,12 +43,13 @@ class Floor:
         dtype = "float16" if request.output_dtype == pb.DTYPE_FLOAT16 else "float32"
         key = (self._shape(request), dtype)
         if key not in self._cache:
-            array = np.zeros(key[0], dtype=np.dtype(dtype).newbyteorder("<"))
+            array = np.zeros(key[0], dtype=OUTPUT_DTYPES[dtype].numpy)
             answer = Answer(
-                array.shape, array.dtype, [array.data.cast("B")], None,
+                array.shape, OUTPUT_DTYPES[dtype], [array.data.cast("B")], None,
                 Timings(0.0, 0.0, 1, 0), array.size // array.shape[-1], array.nbytes,
+                "floor", "0",
             )  # fmt: skip
-            self._cache[key] = responses.embed_response(answer, "floor", "0", "", 0.0)
+            self._cache[key] = responses.embed_response(answer, "", 0.0)
         return self._cache[key]
 
     async def embed(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

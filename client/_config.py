@@ -19,12 +19,14 @@ from typing import Any
 import grpc
 
 from tokembed import __version__
+from tokembed.client import codec
 from tokembed.client.errors import (
     EmbeddingError,
     OverloadedError,
     UnavailableError,
     client_invalid_input,
 )
+from tokembed.client.results import ModelInfo
 from tokembed.v1 import embedding_pb2 as pb
 
 logger = logging.getLogger("tokembed.client")
@@ -318,15 +320,39 @@ class ClientBase:
             raise client_invalid_input(f"model must be a str or None, got {type(model).__name__}")
         return model
 
+    def _embed_call(
+        self,
+        ids: Any,
+        dtype: Any,
+        layout: str,
+        model: str | None,
+        timeout_s: float | None,
+        request_id: str,
+    ) -> tuple[codec.EmbedCall, Deadline, str]:
+        """One Embed call's request, its deadline, and the model it is for."""
+        model_name = self._model(model)
+        call = codec.embed_call(ids, dtype, layout, model_name=model_name, request_id=request_id)
+        return call, self._deadline(timeout_s), model_name
+
     def _needs_d_model(self, model: str) -> bool:
+        """Whether the model's D must be asked for (GetModelInfo) before choosing how to
+        ask for the answer: unary, or in chunks above ``chunked_threshold_bytes``."""
         return self._settings.chunked_threshold_bytes is not None and model not in self._d_models
 
-    def _wants_chunked(self, model: str, rows: int, itemsize: int) -> bool:
+    def _learnt(self, model: str, info: ModelInfo) -> ModelInfo:
+        """Remember the D of ``model`` (the name as asked)."""
+        self._d_models[model] = info.d_model
+        return info
+
+    def _wants_chunked(self, model: str, call: codec.EmbedCall) -> bool:
         threshold = self._settings.chunked_threshold_bytes
         d_model = self._d_models.get(model)
         if threshold is None or d_model is None:
             return False
-        return rows * d_model * itemsize > threshold
+        return call.output_rows * d_model * call.output_itemsize > threshold
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._settings.metadata
 
     def _check_open(self) -> None:
         if self._closed:

@@ -7,13 +7,14 @@ The channel is opened on the first call, inside the running event loop: a grpc.a
 channel belongs to the loop it was created in, so one created in ``__init__`` outside
 ``asyncio.run`` would fail with "attached to a different loop". A client therefore serves
 one event loop at a time (after that loop ends, the next one gets a new channel).
+
+A thin shell, as the sync client is: this module does the awaited I/O around what the two
+share (``_config``, ``_shared``, ``codec``, ``decode``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
 
@@ -22,22 +23,11 @@ import numpy as np
 import numpy.typing as npt
 
 from tokembed.client import codec, decode
-from tokembed.client._config import (
-    METHOD_EMBED,
-    METHOD_EMBED_CHUNKED,
-    METHOD_EMBED_STREAM,
-    METHOD_GET_MODEL_INFO,
-    METHOD_LIST_MODELS,
-    ClientBase,
-    Deadline,
-    give_up,
-)
-from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
+from tokembed.client._config import ClientBase, Deadline
+from tokembed.client._shared import Attempts, Health, Methods, StreamBook
+from tokembed.client.errors import EmbeddingError
 from tokembed.client.results import EmbedResult, ModelInfo, ModelList
-from tokembed.client.sync import _emit, _import_health, _pop_refused, _Slot
 from tokembed.v1 import embedding_pb2 as pb
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -67,20 +57,7 @@ class AsyncEmbeddingClient(ClientBase):
             channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
         else:
             channel = grpc.aio.insecure_channel(s.target, options=s.options)
-        # Bytes both ways, as in the sync client (encoded by codec, decoded by decode).
-        self._embed = channel.unary_unary(METHOD_EMBED)
-        self._embed_chunked = channel.unary_stream(METHOD_EMBED_CHUNKED)
-        self._embed_stream = channel.stream_stream(METHOD_EMBED_STREAM)
-        self._get_model_info = channel.unary_unary(
-            METHOD_GET_MODEL_INFO,
-            request_serializer=pb.GetModelInfoRequest.SerializeToString,
-            response_deserializer=pb.ModelInfo.FromString,
-        )
-        self._list_models = channel.unary_unary(
-            METHOD_LIST_MODELS,
-            request_serializer=pb.ListModelsRequest.SerializeToString,
-            response_deserializer=pb.ListModelsResponse.FromString,
-        )
+        self._methods = Methods(channel)
         self._channel, self._loop = channel, loop
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,12 +128,11 @@ class AsyncEmbeddingClient(ClientBase):
     async def models(self, *, timeout_s: float | None = None) -> ModelList:
         """See ``EmbeddingClient.models``."""
         self._ensure_open()
+        list_models, metadata = self._methods.list_models, self._metadata()
         message = await self._with_retries(
             "ListModels",
             self._deadline(timeout_s),
-            lambda t: self._list_models(
-                pb.ListModelsRequest(), timeout=t, metadata=self._settings.metadata
-            ),
+            lambda t: list_models(pb.ListModelsRequest(), timeout=t, metadata=metadata),
         )
         return ModelList.from_proto(message)
 
@@ -211,71 +187,46 @@ class AsyncEmbeddingClient(ClientBase):
     ) -> AsyncIterator[EmbedResult | EmbeddingError]:
         """See ``EmbeddingClient.embed_stream_results``."""
         self._ensure_open()
-        layout = codec.check_layout(layout)
-        codec.output_dtype_code(dtype)
-        model_name = self._model(model)
-        slots: collections.deque[_Slot] = collections.deque()
-        failure: list[BaseException] = []
+        book = StreamBook(dtype, layout, self._model(model), return_exceptions)
 
         async def requests() -> AsyncIterator[bytes]:
             try:
                 async for item in _aiter(inputs):
-                    try:
-                        call = codec.embed_call(item, dtype, layout, model_name=model_name)
-                    except EmbeddingError as err:
-                        slots.append(err)
-                        if not return_exceptions:
-                            return
-                        continue
-                    slots.append(call.leading_shape)
-                    yield call.request
+                    request = book.request(item)
+                    if book.stopped:
+                        return
+                    if request is not None:
+                        yield request
             except Exception as exc:
-                failure.append(exc)
+                book.failure = exc
 
-        call = self._embed_stream(requests(), timeout=timeout_s, metadata=self._settings.metadata)
+        call = self._methods.embed_stream(requests(), timeout=timeout_s, metadata=self._metadata())
         try:
             try:
                 async for raw in call:
-                    # Inputs refused before sending have no answer: they come first.
-                    for refused in _pop_refused(slots):
-                        yield _emit(refused, return_exceptions)
-                    if not slots:
-                        raise protocol_error("EmbedStream sent more answers than requests")
-                    leading = slots.popleft()
-                    assert isinstance(leading, tuple), "This is a bug."
-                    outcome = decode.decode_stream_response(raw)
-                    if isinstance(outcome, EmbedResult):
-                        outcome = decode.check_shape(outcome, leading)
-                    yield _emit(outcome, return_exceptions)
+                    for outcome in book.answer(raw):
+                        yield outcome
             except grpc.RpcError as exc:
-                if failure:
-                    raise failure[0] from exc
-                raise from_rpc_error(exc) from exc
-            for refused in _pop_refused(slots):
-                yield _emit(refused, return_exceptions)
-            if failure:
-                raise failure[0]
-            if slots:
-                raise protocol_error("EmbedStream ended with requests unanswered")
+                raise book.broken(exc) from exc
+            for outcome in book.end():
+                yield outcome
+            book.check_ended()
         finally:
             call.cancel()
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """See ``EmbeddingClient.health``."""
         self._ensure_open()
-        health_pb2, health_pb2_grpc = _import_health()
-        stub = health_pb2_grpc.HealthStub(self._channel)
+        health = Health(self._channel)
         try:
-            response = await stub.Check(
-                health_pb2.HealthCheckRequest(service=service),
+            response = await health.check(
+                health.request(service),
                 timeout=self._deadline(timeout_s).remaining_s(),
-                metadata=self._settings.metadata,
+                metadata=self._metadata(),
             )
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return "SERVICE_UNKNOWN"
-            raise from_rpc_error(exc) from exc
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+            return health.failed(exc)
+        return health.status(response)
 
     # ------------------------------------------------------------------ internals
 
@@ -290,17 +241,16 @@ class AsyncEmbeddingClient(ClientBase):
     ) -> tuple[codec.EmbedCall, Deadline, bool]:
         """See ``EmbeddingClient._start_embed``."""
         self._ensure_open()
-        model_name = self._model(model)
-        call = codec.embed_call(ids, dtype, layout, model_name=model_name, request_id=request_id)
-        deadline = self._deadline(timeout_s)
+        call, deadline, model_name = self._embed_call(
+            ids, dtype, layout, model, timeout_s, request_id
+        )
         if self._needs_d_model(model_name):
             await self._fetch_model_info(model_name, deadline)
-        chunked = self._wants_chunked(model_name, call.output_rows, call.output_itemsize)
-        return call, deadline, chunked
+        return call, deadline, self._wants_chunked(model_name, call)
 
     def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], Awaitable[bytes]]:
         """One Embed attempt with a given timeout: the answer's raw bytes."""
-        embed, request, metadata = self._embed, call.request, self._settings.metadata
+        embed, request, metadata = self._methods.embed, call.request, self._metadata()
         return lambda timeout: embed(request, timeout=timeout, metadata=metadata)
 
     def _chunked_attempt(
@@ -309,8 +259,8 @@ class AsyncEmbeddingClient(ClientBase):
         """One EmbedChunked attempt with a given timeout: the answer reassembled."""
 
         async def attempt(timeout: float | None) -> EmbedResult:
-            stream = self._embed_chunked(
-                call.request, timeout=timeout, metadata=self._settings.metadata
+            stream = self._methods.embed_chunked(
+                call.request, timeout=timeout, metadata=self._metadata()
             )
             try:
                 assembler = decode.ChunkAssembler()
@@ -324,33 +274,21 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def _fetch_model_info(self, model_name: str, deadline: Deadline) -> ModelInfo:
         request = pb.GetModelInfoRequest(model_name=model_name)
+        get, metadata = self._methods.get_model_info, self._metadata()
         message = await self._with_retries(
-            "GetModelInfo",
-            deadline,
-            lambda t: self._get_model_info(request, timeout=t, metadata=self._settings.metadata),
+            "GetModelInfo", deadline, lambda t: get(request, timeout=t, metadata=metadata)
         )
-        info = ModelInfo.from_proto(message)
-        self._d_models[model_name] = info.d_model
-        return info
+        return self._learnt(model_name, ModelInfo.from_proto(message))
 
     async def _with_retries(
         self, what: str, deadline: Deadline, attempt: Callable[[float | None], Awaitable[T]]
     ) -> T:
-        policy = self._settings.retry
-        attempts = 0
+        attempts = Attempts(what, self._settings.retry, deadline)
         while True:
-            attempts += 1
             try:
-                return await attempt(deadline.remaining_s())
+                return await attempt(attempts.timeout())
             except grpc.RpcError as exc:
-                error, cause = from_rpc_error(exc), exc
-            if not policy.should_retry(error, attempts):
-                raise give_up(error, attempts) from cause
-            delay = policy.delay_s(attempts - 1)
-            if not deadline.allows_sleep(delay):
-                raise give_up(error, attempts) from cause
-            logger.info("%s failed (%s); retry %d in %.3f s", what, error, attempts, delay)
-            await asyncio.sleep(delay)
+                await asyncio.sleep(attempts.failed(exc))
 
 
 async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:

@@ -19,28 +19,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
+from tokembed.client import dtypes
 from tokembed.client.errors import client_invalid_input
 from tokembed.v1 import embedding_pb2 as pb
 
 Layout = Literal["padded", "flat"]
-OutputDType = Literal["float32", "float16"]
+OutputDType: TypeAlias = dtypes.OutputName
 
-_OUTPUT_DTYPES: dict[str, pb.DType.ValueType] = {
-    "float32": pb.DTYPE_FLOAT32,
-    "float16": pb.DTYPE_FLOAT16,
-}
 _LAYOUTS: dict[str, pb.RaggedLayout.ValueType] = {
     "padded": pb.RAGGED_LAYOUT_PADDED,
     "flat": pb.RAGGED_LAYOUT_FLAT,
 }
-# Little-endian numpy dtype of each wire dtype (the wire is little-endian by contract).
-_INT64: np.dtype[np.signedinteger[Any]] = np.dtype("<i8")
-_INT32: np.dtype[np.signedinteger[Any]] = np.dtype("<i4")
+_INT64: np.dtype[np.signedinteger[Any]] = dtypes.INT64.numpy
+_INT32: np.dtype[np.signedinteger[Any]] = dtypes.INT32.numpy
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -206,18 +202,25 @@ def _int_ids(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.signedinteger[A
     return arr.astype(target)
 
 
-def output_dtype_code(dtype: Any) -> pb.DType.ValueType:
-    """The wire DType for "float32" or "float16" (or np.float32, np.float16)."""
-    if isinstance(dtype, str) and dtype in _OUTPUT_DTYPES:
-        return _OUTPUT_DTYPES[dtype]  # the common case, without building a numpy dtype
+def output_dtype(dtype: Any) -> dtypes.DType:
+    """The answer dtype asked for by name ("float32", "float16") or numpy type."""
+    if isinstance(dtype, str) and dtype in dtypes.OUTPUT:
+        return dtypes.OUTPUT[dtype]  # the common case, without building a numpy dtype
     try:
         name = np.dtype(dtype).name
     except TypeError:
         name = str(dtype)
-    code = _OUTPUT_DTYPES.get(name)
-    if code is None:
-        raise client_invalid_input(f"output dtype must be float32 or float16, got {dtype!r}")
-    return code
+    row = dtypes.OUTPUT.get(name)
+    if row is None:
+        raise client_invalid_input(
+            f"output dtype must be {' or '.join(dtypes.OUTPUT)}, got {dtype!r}"
+        )
+    return row
+
+
+def output_dtype_code(dtype: Any) -> pb.DType.ValueType:
+    """The wire DType of the answer dtype asked for (see ``output_dtype``)."""
+    return output_dtype(dtype).wire
 
 
 def check_layout(layout: str) -> Layout:
@@ -248,7 +251,7 @@ def encode_request(
         ids = ids.reshape(-1)
     request = pb.EmbedRequest(
         input_ids=pb.Tensor(
-            dtype=pb.DTYPE_INT32 if ids.dtype.itemsize == 4 else pb.DTYPE_INT64,
+            dtype=(dtypes.INT32 if ids.dtype.itemsize == 4 else dtypes.INT64).wire,
             shape=list(ids.shape),
             data=ids.tobytes(),  # C order whatever the array's strides
         ),
@@ -271,4 +274,4 @@ def _checked_text(text: str, what: str) -> str:
 
 
 def output_itemsize(dtype: Any) -> int:
-    return 2 if output_dtype_code(dtype) == pb.DTYPE_FLOAT16 else 4
+    return output_dtype(dtype).itemsize

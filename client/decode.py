@@ -16,22 +16,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from tokembed.client import _wire
+from tokembed.client import _wire, dtypes
 from tokembed.client.errors import (
     EmbeddingError,
     from_status,
     protocol_error,
     status_code_from_number,
 )
-from tokembed.client.results import EmbedResult, Timings, dtype_name
+from tokembed.client.results import EmbedResult, Timings
 from tokembed.v1 import embedding_pb2 as pb
-
-_NUMPY_DTYPES: dict[int, np.dtype[Any]] = {
-    pb.DTYPE_INT64: np.dtype("<i8"),
-    pb.DTYPE_INT32: np.dtype("<i4"),
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_FLOAT16: np.dtype("<f2"),
-}
 
 
 def frombuffer(
@@ -40,9 +33,10 @@ def frombuffer(
     """A view of ``buf[offset:offset+nbytes]`` as a tensor, checking that sizes agree."""
     # Few, cheap steps: this runs once per answer, and for a tiny answer it was the
     # client's largest cost (~20 us in a live round trip with a list of dims and any()).
-    np_dtype = _NUMPY_DTYPES.get(dtype)
-    if np_dtype is None:
-        raise protocol_error(f"tensor dtype {dtype_name(dtype)} is not a known dtype")
+    row = dtypes.BY_WIRE.get(dtype)
+    if row is None:
+        raise protocol_error(f"tensor dtype {dtypes.name_of(dtype)} is not a known dtype")
+    np_dtype = row.numpy
     dims = tuple(shape)
     if dims and min(dims) < 0:
         raise protocol_error(f"tensor shape {list(dims)} has a negative dimension")
@@ -137,9 +131,10 @@ class _AnswerHead(NamedTuple):
     @staticmethod
     def of(array: npt.NDArray[Any]) -> _AnswerHead | None:
         """The head protobuf writes before ``array``'s data (None: none is learnt here)."""
-        code = _WIRE_DTYPES.get(array.dtype.str)
-        if code is None or sys.byteorder != "little":
+        row = dtypes.OUTPUT_BY_NUMPY.get(array.dtype.str)
+        if row is None or sys.byteorder != "little":
             return None
+        code = row.wire
         dims = b"".join([_wire.write_varint(d) for d in array.shape])
         tensor_head = b"".join([
             b"\x08", _wire.write_varint(code),  # Tensor.dtype
@@ -169,8 +164,6 @@ class _AnswerHead(NamedTuple):
         )
 
 
-# The wire dtype of each little-endian numpy dtype an answer may have.
-_WIRE_DTYPES = {"<f4": pb.DTYPE_FLOAT32, "<f2": pb.DTYPE_FLOAT16}
 # Answer heads by (leading shape, itemsize); a caller of endless shapes gets no more.
 _HEADS_CACHED = 1024
 _answer_heads: dict[tuple[tuple[int, ...], int], _AnswerHead] = {}
@@ -280,14 +273,14 @@ class ChunkAssembler:
         tensor = header.hidden_states
         if tensor.data:
             raise protocol_error("the EmbedChunked header must not carry data")
-        np_dtype = _NUMPY_DTYPES.get(tensor.dtype)
-        if np_dtype is None or any(d < 0 for d in tensor.shape):
+        row = dtypes.BY_WIRE.get(tensor.dtype)
+        if row is None or any(d < 0 for d in tensor.shape):
             raise protocol_error(
-                f"EmbedChunked header has dtype {dtype_name(tensor.dtype)}, "
+                f"EmbedChunked header has dtype {dtypes.name_of(tensor.dtype)}, "
                 f"shape {list(tensor.shape)}"
             )
         self._header = header
-        self._buffer = np.empty(math.prod(tensor.shape) * np_dtype.itemsize, dtype=np.uint8)
+        self._buffer = np.empty(math.prod(tensor.shape) * row.itemsize, dtype=np.uint8)
 
     @staticmethod
     def _split(chunk: bytes | pb.EmbedChunk) -> tuple[pb.EmbedResponse | None, bytes | memoryview]:

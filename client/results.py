@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from tokembed.client.dtypes import name_of
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -107,8 +108,8 @@ class ModelInfo:
             scale=msg.scale,
             padding_id=msg.padding_id if msg.HasField("padding_id") else None,
             weight_dtype=msg.weight_dtype,
-            input_dtypes=tuple(dtype_name(d) for d in msg.input_dtypes),
-            output_dtypes=tuple(dtype_name(d) for d in msg.output_dtypes),
+            input_dtypes=tuple(name_of(d) for d in msg.input_dtypes),
+            output_dtypes=tuple(name_of(d) for d in msg.output_dtypes),
             execution_provider=msg.execution_provider,
             limits=Limits(
                 max_tokens_per_request=lim.max_tokens_per_request,
@@ -169,16 +170,3 @@ class ModelList:
 
     def __len__(self) -> int:
         return len(self.models)
-
-
-_DTYPE_NAMES: dict[int, str] = {
-    pb.DTYPE_INT64: "int64",
-    pb.DTYPE_INT32: "int32",
-    pb.DTYPE_FLOAT32: "float32",
-    pb.DTYPE_FLOAT16: "float16",
-}
-
-
-def dtype_name(value: int) -> str:
-    """``DType`` enum value to the numpy name ("float32", ...); unknown ones verbatim."""
-    return _DTYPE_NAMES.get(value, f"dtype({value})")

@@ -60,6 +60,8 @@ class Manifest:
     parity: Parity
     source: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
+    # What the model is (``tokembed.export.kinds``); manifests from before kinds are "token".
+    kind: str = "token"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -116,6 +118,7 @@ class Manifest:
                 ids_checked=parity.integer("ids_checked"),
             ),
             source=reader.obj("source") if reader.get("source") is not None else {},
+            kind=reader.text("kind") if reader.get("kind") is not None else "token",
         )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from tokembed.export.errors import ModelDirError
 from tokembed.export.hashing import sha256_file
+from tokembed.export.kinds import ModelKind, kind_of
 from tokembed.export.manifest import MODEL_NAME, WEIGHT_DTYPES, Manifest
 
 # onnx.TensorProto data types, named the way the manifest names them.
@@ -40,6 +41,7 @@ class ModelDir:
 
     path: Path
     manifest: Manifest
+    kind: ModelKind
 
     @property
     def model_path(self) -> Path:
@@ -60,10 +62,11 @@ def load_model_dir(path: Path | str, *, verify_hashes: bool = True) -> ModelDir:
     if not directory.is_dir():
         raise ModelDirError(f"{directory}: model directory does not exist")
     manifest = Manifest.read(directory)
+    kind = kind_of(manifest, str(directory / "manifest.json"))
     _check_manifest_values(manifest, directory)
     _check_files(manifest, directory, verify_hashes=verify_hashes)
-    _check_graph(manifest, directory)
-    return ModelDir(path=directory, manifest=manifest)
+    _check_graph(manifest, kind, directory)
+    return ModelDir(path=directory, manifest=manifest, kind=kind)
 
 
 def _check_manifest_values(manifest: Manifest, directory: Path) -> None:
@@ -125,7 +128,7 @@ def _check_files(manifest: Manifest, directory: Path, *, verify_hashes: bool) ->
                 )
 
 
-def _check_graph(manifest: Manifest, directory: Path) -> None:
+def _check_graph(manifest: Manifest, kind: ModelKind, directory: Path) -> None:
     import onnx  # deferred: only the loader needs it, and it is not light
 
     model_path = directory / MODEL_NAME
@@ -140,12 +143,14 @@ def _check_graph(manifest: Manifest, directory: Path) -> None:
 
     initializer_names = {init.name for init in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializer_names]
-    if len(inputs) != 1 or inputs[0].name != manifest.input.name:
+    expected_inputs = [spec.name for spec in kind.inputs(manifest)]
+    if [i.name for i in inputs] != expected_inputs:
         raise ModelDirError(
-            f"{where}: graph inputs are {[i.name for i in inputs]}, "
-            f"but {field_of} input.name is {manifest.input.name!r}"
+            f"{where}: graph inputs are {[i.name for i in inputs]}, but a {kind.name} model "
+            f"with {field_of} input.name {manifest.input.name!r} takes {expected_inputs}"
         )
-    _check_value_info(inputs[0], manifest.input.dtype, "input.dtype", 2, None, where)
+    for graph_input in inputs:
+        _check_value_info(graph_input, manifest.input.dtype, "input.dtype", 2, None, where)
     outputs = list(graph.output)
     if len(outputs) != 1 or outputs[0].name != manifest.output.name:
         raise ModelDirError(
@@ -155,24 +160,28 @@ def _check_graph(manifest: Manifest, directory: Path) -> None:
     _check_value_info(outputs[0], manifest.output.dtype, "output.dtype", 3, manifest.d_model, where)
 
     tables = [init for init in graph.initializer if len(init.dims) == 2]
-    if len(tables) != 1:
+    expected = kind.tables(manifest)
+    shapes = sorted(tuple(int(d) for d in t.dims) for t in tables)
+    if shapes != sorted(table.shape for table in expected):
+        if len(expected) == 1 and len(tables) == 1:
+            table = tables[0]
+            raise ModelDirError(
+                f"{where}: embedding table {table.name!r} is {[int(d) for d in table.dims]}, "
+                f"but {field_of} [vocab_size, d_model] is [{manifest.vocab_size}, "
+                f"{manifest.d_model}]"
+            )
         raise ModelDirError(
-            f"{where}: expected one 2-D embedding table, found {len(tables)} "
+            f"{where}: expected {len(expected)} 2-D table(s) of a {kind.name} model "
+            f"({', '.join(f'{t.role} {list(t.shape)}' for t in expected)}), found {len(tables)} "
             f"({[(t.name, list(t.dims)) for t in tables]})"
         )
-    table = tables[0]
-    shape = [int(d) for d in table.dims]
-    if shape != [manifest.vocab_size, manifest.d_model]:
-        raise ModelDirError(
-            f"{where}: embedding table {table.name!r} is {shape}, but {field_of} "
-            f"[vocab_size, d_model] is [{manifest.vocab_size}, {manifest.d_model}]"
-        )
-    table_dtype = _ONNX_DTYPE_NAMES.get(table.data_type, str(table.data_type))
-    if table_dtype != manifest.weight_dtype:
-        raise ModelDirError(
-            f"{where}: embedding table is {table_dtype}, "
-            f"but {field_of} weight_dtype is {manifest.weight_dtype}"
-        )
+    for table in tables:
+        table_dtype = _ONNX_DTYPE_NAMES.get(table.data_type, str(table.data_type))
+        if table_dtype != manifest.weight_dtype:
+            raise ModelDirError(
+                f"{where}: table {table.name!r} is {table_dtype}, "
+                f"but {field_of} weight_dtype is {manifest.weight_dtype}"
+            )
     for init in graph.initializer:
         for item in init.external_data:
             if item.key == "location":

@@ -1,9 +1,13 @@
-"""The server's lifecycle: bind, load, serve, drain.
+"""The server's lifecycle: bind, load, serve, drain; and the wiring of its rooms.
 
     start()       bind the gRPC port (health NOT_SERVING) and the metrics port, then load
                   every model in a thread, one after the other; each model's own health
                   name is SERVING once it is loaded
     wait_ready()  the whole server SERVING once every model answers; raises if one failed
+    load(dir)     serve a model directory beside those served (a new model, or a new
+                  version of one: requests naming no version go to it from then on)
+    unload(...)   stop routing to a model version; returns once its last request is
+                  answered and it is let go
     stop()        health NOT_SERVING, refuse new requests (UNAVAILABLE), let the
                   in-flight ones finish within the grace period, close
 
@@ -27,17 +31,23 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from tokembed.server.core.admission import OutputBudget
-from tokembed.server.core.engine import BatchLimits, Engine
-from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.core.calls import Calls
+from tokembed.server.core.dataplane import DataPlane
+from tokembed.server.core.errors import ServerConfigError, Unauthenticated
 from tokembed.server.core.policy import Policy
-from tokembed.server.core.registry import ModelRegistry
-from tokembed.server.core.validation import Limits
+from tokembed.server.core.repository import ModelHandle, Repository
+from tokembed.server.core.scheduler import Scheduler
+from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.default_model import ensure_default_model
 from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
-from tokembed.server.edge.calls import Calls
 from tokembed.server.edge.listening import check_port_free, tls_credentials
-from tokembed.server.edge.requests import EmbedParser
-from tokembed.server.edge.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
+from tokembed.server.edge.v1.requests import EmbedParser
+from tokembed.server.edge.v1.servicer import (
+    FRONT_END,
+    SERVICE_NAME,
+    EmbeddingServicer,
+    generic_handler,
+)
 from tokembed.server.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
@@ -68,14 +78,19 @@ class TokembedServer:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.models = ModelRegistry(settings.default_model)
+        self.repository = Repository(settings.default_model)
         self.calls = Calls(self.metrics)
+        self.dataplane = DataPlane(self.repository, self.calls)
         self.metrics.track_inflight(lambda: self.calls.active)
+        self.metrics.track_models(self._model_series, lambda: self.repository.ready)
+        self.metrics.add_front_end(FRONT_END)
         self._budget = OutputBudget(settings.max_inflight_output_bytes)
         self.metrics.inflight_output_bytes.set_function(lambda: float(self._budget.inflight_bytes))
         self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="tokembed-work")
         self._loader = loader
         self.health = health.aio.HealthServicer()
+        self.repository.listen(self._model_health)
+        self._health_updates: set[asyncio.Task[None]] = set()
         self.port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -91,8 +106,7 @@ class TokembedServer:
         interceptors = []
         if settings.auth_token_file is not None:
             token = read_token(settings.auth_token_file)
-            rejected = self.metrics.rejections.labels(reason="unauthenticated")
-            interceptors.append(BearerTokenInterceptor(token, on_reject=rejected.inc))
+            interceptors.append(BearerTokenInterceptor(token, on_reject=self._unauthenticated))
         options: list[tuple[str, int]] = []
         if settings.max_connection_age_s > 0:
             # GOAWAY after this age; calls in flight get the grace period to finish.
@@ -117,7 +131,7 @@ class TokembedServer:
             ],
         )
         servicer = EmbeddingServicer(
-            self.models, self.calls, chunk_bytes=settings.stream_chunk_bytes,
+            self.dataplane, chunk_bytes=settings.stream_chunk_bytes,
             max_message_bytes=settings.max_message_bytes,
             parse=EmbedParser(settings.max_request_bytes, settings.max_tokens_per_request),
         )  # fmt: skip
@@ -181,44 +195,56 @@ class TokembedServer:
             default = self.settings.default_model_dir
             directories = (await loop.run_in_executor(None, ensure_default_model, default),)
         for directory in directories:
-            loaded = await loop.run_in_executor(None, self._loader, directory, self.settings)
-            engine = self._engine(loaded)
-            self.models.add(engine)
-            self.metrics.add_model(_labels(engine), engine.queued_tokens)
-            await self.health.set(engine.name, SERVING)
-            self._log_loaded(engine, loaded, directory)
-        self.models.loaded()
+            await self.load(directory)
+        self.repository.started()
         release_free_memory()  # what loading allocated and dropped, before serving
         if self.settings.memory_trim_interval_s > 0:
             self._trimmer = asyncio.ensure_future(
                 trim_forever(self.settings.memory_trim_interval_s)
             )
-        if self.models.draining:
+        if self.repository.draining:
             return
         await self._set_health(SERVING)
-        self.metrics.ready.set(1)
         settings = self.settings
-        names = [engine.name for engine in self.models]
+        names = [served.name for served in self.repository.serving()]
         logger.info(
             "serving model%s %s (default %s), loaded in %.2fs; limits: %d tokens and %d "
             "output bytes per request, batches of %d tokens after at most %.1f ms, %d queued "
             "tokens per model, %d in-flight output bytes",
-            "" if len(names) == 1 else "s", ", ".join(names), self.models.default_name,
+            "" if len(names) == 1 else "s", ", ".join(names), self.repository.default_name,
             time.perf_counter() - started, settings.max_tokens_per_request,
             settings.max_output_bytes_per_request, settings.max_batch_tokens,
             settings.max_delay_ms, settings.max_queued_tokens,
             settings.max_inflight_output_bytes,
         )  # fmt: skip
 
-    def _engine(self, loaded: LoadedModel) -> Engine:
+    async def load(self, directory: Path) -> ModelHandle:
+        """Load ``directory`` (in a thread) and serve it: a new model, or a new version of
+        one served (requests naming no version go to it from now on). Raises
+        ``ServerConfigError`` for a directory that cannot be served."""
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(None, self._loader, directory, self.settings)
+        handle = self.repository.add(self._scheduler(loaded))
+        self.metrics.add_model(handle.name)
+        self.repository.activate(handle)
+        self._log_loaded(handle, loaded, directory)
+        return handle
+
+    async def unload(self, name: str, version: str) -> None:
+        """Stop routing to ``version`` of ``name``; return once its last admitted request
+        is answered and it is let go."""
+        for handle in self.repository:
+            if handle.name == name and handle.version == version:
+                await self.repository.retire(handle)
+                return
+        raise ServerConfigError(f"version {version} of model {name!r} is not served")
+
+    def _scheduler(self, loaded: LoadedModel) -> Scheduler:
         settings = self.settings
-        manifest = loaded.model.manifest
-        return Engine(
-            loaded.model,
-            loaded.backend,
+        served = ServedModel(
+            model=loaded.model,
+            backend=loaded.backend,
             limits=Limits(
-                vocab_size=manifest.vocab_size,
-                d_model=manifest.d_model,
                 max_tokens_per_request=settings.max_tokens_per_request,
                 max_output_bytes_per_request=settings.max_output_bytes_per_request,
             ),
@@ -228,6 +254,9 @@ class TokembedServer:
                 max_concurrent_batches=settings.max_concurrent_batches,
                 max_queued_tokens=settings.max_queued_tokens,
             ),
+        )
+        return Scheduler(
+            served,
             policy=Policy(
                 batches=loaded.backend.batches,
                 inline_max_tokens=settings.inline_compute_max_tokens,
@@ -237,19 +266,39 @@ class TokembedServer:
             observer=self.metrics,
         )
 
-    def _log_loaded(self, engine: Engine, loaded: LoadedModel, directory: Path) -> None:
+    def _log_loaded(self, handle: ModelHandle, loaded: LoadedModel, directory: Path) -> None:
         manifest = loaded.model.manifest
-        tables = getattr(loaded.backend, "table_bytes", {})
+        backend = loaded.backend
         logger.info(
             "loaded model %s v%s (V=%d D=%d scale=%g %s, sha256 %s) from %s: %s backend "
             "on %s%s, in %.2fs",
             manifest.name, manifest.version, manifest.vocab_size, manifest.d_model,
             manifest.scale, manifest.weight_dtype, loaded.model.model_sha256, directory,
-            engine.served.backend, engine.served.execution_provider,
-            "".join(f", {dtype} table {size} bytes" for dtype, size in tables.items()),
+            backend.kind, backend.execution_provider,
+            "".join(f", {what} {size} bytes" for what, size in backend.memory_bytes.items()),
             loaded.load_s,
-            extra={"model": manifest.name, "backend": engine.served.backend},
+            extra={"model": manifest.name, "version": manifest.version,
+                   "backend": backend.kind},
         )  # fmt: skip
+
+    def _model_series(self) -> list[tuple[ModelLabels, int]]:
+        """Every model version served, as the metrics label it, and its queued tokens."""
+        return [(_labels(handle.served), handle.scheduler.queued_tokens())
+                for handle in self.repository]  # fmt: skip
+
+    def _model_health(self, name: str, serving: bool) -> None:
+        """The repository says ``name`` starts (or stops) being served: its health name."""
+        update = asyncio.ensure_future(self.health.set(name, SERVING if serving else NOT_SERVING))
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
+
+    def _unauthenticated(self, method: str) -> None:
+        """The bearer-token check refused ``method`` (a full gRPC method name)."""
+        front_end, _, name = method.lstrip("/").partition("/")
+        if front_end == SERVICE_NAME:
+            self.dataplane.refuse(FRONT_END, name, Unauthenticated("missing or wrong bearer token"))
+        else:  # another service's method (reflection): counted as a rejection alone
+            self.metrics.rejected(Unauthenticated.reason)
 
     async def wait_ready(self) -> None:
         """Return once SERVING; raise ``ServerConfigError`` if a model failed to load."""
@@ -274,11 +323,10 @@ class TokembedServer:
         # may hold the drain to the deadline (calls it took in but never handed over
         # are only cancelled then); closing down took 0.3 s then, under load.
         deadline = drain_started + grace - min(CLOSE_RESERVE_S, grace / 4)
-        self.models.draining = True
-        self.metrics.ready.set(0)
+        self.repository.drain()
         await self._set_health(NOT_SERVING)
-        for engine in self.models:
-            await self.health.set(engine.name, NOT_SERVING)
+        if self._health_updates:
+            await asyncio.gather(*self._health_updates, return_exceptions=True)
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self._trimmer is not None:
@@ -298,8 +346,8 @@ class TokembedServer:
         await self.calls.wait_quiet(DRAIN_QUIET_S, drain_started, settle_until)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
-        for engine in self.models:
-            await engine.close()
+        for handle in self.repository:
+            await handle.scheduler.close()
         self._workers.shutdown(wait=False)
         if self._stop_metrics is not None:
             self._stop_metrics()
@@ -310,12 +358,12 @@ class TokembedServer:
         await self._stopped.wait()
 
 
-def _labels(engine: Engine) -> ModelLabels:
-    manifest = engine.served.model.manifest
+def _labels(served: ServedModel) -> ModelLabels:
+    manifest = served.model.manifest
     return ModelLabels(
         name=manifest.name, version=manifest.version, vocab_size=manifest.vocab_size,
         d_model=manifest.d_model, dtype=manifest.weight_dtype,
-        execution_provider=engine.served.execution_provider, backend=engine.served.backend,
+        execution_provider=served.backend.execution_provider, backend=served.backend.kind,
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Loading one model directory: check it, choose its backend, compute what it needs.
 
-The backend is decided here, once per model, and reported in GetModelInfo and the logs:
+The backend is decided here, once per model, by its kind (``BACKENDS``), and reported
+in GetModelInfo and the logs. For a ``token`` model:
 - ``table`` on CPU when the model's ``[V, D]`` float32 rows fit ``float32_table_max_bytes``:
   the model runs once over the whole vocabulary and look-ups slice its rows (a float16
   table too when it fits ``float16_table_max_bytes``; else float16 answers are cast);
@@ -30,8 +31,8 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
+from tokembed.server.core.dtypes import FLOAT32, DType
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.core.types import FLOAT32
 from tokembed.server.settings import Settings
 
 # Tables are computed (and cast) this many bytes of rows at a time, so that loading needs
@@ -74,6 +75,14 @@ def load_model(directory: Path, settings: Settings) -> LoadedModel:
 
 
 def _backend(model: ModelDir, settings: Settings) -> Backend:
+    build = BACKENDS.get(model.kind.name)
+    if build is None:  # This is a bug: a kind model_dir knows must have a backend.
+        raise ServerConfigError(f"no backend serves {model.kind.name} models yet")
+    return build(model, settings)
+
+
+def _token_backend(model: ModelDir, settings: Settings) -> Backend:
+    """A ``token`` model: its table of rows, or onnxruntime per batch."""
     manifest = model.manifest
     vocab_size, d_model = manifest.vocab_size, manifest.d_model
     # The tables and casts computed at load need no arena: what they allocate is given
@@ -107,8 +116,12 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
     return backend
 
 
-def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: np.dtype) -> np.ndarray:
-    out = np.empty(table.shape, dtype=dtype)
+# How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
+BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {"token": _token_backend}
+
+
+def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: DType) -> np.ndarray:
+    out = np.empty(table.shape, dtype=dtype.numpy)
     step = max(1, _CHUNK_BYTES // (table.shape[1] * table.itemsize))
     for start in range(0, len(table), step):
         out[start : start + step] = cast(table[start : start + step])

@@ -23,10 +23,12 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from tokembed.server.core.calls import FrontEnd
 from tokembed.server.request_metrics import (
     CounterFamily,
     CounterSeries,
@@ -42,14 +44,6 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 BATCH_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 16384, 32768, 65536, 262144)
-
-# The RPCs of tokembed.v1.EmbeddingService, as they appear in the `method` label, and
-# the gRPC status codes the server answers with (edge/status_codes.py's table, plus OK).
-RPC_METHODS = ("Embed", "EmbedStream", "EmbedChunked", "GetModelInfo", "ListModels")
-RPC_CODES = (
-    "OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-    "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE",
-)  # fmt: skip
 
 # Reasons a request is refused or dropped, as they appear in tokembed_rejections_total.
 REJECTION_REASONS = (
@@ -105,6 +99,8 @@ class PendingUpdates(Collector):
 
 @dataclass(frozen=True)
 class ModelLabels:
+    """A served model version, as ``tokembed_model_info`` labels it."""
+
     name: str
     version: str
     vocab_size: int
@@ -112,6 +108,56 @@ class ModelLabels:
     dtype: str
     execution_provider: str
     backend: str
+
+
+class ModelsCollector(Collector):
+    """The series that describe what is served, read from the repository at each scrape
+    (models come and go): ``tokembed_model_info``, ``tokembed_queued_tokens`` and
+    ``tokembed_ready``."""
+
+    def __init__(
+        self,
+        models: Callable[[], list[tuple[ModelLabels, int]]],
+        ready: Callable[[], bool],
+    ) -> None:
+        self._models = models
+        self._ready = ready
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "tokembed_model_info", "A served model version (value 1)", labels=_INFO_LABELS
+        )
+        queued = GaugeMetricFamily(
+            "tokembed_queued_tokens", "Tokens waiting in a model's batcher for a batch",
+            labels=["model"],
+        )  # fmt: skip
+        tokens_by_model: dict[str, int] = {}
+        for labels, queued_tokens in self._models():
+            info.add_metric(
+                [labels.name, labels.version, str(labels.vocab_size), str(labels.d_model),
+                 labels.dtype, labels.execution_provider, labels.backend],
+                1.0,
+            )  # fmt: skip
+            tokens_by_model[labels.name] = tokens_by_model.get(labels.name, 0) + queued_tokens
+        for name, tokens in tokens_by_model.items():
+            queued.add_metric([name], float(tokens))
+        ready = GaugeMetricFamily(
+            "tokembed_ready",
+            "1 when every model is loaded and warmed and the server is not draining",
+            value=1.0 if self._ready() else 0.0,
+        )
+        return iter([info, queued, ready])
+
+    def describe(self) -> Iterator[Metric]:
+        return iter([
+            GaugeMetricFamily("tokembed_model_info", "", labels=_INFO_LABELS),
+            GaugeMetricFamily("tokembed_queued_tokens", "", labels=["model"]),
+            GaugeMetricFamily("tokembed_ready", ""),
+        ])  # fmt: skip
+
+
+_INFO_LABELS = ["name", "version", "vocab_size", "d_model", "dtype", "execution_provider",
+                "backend"]  # fmt: skip
 
 
 class _ModelSeries:
@@ -133,27 +179,34 @@ class _ModelSeries:
 
 
 class Metrics:
+    """The server's metrics; it observes the calls (``core.calls``) and the schedulers."""
+
     def __init__(self, registry: CollectorRegistry, *, process_collector: bool = True) -> None:
         self.registry = registry
         # First: collections apply what is pending before reading any metric.
         self._pending = PendingUpdates()
         registry.register(self._pending)
         # Resolving a labelled series costs more than updating it: keep them, per
-        # (method, code, model) as (requests, request_duration), and per model.
-        self._rpc_series: dict[tuple[str, str, str], tuple[CounterSeries, HistogramSeries]] = {}
+        # (protocol, operation, method, code, model) as (requests, request_duration), and
+        # per model.
+        self._call_series: dict[tuple[str, ...], tuple[CounterSeries, HistogramSeries]] = {}
         self._model_series: dict[str, _ModelSeries] = {}
+        self._front_ends: list[FrontEnd] = []
+        self._models: list[str] = [""]  # model "" counts calls that reach no served model
         # The series every served request updates: plain numbers (see request_metrics),
         # exposed by one collector, read under the lock their updates are applied under.
         self.requests = CounterFamily(
             "tokembed_requests",
-            "RPCs finished, by method, gRPC status code and model (EmbedStream: one per request)",
-            ["method", "code", "model"],
+            "Calls finished, by protocol, operation, method, status code and model (a "
+            "stream: one per request)",
+            ["protocol", "operation", "method", "code", "model"],
         )
         self.request_duration = HistogramFamily(
             "tokembed_request_duration_seconds",
-            "Server time of an RPC, from decoding the request to handing the answer to gRPC",
+            "Server time of a call, from decoding the request to handing the answer to the "
+            "transport",
             LATENCY_BUCKETS_S,
-            ["method", "model"],
+            ["protocol", "operation", "method", "model"],
         )
         self.queue_wait = HistogramFamily(
             "tokembed_queue_wait_seconds",
@@ -169,7 +222,7 @@ class Metrics:
         )
         self.encode = HistogramFamily(
             "tokembed_encode_seconds",
-            "Time to encode one response's bytes (Embed and EmbedStream answers)",
+            "Time to frame one answer in its protocol's bytes (a chunked answer: its header)",
             LATENCY_BUCKETS_S,
             ["model"],
         )
@@ -193,13 +246,7 @@ class Metrics:
             RequestMetricsCollector(families, self._pending.lock, self._pending.apply)
         )
         self.inflight = Gauge(
-            "tokembed_inflight_requests", "RPCs being served now", registry=registry
-        )
-        self.queued_tokens = Gauge(
-            "tokembed_queued_tokens",
-            "Tokens waiting in a model's batcher for a batch",
-            ["model"],
-            registry=registry,
+            "tokembed_inflight_requests", "Calls being served now", registry=registry
         )
         self.inflight_output_bytes = Gauge(
             "tokembed_inflight_output_bytes",
@@ -218,18 +265,6 @@ class Metrics:
             ["model", "reason"],
             registry=registry,
         )
-        self.model_info = Gauge(
-            "tokembed_model_info",
-            "A served model (value 1)",
-            ["name", "version", "vocab_size", "d_model", "dtype", "execution_provider",
-             "backend"],
-            registry=registry,
-        )  # fmt: skip
-        self.ready = Gauge(
-            "tokembed_ready",
-            "1 when every model is loaded and warmed and the server is not draining",
-            registry=registry,
-        )
         if process_collector:
             # CPU seconds, resident memory, open file descriptors (Linux /proc), plus the
             # interpreter's version and garbage collections, as the global registry has.
@@ -238,28 +273,34 @@ class Metrics:
             GCCollector(registry=registry)
         # Series that exist from the start at 0, so that rate() and increase() count the
         # first events after a (re)start: a series born at 3 shows no increase at all.
-        # (go-grpc-prometheus's InitializeMetrics does the same.) Those of each model
-        # start when it is added; model "" counts requests that name no served model.
-        self._start_rpc_series("")
+        # (go-grpc-prometheus's InitializeMetrics does the same.) Those of each front end
+        # and each model start when they are added.
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
 
-    def _start_rpc_series(self, model: str) -> None:
-        for method in RPC_METHODS:
-            self.request_duration.labels(method, model)
-            for code in RPC_CODES:
-                self.requests.labels(method, code, model)
+    def _start_call_series(self, front_end: FrontEnd, model: str) -> None:
+        protocol = front_end.protocol
+        for method, operation in front_end.methods.items():
+            self.request_duration.labels(protocol, operation, method, model)
+            for code in (front_end.ok, *front_end.codes):
+                self.requests.labels(protocol, operation, method, code, model)
 
-    # --- the request path: deferred updates (see PendingUpdates)
+    # --- the calls' observer: deferred updates (see PendingUpdates)
 
     # One pending update per call, applied later as several series updates: the request
     # path pays one append, whatever the number of series.
 
-    def rpc_done(self, method: str, model: str, code: str, duration_s: float) -> None:
-        self._pending.add(self._apply_rpc_done, (method, code, model, duration_s))
+    def call_done(
+        self, protocol: str, operation: str, method: str, code: str, model: str, duration_s: float
+    ) -> None:
+        self._pending.add(
+            self._apply_call_done, (protocol, operation, method, code, model, duration_s)
+        )
 
-    def served(
+    def call_served(
         self,
+        protocol: str,
+        operation: str,
         method: str,
         model: str,
         duration_s: float,
@@ -268,42 +309,47 @@ class Metrics:
         queue_s: float,
         encode_s: float | None,
     ) -> None:
-        """An RPC (or one EmbedStream answer) served OK: its count and duration, what it
-        answered, and how long its encode took (None: not encoded as one message)."""
+        """A call (or one stream answer) served OK: its count and duration, what it
+        answered, and how long its frame took (None: not framed as one message)."""
         self._pending.add(
             self._apply_served,
-            (method, model, duration_s, tokens, output_bytes, queue_s, encode_s),
-        )
+            (protocol, operation, method, model, duration_s, tokens, output_bytes, queue_s,
+             encode_s),
+        )  # fmt: skip
 
     def rejected(self, reason: str) -> None:
         self._pending.add(self.rejections.labels(reason=reason).inc, 1)
 
-    # --- the engines' observer
+    # --- the schedulers' observer
 
     def batch_done(self, model: str, requests: int, tokens: int, compute_s: float) -> None:
         self._pending.add(self._apply_batch_done, (model, requests, tokens, compute_s))
 
     def dropped(self, model: str, reason: str) -> None:
-        # Rejections are counted once, at the RPC edge; this counts the look-ups saved.
+        # Rejections are counted once, with the call; this counts the look-ups saved.
         self.batcher_dropped.labels(model=model, reason=reason).inc()
 
     # --- applied by PendingUpdates.apply, under its lock
 
-    def _apply_rpc_done(self, update: tuple[str, str, str, float]) -> None:
-        method, code, model, duration_s = update
-        series = self._rpc_series.get((method, code, model))
+    def _apply_call_done(self, update: tuple[str, str, str, str, str, float]) -> None:
+        protocol, operation, method, code, model, duration_s = update
+        key = (protocol, operation, method, code, model)
+        series = self._call_series.get(key)
         if series is None:
             series = (
-                self.requests.labels(method, code, model),
-                self.request_duration.labels(method, model),
+                self.requests.labels(*key),
+                self.request_duration.labels(protocol, operation, method, model),
             )
-            self._rpc_series[(method, code, model)] = series
+            self._call_series[key] = series
         series[0].inc(1)
         series[1].observe(duration_s)
 
-    def _apply_served(self, update: tuple[str, str, float, int, int, float, float | None]) -> None:
-        method, model, duration_s, tokens, output_bytes, queue_s, encode_s = update
-        self._apply_rpc_done((method, "OK", model, duration_s))
+    def _apply_served(
+        self, update: tuple[str, str, str, str, float, int, int, float, float | None]
+    ) -> None:
+        protocol, operation, method, model, duration_s = update[:5]
+        tokens, output_bytes, queue_s, encode_s = update[5:]
+        self._apply_call_done((protocol, operation, method, "OK", model, duration_s))
         series = self._series(model)
         series.tokens.inc(tokens)
         series.output_bytes.inc(output_bytes)
@@ -327,22 +373,29 @@ class Metrics:
 
     # --- wiring
 
-    def add_model(self, labels: ModelLabels, queued_tokens: Callable[[], int]) -> None:
-        """A model is served: its info series, its queue gauge, its series at 0."""
-        self.model_info.labels(
-            name=labels.name,
-            version=labels.version,
-            vocab_size=str(labels.vocab_size),
-            d_model=str(labels.d_model),
-            dtype=labels.dtype,
-            execution_provider=labels.execution_provider,
-            backend=labels.backend,
-        ).set(1)
-        self.queued_tokens.labels(model=labels.name).set_function(lambda: float(queued_tokens()))
-        # Under the lock: a scrape may be reading the families meanwhile.
+    def add_front_end(self, front_end: FrontEnd) -> None:
+        """A protocol is served: its calls' series at 0, for every model."""
+        with self._pending.lock:  # a scrape may be reading the families meanwhile
+            self._front_ends.append(front_end)
+            for model in self._models:
+                self._start_call_series(front_end, model)
+
+    def add_model(self, name: str) -> None:
+        """A model name is served: its series at 0 (once per name, whatever its versions)."""
         with self._pending.lock:
-            self._start_rpc_series(labels.name)
-            self._series(labels.name)
+            if name in self._models:
+                return
+            self._models.append(name)
+            for front_end in self._front_ends:
+                self._start_call_series(front_end, name)
+            self._series(name)
+
+    def track_models(
+        self, models: Callable[[], list[tuple[ModelLabels, int]]], ready: Callable[[], bool]
+    ) -> None:
+        """What is served, read at each scrape: (labels, queued tokens) per model version,
+        and whether the server is ready."""
+        self.registry.register(ModelsCollector(models, ready))
 
     def track_inflight(self, active_requests: Callable[[], int]) -> None:
         # Read at scrape time: no update at all on the request path.

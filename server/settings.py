@@ -158,7 +158,7 @@ class Settings:
     @property
     def max_request_bytes(self) -> int:
         """The largest valid request plus room for the envelope: larger ones are refused
-        before they are decoded (``edge.requests.EmbedParser``).
+        before they are decoded (``edge.v1.requests.EmbedParser``).
 
         A request needs at most 8 bytes per id and a <= 10-byte varint per length (every
         sequence holds >= 1 id), so it is far smaller than an answer. Decoded whatever

@@ -1,21 +1,38 @@
 """The backend interface: how one model's ids become rows.
 
 A backend is chosen for a model at load (``tokembed.server.loading``) and reported in
-GetModelInfo and the logs. The engine asks it for the rows of one request, or of a batch
-of requests when the backend gains from company (``batches``); it never asks how.
+GetModelInfo and the logs. The scheduler asks it for the rows of one request, or of a
+batch of requests when the backend gains from company (``batches``); it never asks how.
 
-Rows come back as ``Rows``: pieces of bytes in the order of the ids, which the answer is
-made of without another copy (see ``types.Answer``).
+A request's ids arrive as a ``LookUp``: the primary ids, the answer's dtype, and the
+model kind's further id inputs by name (none for a ``token`` model). Rows come back as
+``Rows``: pieces of bytes in the order of the ids, which the answer is made of without
+another copy (see ``types.Answer``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from tokembed.server.core.dtypes import DType
 from tokembed.server.core.types import Buffer, TokenIds
+
+
+class LookUp:
+    """One request's look-up: its ids (already in range), the dtype of its answer, and
+    the kind's other id inputs by name."""
+
+    __slots__ = ("dtype", "ids", "more")
+
+    def __init__(
+        self, ids: TokenIds, dtype: DType, more: Mapping[str, TokenIds] | None = None
+    ) -> None:
+        self.ids = ids
+        self.dtype = dtype
+        self.more: Mapping[str, TokenIds] = more or {}
 
 
 class Rows(ABC):
@@ -52,7 +69,7 @@ class ArrayRows(Rows):
 
 
 class Backend(ABC):
-    """One model's look-ups. Implementations are thread-safe: the engine calls them on
+    """One model's look-ups. Implementations are thread-safe: the scheduler calls them on
     the event loop or on worker threads, several at once."""
 
     kind: str  # "table" or "onnxruntime": what GetModelInfo reports
@@ -60,23 +77,27 @@ class Backend(ABC):
     d_model: int
     # True when one look-up of many requests' ids costs less than one each (an
     # onnxruntime run has a fixed cost per call, and on CUDA a kernel launch): the
-    # engine then batches. A gather from memory gains nothing from company.
+    # scheduler then batches. A gather from memory gains nothing from company.
     batches: bool = False
 
     @abstractmethod
-    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
-        """The rows of ``ids`` (each already in [0, V)) in ``dtype`` (one of
-        ``types.OUTPUT_DTYPES``)."""
+    def look_up(self, request: LookUp) -> Rows:
+        """The rows of one request's ids in its dtype (one of ``dtypes.OUTPUT_DTYPES``)."""
 
-    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
         """The rows of several requests, one ``Rows`` each, in order. By default one
         look-up each; a backend that ``batches`` does them in one go."""
-        return [self.look_up(ids, dtype) for ids, dtype in requests]
+        return [self.look_up(request) for request in requests]
 
     @abstractmethod
-    def pad_row(self, dtype: np.dtype) -> bytes:
+    def pad_row(self, dtype: DType) -> bytes:
         """What padded positions of ragged answers hold, as one row of ``dtype``: the
         padding id's row as the model computes it, zeros when it has no padding id."""
 
+    @property
+    def memory_bytes(self) -> dict[str, int]:
+        """What the backend holds in memory, by what it is (GetModelInfo, the load log)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to let go of
-        """Let go of what the backend holds (the server is stopping)."""
+        """Let go of what the backend holds (the model is unloaded)."""

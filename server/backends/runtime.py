@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokembed.server.backends.base import ArrayRows, Backend, Rows
+from tokembed.server.backends.base import ArrayRows, Backend, LookUp, Rows
 from tokembed.server.backends.sessions import Cast, ModelSession
-from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES, TokenIds
+from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 
 
 class OnnxRuntimeBackend(Backend):
@@ -23,7 +23,7 @@ class OnnxRuntimeBackend(Backend):
     batches = True
 
     def __init__(
-        self, session: ModelSession, *, padding_id: int | None, casts: dict[np.dtype, Cast]
+        self, session: ModelSession, *, padding_id: int | None, casts: dict[DType, Cast]
     ) -> None:
         self._session = session
         self._casts = casts
@@ -38,20 +38,20 @@ class OnnxRuntimeBackend(Backend):
             dtype: self._in_dtype(pad, dtype).tobytes() for dtype in OUTPUT_DTYPES.values()
         }
 
-    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
-        return ArrayRows(self._in_dtype(self._session.run(ids.array()), dtype))
+    def look_up(self, request: LookUp) -> Rows:
+        return ArrayRows(self._in_dtype(self._session.run(request.ids.array()), request.dtype))
 
-    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
         """One run for every request's ids, the rows sliced back per request."""
         if len(requests) == 1:
-            ((ids, dtype),) = requests
-            return [self.look_up(ids, dtype)]
-        rows = self._session.run(np.concatenate([ids.array() for ids, _ in requests]))
+            return [self.look_up(requests[0])]
+        rows = self._session.run(np.concatenate([request.ids.array() for request in requests]))
         answers: list[Rows] = []
         offset = 0
-        for ids, dtype in requests:
-            mine = rows[offset : offset + ids.count]
-            offset += ids.count
+        for request in requests:
+            count, dtype = request.ids.count, request.dtype
+            mine = rows[offset : offset + count]
+            offset += count
             # Each answer owns its rows: a view would keep the whole batch's rows alive
             # for as long as its slowest reader takes, while admission counts only this
             # answer's bytes.
@@ -60,7 +60,7 @@ class OnnxRuntimeBackend(Backend):
             )
         return answers
 
-    def pad_row(self, dtype: np.dtype) -> bytes:
+    def pad_row(self, dtype: DType) -> bytes:
         return self._pad_rows[dtype]
 
     def warm_up(self, batch_tokens: int) -> float:
@@ -74,5 +74,5 @@ class OnnxRuntimeBackend(Backend):
                 self._session.run(np.arange(size, dtype=np.int64) % self._session.vocab_size)
         return time.perf_counter() - started
 
-    def _in_dtype(self, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    def _in_dtype(self, rows: np.ndarray, dtype: DType) -> np.ndarray:
         return rows if dtype == FLOAT32 else self._casts[dtype](rows)

@@ -17,8 +17,8 @@ import numpy as np
 import onnxruntime as ort
 
 from tokembed.export.model_dir import ModelDir
+from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class OutputCast:
     25-44 ms for ``astype``). Always on CPU: the rows are on the CPU by the time they are
     cast."""
 
-    def __init__(self, dtype: np.dtype, options: SessionOptions) -> None:
+    def __init__(self, dtype: DType, options: SessionOptions) -> None:
         from onnx import TensorProto, helper
 
-        target = helper.np_dtype_to_tensor_dtype(dtype)
+        target = helper.np_dtype_to_tensor_dtype(dtype.numpy)
         graph = helper.make_graph(
             [helper.make_node("Cast", ["x"], ["y"], to=target)],
             f"tokembed_{dtype.name}_cast",
@@ -104,7 +104,7 @@ class OutputCast:
         return output  # type: ignore[no-any-return]
 
 
-def output_casts(options: SessionOptions) -> dict[np.dtype, Cast]:
+def output_casts(options: SessionOptions) -> dict[DType, Cast]:
     """A cast for every output dtype but float32 (which the model computes)."""
     return {
         dtype: OutputCast(dtype, options) for dtype in OUTPUT_DTYPES.values() if dtype != FLOAT32

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokembed.server.backends.base import ArrayRows, Backend, Rows
+from tokembed.server.backends.base import ArrayRows, Backend, LookUp, Rows
 from tokembed.server.backends.sessions import Cast
-from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES, Buffer, TokenIds
+from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
+from tokembed.server.core.types import Buffer, TokenIds
 
-_INT64 = np.dtype("<i8")
 # Look-ups of this many rows and more are gathered by numpy into an array (see above).
 GATHER_MIN_ROWS = 1024
 
@@ -55,9 +55,9 @@ class TableBackend(Backend):
 
     def __init__(
         self,
-        tables: dict[np.dtype, np.ndarray],
+        tables: dict[DType, np.ndarray],
         *,
-        casts: dict[np.dtype, Cast],
+        casts: dict[DType, Cast],
         padding_id: int | None,
         execution_provider: str,
     ) -> None:
@@ -86,11 +86,12 @@ class TableBackend(Backend):
         }
 
     @property
-    def table_bytes(self) -> dict[str, int]:
-        """Bytes of each table kept, by dtype name (what the start-up log reports)."""
-        return {dtype.name: int(table.nbytes) for dtype, table in self._tables.items()}
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of each table kept, by dtype name."""
+        return {f"{dtype.name} table": int(table.nbytes) for dtype, table in self._tables.items()}
 
-    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
+    def look_up(self, request: LookUp) -> Rows:
+        ids, dtype = request.ids, request.dtype
         table = self._bytes.get(dtype)
         if table is not None:
             if ids.count >= GATHER_MIN_ROWS:
@@ -99,15 +100,15 @@ class TableBackend(Backend):
                 # mode="clip": the ids are validated; unlike "raise" it writes straight
                 # into ``out`` (no buffered second copy).
                 rows.take(ids.array(), out=out, mode="clip")
-                return ArrayRows(out.view(dtype).reshape(ids.count, self.d_model))
+                return ArrayRows(out.view(dtype.numpy).reshape(ids.count, self.d_model))
             return TableRows(table, self.d_model * dtype.itemsize, ids.values())
         # No table of this dtype: the float32 rows, cast as the table would have been.
         rows = self._tables[FLOAT32].take(ids.array(), axis=0)
         return ArrayRows(self._casts[dtype](rows))
 
-    def pad_row(self, dtype: np.dtype) -> bytes:
+    def pad_row(self, dtype: DType) -> bytes:
         return self._pad_rows[dtype]
 
-    def _one_row(self, index: int, dtype: np.dtype) -> bytes:
-        rows = self.look_up(TokenIds(np.array([index], _INT64).tobytes(), _INT64, 1), dtype)
+    def _one_row(self, index: int, dtype: DType) -> bytes:
+        rows = self.look_up(LookUp(TokenIds.of([index]), dtype))
         return b"".join(rows.pieces(0, 1))

@@ -1,5 +1,6 @@
-"""The request path with no transport in sight: types, errors, validation, admission,
-the look-up policy, the batcher, one engine per model and the registry of engines.
+"""The request path with no transport in sight: the data plane (every protocol's
+requests), the repository of model versions, operations, the scheduler (admission,
+placement, the batcher), dtypes, types and errors.
 
-Nothing here imports grpc; the protocols (``tokembed.server.edge``) translate into it.
+Nothing here imports grpc; the front ends (``tokembed.server.edge``) translate into it.
 """

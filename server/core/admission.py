@@ -39,8 +39,11 @@ class Admission:
         """Output bytes in flight in the whole process (every model's)."""
         return self._budget.inflight_bytes
 
-    def admit(self, tokens: int, output_bytes: int) -> Ticket:
-        """Reserve room for one request or raise ``Overloaded``; release the ticket after."""
+    def admit(
+        self, tokens: int, output_bytes: int, on_release: Callable[[], None] | None = None
+    ) -> Ticket:
+        """Reserve room for one request or raise ``Overloaded``; release the ticket after.
+        ``on_release``: called once, when the ticket is released (a model's lease)."""
         queued = self._queued_tokens()
         # A request alone in an empty queue is always admitted; otherwise one larger
         # than max_queued_tokens (but within max_tokens_per_request) would get
@@ -61,17 +64,23 @@ class Admission:
                 "retry with backoff"
             )
         budget.inflight_bytes = inflight + output_bytes
-        return Ticket(budget, output_bytes)
+        return Ticket(budget, output_bytes, on_release)
 
 
 class Ticket:
     """Room held for one request; ``release`` is idempotent (done callbacks may race)."""
 
-    __slots__ = ("_budget", "_output_bytes")
+    __slots__ = ("_budget", "_on_release", "_output_bytes")
 
-    def __init__(self, budget: OutputBudget, output_bytes: int) -> None:
+    def __init__(
+        self,
+        budget: OutputBudget,
+        output_bytes: int,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self._budget: OutputBudget | None = budget
         self._output_bytes = output_bytes
+        self._on_release = on_release
 
     def release(self, *_: object) -> None:
         """Give the room back (extra arguments are ignored, so that it can be a done
@@ -80,3 +89,5 @@ class Ticket:
         if budget is not None:
             self._budget = None
             budget.inflight_bytes -= self._output_bytes
+            if self._on_release is not None:
+                self._on_release()

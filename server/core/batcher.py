@@ -1,9 +1,9 @@
-"""The dynamic batcher: many requests, one look-up.
+"""The dynamic batcher: a queue that forms batches. Many requests, one compute.
 
 A look-up is per token, so requests of any lengths batch without padding: the items of
-queued requests go to ``compute`` together (the onnxruntime backend concatenates their
-ids into one flat array, looks them up in one run and slices the rows back), and each
-caller gets its own result.
+queued requests go to ``run`` together (the onnxruntime backend concatenates their ids
+into one flat array, looks them up in one run and slices the rows back), and each caller
+gets its own result.
 
 When a batch goes:
 - at once when no batch is computing (a lone request on an idle server never waits);
@@ -13,9 +13,11 @@ A batch takes requests in arrival order up to ``max_batch_tokens`` (a single lar
 request goes alone). Requests whose caller went away or whose deadline passed are
 dropped before compute.
 
-It knows nothing of gRPC or onnxruntime: ``compute`` is any function from a list of
-items to a list of results, one each, in order; the token count of each item is what
-the budget counts.
+It is a queue, not a second placement: whether a request queues at all, and where a
+batch computes (on the loop or a thread), is the policy's (``core.policy``), asked by the
+scheduler, whose ``run`` this calls. It knows nothing of gRPC or onnxruntime: ``run`` is
+any coroutine from a list of items to a list of results, one each, in order; the token
+count of each item is what the budget counts.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -45,7 +46,7 @@ ResultT = TypeVar("ResultT")
 
 @dataclass(slots=True)  # per request: slotted, not frozen (see types.py)
 class BatchResult(Generic[ResultT]):
-    result: ResultT  # this request's share of the batch's look-up
+    result: ResultT  # this request's share of the batch's compute
     queue_s: float
     compute_s: float
     batch_requests: int
@@ -65,26 +66,20 @@ class _Pending(Generic[ItemT, ResultT]):
 class Batcher(Generic[ItemT, ResultT]):
     def __init__(
         self,
-        compute: Callable[[list[ItemT]], list[ResultT]],
-        executor: Executor | None,
+        run: Callable[[list[ItemT]], Awaitable[list[ResultT]]],
         *,
         max_batch_tokens: int,
         max_delay_s: float,
         max_concurrent_batches: int = 1,
-        inline_max_tokens: int = 0,
-        on_batch: Callable[[int, int, float], None] | None = None,
         on_drop: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_batch(requests, tokens, compute_s)``: told of every batch computed;
-        ``on_drop(reason)``: of every queued request dropped before its look-up."""
-        self._compute = compute
-        self._executor = executor
+        """``run(items)``: computes a batch, one result per item in order (it reports the
+        batch); ``on_drop(reason)``: told of every queued request dropped before compute."""
+        self._run = run
         self._max_batch_tokens = max_batch_tokens
         self._max_delay_s = max_delay_s
         self._max_concurrent = max_concurrent_batches
-        self._on_batch = on_batch
         self._on_drop = on_drop
-        self._inline_max_tokens = inline_max_tokens
         self._queue: collections.deque[_Pending[ItemT, ResultT]] = collections.deque()
         self._queued_tokens = 0
         self._computing = 0
@@ -103,21 +98,18 @@ class Batcher(Generic[ItemT, ResultT]):
     def queued_requests(self) -> int:
         return len(self._queue)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing computing."""
+        return not self._queue and self._computing == 0
+
     async def submit(
         self, item: ItemT, tokens: int, deadline: float | None = None
     ) -> BatchResult[ResultT]:
         """Queue ``item`` (``tokens`` of the budget) for the next batch and wait for its
-        result. A lone small item on an idle batcher is looked up at once, right here:
-        the await then completes without suspending (see ``_compute_alone_inline``)."""
+        result."""
         if self._closed:
             raise Unavailable("the server is shutting down")
-        if (
-            not self._queue
-            and self._computing == 0
-            and tokens <= self._inline_max_tokens
-            and (deadline is None or deadline > time.monotonic())
-        ):
-            return self._compute_alone_inline(item, tokens)
         self._ensure_running()
         assert self._wakeup is not None
         future: asyncio.Future[BatchResult[ResultT]] = asyncio.get_running_loop().create_future()
@@ -133,24 +125,6 @@ class Batcher(Generic[ItemT, ResultT]):
         except asyncio.CancelledError:
             pending.left_at = time.monotonic()
             raise
-
-    def _compute_alone_inline(self, item: ItemT, tokens: int) -> BatchResult[ResultT]:
-        """The idle fast path: a lone small request is a batch of one, looked up right here.
-
-        No queue, no task, no thread hop: on an idle server these cost more than the
-        look-up itself (~10 us for a few tokens). Nothing else runs meanwhile, so the
-        event loop is blocked no longer than by any other small step.
-        """
-        started = time.monotonic()
-        try:
-            # Checked as in _run_batch: a short answer must not reach the caller.
-            (result,) = self._checked_compute([item])
-        except Exception as exc:
-            logger.exception("look-up failed for a batch of 1 request")
-            raise Internal(f"the look-up failed: {exc}") from exc
-        compute_s = time.monotonic() - started
-        self._report_batch(1, tokens, compute_s)
-        return BatchResult(result, 0.0, compute_s, 1, tokens)
 
     async def close(self) -> None:
         """Fail what is still queued, wait for batches computing now, stop the dispatcher."""
@@ -235,27 +209,22 @@ class Batcher(Generic[ItemT, ResultT]):
 
     async def _run_batch(self, batch: list[_Pending[ItemT, ResultT]]) -> None:
         tokens = sum(item.tokens for item in batch)
-        items = [item.item for item in batch]
         started = time.monotonic()
         try:
-            if tokens <= self._inline_max_tokens:
-                # Cheaper than a thread hop; see _compute_alone_inline.
-                answers = self._checked_compute(items)
-            else:
-                loop = asyncio.get_running_loop()
-                answers = await loop.run_in_executor(self._executor, self._checked_compute, items)
+            answers = await self._run([item.item for item in batch])
+            if len(answers) != len(batch):
+                raise Internal(f"this is a bug: {len(answers)} results for {len(batch)} requests")
             compute_s = time.monotonic() - started
         except Exception as exc:
-            logger.exception("look-up failed for a batch of %d requests", len(batch))
+            error = exc if isinstance(exc, Internal) else Internal(f"the look-up failed: {exc}")
             for item in batch:
                 if not item.future.done():
-                    item.future.set_exception(Internal(f"the look-up failed: {exc}"))
+                    item.future.set_exception(error)
             return
         finally:
             self._computing -= 1
             if self._wakeup is not None:
                 self._wakeup.set()
-        self._report_batch(len(batch), tokens, compute_s)
         for item, answer in zip(batch, answers, strict=True):
             if not item.future.done():
                 item.future.set_result(
@@ -272,22 +241,8 @@ class Batcher(Generic[ItemT, ResultT]):
         # resident after the server went idle. Let go of them here.
         batch.clear()
 
-    def _checked_compute(self, items: list[ItemT]) -> list[ResultT]:
-        results = self._compute(items)
-        if len(results) != len(items):
-            raise RuntimeError(f"compute returned {len(results)} results for {len(items)} items")
-        return results
-
-    def _report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
-        # A reporter (metrics) that fails must not leave a batch's callers hanging.
-        if self._on_batch is not None:
-            try:
-                self._on_batch(requests, tokens, compute_s)
-            except Exception:
-                logger.exception("batch report failed; this is a bug")
-
     def _report_drop(self, reason: str) -> None:
-        # As for batches: a reporter that fails must not strand the rest of the queue.
+        # A reporter (metrics) that fails must not strand the rest of the queue.
         if self._on_drop is not None:
             try:
                 self._on_drop(reason)

@@ -1,7 +1,8 @@
 """The server's domain errors: why a request failed, with no transport in sight.
 
-The gRPC edge (``edge/status_codes.py``) maps each class to a status code in one table; every
-message names the offending value so a caller can fix the request.
+Each front end maps each class to a status code in one table (gRPC's:
+``edge/status_codes.py``); every message names the offending value so a caller can fix
+the request.
 
     EmbedError
      ├── InvalidInput        the request is malformed (ids, dtype, shape, lengths)
@@ -11,6 +12,7 @@ message names the offending value so a caller can fix the request.
      ├── Unavailable         not ready yet, or draining
      ├── DeadlineExceeded    the caller's deadline passed before compute
      ├── Cancelled           the caller went away
+     ├── Unauthenticated     no bearer token, or a wrong one
      └── Internal            a bug or a runtime failure; logged with its traceback
 """
 
@@ -61,6 +63,10 @@ def ran_out_of_time(deadline: float | None, left_at: float) -> bool:
 
 class Cancelled(EmbedError):
     reason = "cancelled"
+
+
+class Unauthenticated(EmbedError):
+    reason = "unauthenticated"
 
 
 class Internal(EmbedError):

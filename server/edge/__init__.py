@@ -1,2 +1,3 @@
-"""The gRPC edge: parse requests into the core's types, call the model's engine, encode
-its answer, map domain errors to status codes. It holds no memory or look-up policy."""
+"""The front ends: each protocol's translation between its wire and the data plane
+(``v1``: tokembed.v1), and what the gRPC ones share: the status table, bearer tokens,
+the checks before binding. Nothing below them imports grpc."""

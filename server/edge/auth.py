@@ -29,13 +29,13 @@ def read_token(path: Path) -> bytes:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, token: bytes, on_reject: Callable[[], None] | None = None) -> None:
+    def __init__(self, token: bytes, on_reject: Callable[[str], None] | None = None) -> None:
+        """``on_reject(method)``: told of each refused call, by its full method name
+        ("/tokembed.v1.EmbeddingService/Embed")."""
         self._expected = b"Bearer " + token
         self._on_reject = on_reject
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-            if self._on_reject is not None:
-                self._on_reject()
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or wrong bearer token (metadata 'authorization: Bearer <token>')",
@@ -67,4 +67,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
             return handler
+        if self._on_reject is not None:
+            self._on_reject(details.method)
         return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]

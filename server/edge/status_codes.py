@@ -17,6 +17,7 @@ from tokembed.server.core.errors import (
     ModelNotFound,
     Overloaded,
     TooLarge,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -30,8 +31,11 @@ STATUS_BY_ERROR: dict[type[EmbedError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cancelled: grpc.StatusCode.CANCELLED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Internal: grpc.StatusCode.INTERNAL,
 }
+# Every code the table gives, by name (the metrics start a series at 0 for each).
+CODE_NAMES = tuple(dict.fromkeys(code.name for code in STATUS_BY_ERROR.values()))
 
 
 def status_of(error: EmbedError) -> grpc.StatusCode:
@@ -39,6 +43,11 @@ def status_of(error: EmbedError) -> grpc.StatusCode:
         if cls in STATUS_BY_ERROR:
             return STATUS_BY_ERROR[cls]
     return grpc.StatusCode.INTERNAL
+
+
+def status_name(error: EmbedError) -> str:
+    """The status code's name (``FrontEnd.status_of``)."""
+    return str(status_of(error).name)
 
 
 def trailing_metadata(error: EmbedError) -> tuple[tuple[str, str], ...]:

@@ -250,7 +250,7 @@ def test_backoff_grows_exponentially_with_jitter(fake: FakeServer) -> None:
 def test_backoff_is_capped(fake: FakeServer, caplog: pytest.LogCaptureFixture) -> None:
     fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 4
     with (
-        caplog.at_level(logging.INFO, logger="tokembed.client.sync"),
+        caplog.at_level(logging.INFO, logger="tokembed.client"),
         client_for(
             fake, retries=4, backoff_s=0.05, backoff_max_s=0.06, chunked_threshold_bytes=None
         ) as client,

@@ -12,10 +12,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from tokembed.server.backends.base import Rows
-from tokembed.server.core.types import TokenIds
+from tokembed.server.backends.base import LookUp, Rows
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
@@ -25,9 +22,9 @@ from support.gates import GatedBackend
 class PoisonBackend(GatedBackend):
     poison: int | None = None
 
-    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
         rows = super().look_up_batch(requests)  # recorded, and held at the gate
-        if self.poison is not None and any(self.poison in ids.values() for ids, _ in requests):
+        if self.poison is not None and any(self.poison in r.ids.values() for r in requests):
             raise RuntimeError(f"injected onnxruntime failure (batch holds id {self.poison})")
         return rows
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from tokembed.server.edge import responses
+from tokembed.server.edge.v1 import responses
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V

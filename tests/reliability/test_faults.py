@@ -310,7 +310,7 @@ def test_a_stream_left_with_more_requests_than_its_window_leaves_nothing_behind(
     """A caller sends more requests than the stream works ahead on (STREAM_WINDOW), reads
     one answer and leaves: the answers waiting in the server are dropped with their room,
     and no server task is left waiting on the abandoned stream."""
-    from tokembed.server.edge.servicer import STREAM_WINDOW
+    from tokembed.server.core.dataplane import STREAM_WINDOW
 
     server = start_server(small_model_dir)
     raw = encode(np.arange(4096, dtype=np.int64).reshape(1, 4096) % 1000)  # 1 MiB answers

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokembed.server.backends.base import Backend, Rows
+from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.core.dtypes import DType
 from tokembed.server.core.types import TokenIds
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
@@ -35,15 +36,15 @@ class GatedBackend(Backend):
         self.d_model = inner.d_model
         self.batches = inner.batches
 
-    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
-        self._enter([ids])
-        return self._inner.look_up(ids, dtype)
+    def look_up(self, request: LookUp) -> Rows:
+        self._enter([request.ids])
+        return self._inner.look_up(request)
 
-    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
-        self._enter([ids for ids, _ in requests])
+    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
+        self._enter([request.ids for request in requests])
         return self._inner.look_up_batch(requests)
 
-    def pad_row(self, dtype: np.dtype) -> bytes:
+    def pad_row(self, dtype: DType) -> bytes:
         return self._inner.pad_row(dtype)
 
     def _enter(self, ids: list[TokenIds]) -> None:

@@ -123,6 +123,7 @@ class EmbedRequest(_message.Message):
     RAGGED_LAYOUT_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
     output_dtype: Global___DType.ValueType
     """FLOAT32 (the default when unspecified) or FLOAT16 (half the bytes)."""
     ragged_layout: Global___RaggedLayout.ValueType
@@ -133,6 +134,8 @@ class EmbedRequest(_message.Message):
     """
     request_id: _builtins.str
     """Optional: echoed back in the response and the server's logs."""
+    model_version: _builtins.str
+    """The version of `model_name` to embed with; empty: the newest version served."""
     @_builtins.property
     def input_ids(self) -> Global___Tensor:
         """Token ids, int64 or int32 (dtype must be set: DTYPE_UNSPECIFIED is refused), each
@@ -153,10 +156,11 @@ class EmbedRequest(_message.Message):
         ragged_layout: Global___RaggedLayout.ValueType = ...,
         model_name: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        model_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "lengths", b"lengths", "model_name", b"model_name", "output_dtype", b"output_dtype", "ragged_layout", b"ragged_layout", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "lengths", b"lengths", "model_name", b"model_name", "model_version", b"model_version", "output_dtype", b"output_dtype", "ragged_layout", b"ragged_layout", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -332,16 +336,20 @@ class GetModelInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The model to describe; empty: the server's default model (NOT_FOUND as for Embed)."""
+    model_version: _builtins.str
+    """Its version; empty: the version a request naming none gets."""
     def __init__(
         self,
         *,
         model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "model_version", b"model_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

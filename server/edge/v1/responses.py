@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import functools
 import struct
-import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
-
-from tokembed.server.core.engine import ServedModel
-from tokembed.server.core.types import OUTPUT_DTYPES, Answer, Buffer, Timings
-from tokembed.server.edge.requests import WIRE_OUTPUT_DTYPES
+from tokembed.server.core.dtypes import OUTPUT_DTYPES, DType
+from tokembed.server.core.served import ServedModel
+from tokembed.server.core.types import Answer, Buffer, Timings
+from tokembed.server.edge.v1.requests import WIRE_ID_DTYPES, WIRE_OUTPUT_DTYPES
 from tokembed.v1 import embedding_pb2 as pb
 
 _WIRE_DTYPES = {OUTPUT_DTYPES[name]: code for code, name in WIRE_OUTPUT_DTYPES.items()}
@@ -32,28 +30,15 @@ _I64 = 1
 # --- EmbedResponse
 
 
-def embed_response(
-    answer: Answer, model_name: str, model_version: str, request_id: str, server_s: float
-) -> bytes:
+def embed_response(answer: Answer, request_id: str, server_s: float) -> bytes:
     """``EmbedResponse`` wire bytes: the tensor field, then the other fields (protobuf
     parsers merge fields in any order, so the tensor may come first)."""
     metadata = answer_metadata(
-        answer.timings, answer.lengths, model_name, model_version, request_id, server_s
-    )
+        answer.timings, answer.lengths, answer.model_name, answer.model_version, request_id,
+        server_s,
+    )  # fmt: skip
     prefix = _response_prefix(answer.shape, answer.dtype, answer.nbytes)
     return b"".join([prefix, *answer.pieces, metadata])
-
-
-def timed_embed_response(
-    model_name: str, model_version: str, request_id: str, started: float, answer: Answer
-) -> tuple[bytes, float]:
-    """:func:`embed_response`, with ``server_s`` counted from ``started`` (a
-    ``time.perf_counter()``), and the seconds the encode itself took."""
-    encode_started = time.perf_counter()
-    payload = embed_response(
-        answer, model_name, model_version, request_id, encode_started - started
-    )
-    return payload, time.perf_counter() - encode_started
 
 
 def answer_metadata(
@@ -105,24 +90,22 @@ def stream_error(code: int, message: str, reason: str) -> bytes:
     return pb.EmbedStreamResponse(error=error).SerializeToString()
 
 
-def chunked_response(
-    answer: Answer,
-    model_name: str,
-    model_version: str,
-    request_id: str,
-    server_s: float,
-    chunk_bytes: int,
-) -> Iterator[bytes]:
-    """``EmbedChunk`` wire bytes: the header (the response without the tensor's data),
-    then the data in slices of at most ``chunk_bytes``, each made when it is asked for
-    (so an answer is never whole in memory twice)."""
+def chunk_header(answer: Answer, request_id: str, server_s: float) -> bytes:
+    """The first ``EmbedChunk``'s wire bytes: the response without the tensor's data."""
     metadata = answer_metadata(
-        answer.timings, answer.lengths, model_name, model_version, request_id, server_s
-    )
+        answer.timings, answer.lengths, answer.model_name, answer.model_version, request_id,
+        server_s,
+    )  # fmt: skip
     tensor = _tensor_fields(answer.shape, answer.dtype)
     header = b"".join([_key(1, _LEN), varint(len(tensor)), tensor, metadata])
-    yield b"".join([_key(1, _LEN), varint(len(header)), header])
-    for size, group in _groups(answer.pieces, chunk_bytes):
+    return b"".join([_key(1, _LEN), varint(len(header)), header])
+
+
+def chunk_slices(pieces: Sequence[Buffer], chunk_bytes: int) -> Iterator[bytes]:
+    """The ``EmbedChunk`` messages after the header: the answer's bytes in slices of at
+    most ``chunk_bytes``, each made when it is asked for (so an answer is never whole in
+    memory twice)."""
+    for size, group in _groups(pieces, chunk_bytes):
         yield b"".join([_CHUNK_DATA_KEY, varint(size), *group])
 
 
@@ -156,6 +139,7 @@ def _groups(pieces: Sequence[Buffer], limit: int) -> Iterator[tuple[int, list[Bu
 def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
     """The served model and the limits a caller must respect."""
     manifest = served.model.manifest
+    backend = served.backend
     answer = pb.ModelInfo(
         name=manifest.name,
         version=manifest.version,
@@ -163,9 +147,9 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         d_model=manifest.d_model,
         scale=manifest.scale,
         weight_dtype=manifest.weight_dtype,
-        input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
+        input_dtypes=list(WIRE_ID_DTYPES),
         output_dtypes=list(WIRE_OUTPUT_DTYPES),
-        execution_provider=served.execution_provider,
+        execution_provider=backend.execution_provider,
         limits=pb.Limits(
             max_tokens_per_request=served.limits.max_tokens_per_request,
             max_output_bytes_per_request=served.limits.max_output_bytes_per_request,
@@ -174,7 +158,7 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
             max_delay_seconds=served.batch.max_delay_s,
         ),
         model_sha256=served.model.model_sha256,
-        backend=served.backend,
+        backend=backend.kind,
     )
     if manifest.padding_idx is not None:
         answer.padding_id = manifest.padding_idx
@@ -223,7 +207,7 @@ def _key(field_number: int, wire_type: int) -> bytes:
     return varint(field_number << 3 | wire_type)
 
 
-def _tensor_fields(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+def _tensor_fields(shape: tuple[int, ...], dtype: DType) -> bytes:
     """A Tensor message's dtype and shape fields."""
     packed_shape = b"".join([varint(int(dim)) for dim in shape])
     return b"".join([
@@ -232,7 +216,7 @@ def _tensor_fields(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     ])  # fmt: skip
 
 
-def _response_prefix(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> bytes:
+def _response_prefix(shape: tuple[int, ...], dtype: DType, nbytes: int) -> bytes:
     """An EmbedResponse up to its tensor's data: the tensor field's key and length, the
     Tensor's dtype and shape, and its data field's key and length.
 
@@ -240,7 +224,7 @@ def _response_prefix(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> by
     steps, ~2 us in a hot loop and several times that live, about a tenth of a tiny
     request's handler; callers send few distinct shapes.
     """
-    key = (shape, dtype.str)  # "<f4": the byte order too
+    key = (shape, dtype.name)
     prefix = _prefixes.get(key)
     if prefix is None:
         tensor_header = b"".join([_tensor_fields(shape, dtype), _key(3, _LEN), varint(nbytes)])

@@ -1,10 +1,10 @@
-"""tokembed.v1 request bytes -> the core's types: the deserializers gRPC calls.
+"""tokembed.v1 request bytes -> the data plane's requests: the deserializers gRPC calls.
 
 A deserializer that raises makes gRPC answer UNKNOWN on its own, past our status table
 and metrics; these never raise. Bytes that do not parse, or that are more than the
-largest valid request, become ``Refused``, which the servicer refuses like any other bad
-input (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for too large; inside a stream: one error
-answer).
+largest valid request, become ``Refused``, which the data plane refuses like any other
+bad input (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for too large; inside a stream: one
+error answer).
 """
 
 from __future__ import annotations
@@ -13,14 +13,22 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from tokembed.server.core.errors import EmbedError, InvalidInput, TooLarge
-from tokembed.server.core.types import FLAT, PADDED, EmbedInput
+from tokembed.server.core.dataplane import Refused, Request
+from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
+from tokembed.server.core.errors import InvalidInput, TooLarge
+from tokembed.server.core.operations.embed import FLAT, PADDED, EmbedInput
 from tokembed.v1 import embedding_pb2 as pb
 
-_ID_DTYPE_NAMES = {pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int32"}
-# The wire's output dtypes, by the names of core.types.OUTPUT_DTYPES (responses.py writes
-# them back with the same table).
-WIRE_OUTPUT_DTYPES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16"}
+
+def _wire_names(names: list[str]) -> dict[pb.DType.ValueType, str]:
+    """The proto's ``DTYPE_<NAME>`` enum value of each dtype named in the server's table
+    (``core.dtypes``): the table is the one place a dtype is defined."""
+    return {pb.DType.Value(f"DTYPE_{name.upper()}"): name for name in names}
+
+
+# The wire's dtypes, by the names of core.dtypes (responses.py writes them back).
+WIRE_ID_DTYPES = _wire_names(list(ID_DTYPES))
+WIRE_OUTPUT_DTYPES = _wire_names(list(OUTPUT_DTYPES))
 _OUTPUT_DTYPE_NAMES = {pb.DTYPE_UNSPECIFIED: "float32", **WIRE_OUTPUT_DTYPES}
 _LAYOUT_NAMES = {
     pb.RAGGED_LAYOUT_UNSPECIFIED: PADDED,
@@ -28,28 +36,15 @@ _LAYOUT_NAMES = {
     pb.RAGGED_LAYOUT_FLAT: FLAT,
 }
 
-
-@dataclass(slots=True)
-class Refused:
-    """Request bytes refused before parsing them into a request: what to raise."""
-
-    error: EmbedError
-
-
-@dataclass(slots=True)
-class EmbedCall:
-    """One Embed request: which model, the input, and the id to echo."""
-
-    model_name: str
-    input: EmbedInput
-    request_id: str
+EmbedCall = Request[EmbedInput]
 
 
 @dataclass(slots=True)
 class ModelQuery:
-    """GetModelInfo's request: which model ("" for the default one)."""
+    """GetModelInfo's request: which model ("" for the default one) and version."""
 
     model_name: str
+    model_version: str
 
 
 class EmbedParser:
@@ -78,16 +73,17 @@ class EmbedParser:
 
 
 def parse_embed(data: bytes) -> EmbedCall | Refused:
-    """An EmbedRequest's bytes as an ``EmbedCall`` (whatever their size)."""
+    """An EmbedRequest's bytes as a data plane ``Request`` (whatever their size)."""
     try:
         request = pb.EmbedRequest.FromString(data)
     except DecodeError as exc:
         return Refused(InvalidInput(f"the request is not a valid tokembed.v1.EmbedRequest: {exc}"))
     tensor = request.input_ids
-    return EmbedCall(
+    return Request(
         request.model_name,
+        request.model_version,
         EmbedInput(
-            ids_dtype=_ID_DTYPE_NAMES.get(tensor.dtype) or _enum_name(pb.DType, tensor.dtype),
+            ids_dtype=WIRE_ID_DTYPES.get(tensor.dtype) or _enum_name(pb.DType, tensor.dtype),
             shape=tuple(tensor.shape),
             data=tensor.data,
             lengths=tuple(request.lengths),
@@ -107,9 +103,10 @@ def parse_embed(data: bytes) -> EmbedCall | Refused:
 def parse_model_query(data: bytes) -> ModelQuery | Refused:
     """The deserializer of GetModelInfo."""
     try:
-        return ModelQuery(pb.GetModelInfoRequest.FromString(data).model_name)
+        query = pb.GetModelInfoRequest.FromString(data)
     except DecodeError:
         return Refused(InvalidInput("the request is not a valid tokembed.v1.GetModelInfoRequest"))
+    return ModelQuery(query.model_name, query.model_version)
 
 
 def parse_list_models(data: bytes) -> Refused | None:

@@ -1,0 +1,76 @@
+"""Model kinds: what a model directory holds, as the manifest's ``kind`` names it.
+
+A kind says which id inputs a request carries (each bounded by a manifest field), which
+tables the graph must hold, and which operations the model serves. The exporter writes
+it, the loader (``model_dir``) checks the graph against it, and the server's validation
+and backends read it; none of them assumes one input and one table.
+
+Today there is one kind, ``token``: ``E [V, D]`` and ``x = E[id] * scale``. A new kind
+is a ``ModelKind`` here (or in a module of its own, added to ``KINDS``), a graph the
+exporter writes for it, and a backend that computes it (``tokembed.server.loading``).
+Manifests written before kinds existed have no ``kind``: they are ``token`` models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokembed.export.errors import ModelDirError
+
+if TYPE_CHECKING:
+    from tokembed.export.manifest import Manifest
+
+TOKEN = "token"
+
+
+@dataclass(frozen=True)
+class IdInput:
+    """An input of ids: its graph and request name, and the manifest field its ids stay
+    below (``vocab_size``: ``0 <= id < V``)."""
+
+    name: str
+    bound_field: str
+    # An input a request may leave out; absent, every id is 0 (BERT's token types).
+    optional: bool = False
+
+    def bound(self, manifest: Manifest) -> int:
+        value = getattr(manifest, self.bound_field)
+        assert isinstance(value, int), "This is a bug."
+        return value
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """A 2-D initializer the graph must hold: its manifest role and ``[rows, cols]``."""
+
+    role: str
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    name: str
+    operations: tuple[str, ...] = ("embed",)
+
+    def inputs(self, manifest: Manifest) -> tuple[IdInput, ...]:
+        """The id inputs, the primary one (``input_ids``) first."""
+        return (IdInput(manifest.input.name, "vocab_size"),)
+
+    def tables(self, manifest: Manifest) -> tuple[TableShape, ...]:
+        """The 2-D tables the graph holds, by role."""
+        return (TableShape("embedding", (manifest.vocab_size, manifest.d_model)),)
+
+
+KINDS: dict[str, ModelKind] = {TOKEN: ModelKind(TOKEN)}
+
+
+def kind_of(manifest: Manifest, where: str = "manifest") -> ModelKind:
+    """The kind a manifest names; ``ModelDirError`` for one this version does not know."""
+    kind = KINDS.get(manifest.kind)
+    if kind is None:
+        raise ModelDirError(
+            f"{where}: kind {manifest.kind!r} is not one this tokembed knows "
+            f"({', '.join(sorted(KINDS))}); a newer tokembed exported it"
+        )
+    return kind

@@ -1,0 +1,58 @@
+"""What an operation supplies to the scheduler, which is generic over them.
+
+An operation (embed today; the reverse look-up of ROADMAP.md next) turns its request into
+a job (validation: a bad request fails here, alone, before it could join a batch), says
+what the job costs (tokens for the queue bound, output bytes for the process's budget)
+and which jobs may share a batch, computes a batch of jobs on a backend, and shapes one
+job's result into an ``Answer``. It knows nothing of protocols, placement or batching.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+from tokembed.server.backends.base import Backend
+from tokembed.server.core.served import ServedModel
+from tokembed.server.core.types import Answer, Timings
+
+
+class Job(Protocol):
+    """A validated request, as the scheduler sees it."""
+
+    @property
+    def tokens(self) -> int:
+        """What the model's queue bound counts (and the placement weighs)."""
+
+    @property
+    def output_bytes(self) -> int:
+        """The bytes of its answer: what the process's output budget counts."""
+
+
+RequestT = TypeVar("RequestT", contravariant=True)
+JobT = TypeVar("JobT", bound=Job)
+ResultT = TypeVar("ResultT")
+
+
+class Operation(ABC, Generic[RequestT, JobT, ResultT]):
+    name: str  # "embed": the `operation` label of the request metrics
+
+    @abstractmethod
+    def validate(self, request: RequestT, model: ServedModel) -> JobT:
+        """The request as a job for ``model``; raises ``InvalidInput`` or ``TooLarge``
+        naming the offending value."""
+
+    def batch_key(self, job: JobT) -> Hashable:
+        """Jobs of one key may share a batch (one compute). Embed's jobs all may: a batch
+        computes float32 rows and casts each job's own."""
+        return self.name
+
+    @abstractmethod
+    def compute(self, backend: Backend, jobs: Sequence[JobT]) -> list[ResultT]:
+        """Blocking: the results of ``jobs``, one each, in order (on whatever thread the
+        scheduler placed the batch)."""
+
+    @abstractmethod
+    def answer(self, job: JobT, result: ResultT, timings: Timings, model: ServedModel) -> Answer:
+        """One job's result as its answer (shape, dtype, pieces)."""

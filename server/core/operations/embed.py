@@ -1,0 +1,274 @@
+"""The embed operation: ids ``[B,S]`` (or ragged) in, ``hidden_states [B,S,D]`` out.
+
+Validation runs before a request can join a batch, so a bad request fails alone, with a
+message naming the offending value. It checks ids against their bound itself:
+onnxruntime's CPU Gather silently wraps -1 to the last row and its CUDA Gather writes
+zeros for ids out of range. The ids a request must carry are the model kind's
+(``tokembed.export.kinds``): ``input_ids``, and whatever further inputs a kind declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokembed.export.kinds import IdInput
+from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
+from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
+from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.served import ServedModel
+from tokembed.server.core.types import Answer, Buffer, Timings, TokenIds
+
+PADDED = "padded"
+FLAT = "flat"
+
+
+@dataclass(slots=True)
+class IdsInput:
+    """Ids as decoded from the wire, not yet validated."""
+
+    dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(slots=True)
+class EmbedInput:
+    """An embed request as decoded from the wire, not yet validated. ``more_ids``: the
+    model kind's further id inputs by name (``token_type_ids``), each of the ids' shape."""
+
+    ids_dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
+    shape: tuple[int, ...]
+    data: bytes
+    lengths: tuple[int, ...] = ()
+    output_dtype: str = "float32"
+    layout: str = PADDED
+    more_ids: dict[str, IdsInput] | None = None
+
+
+@dataclass(slots=True)
+class EmbedJob:
+    """A validated request: the look-up (ids in range), how to shape the answer, its size."""
+
+    look_up: LookUp
+    batch: int  # B
+    seq_len: int  # S (rectangular) or S_max (ragged)
+    lengths: tuple[int, ...] | None  # ragged input only
+    layout: str
+    output_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.look_up.ids.count
+
+    @property
+    def output_dtype(self) -> DType:
+        return self.look_up.dtype
+
+    @property
+    def padded(self) -> bool:
+        """Ragged input answered [B, S_max, D]: rows of padding after each sequence."""
+        return self.lengths is not None and self.layout == PADDED
+
+    def answer_shape(self, d_model: int) -> tuple[int, ...]:
+        if self.lengths is not None and self.layout == FLAT:
+            return (self.tokens, d_model)
+        return (self.batch, self.seq_len, d_model)
+
+
+class Embed(Operation[EmbedInput, EmbedJob, Rows]):
+    name = "embed"
+
+    def validate(self, request: EmbedInput, model: ServedModel) -> EmbedJob:
+        return validate(request, model)
+
+    def compute(self, backend: Backend, jobs: Sequence[EmbedJob]) -> list[Rows]:
+        return backend.look_up_batch([job.look_up for job in jobs])
+
+    def answer(self, job: EmbedJob, result: Rows, timings: Timings, model: ServedModel) -> Answer:
+        """The answer's shape and pieces: the rows, with padding rows after each sequence
+        of a padded ragged answer."""
+        if len(result) != job.tokens:
+            raise Internal(f"this is a bug: the look-up gave {len(result)} rows for "
+                           f"{job.tokens} ids")  # fmt: skip
+        if job.padded:
+            assert job.lengths is not None
+            pad = model.backend.pad_row(job.output_dtype)
+            pieces: list[Buffer] = []
+            offset = 0
+            for length in job.lengths:
+                pieces += result.pieces(offset, offset + length)
+                pieces += [pad] * (job.seq_len - length)
+                offset += length
+        else:
+            pieces = result.pieces(0, job.tokens)
+        return Answer(
+            job.answer_shape(model.d_model), job.output_dtype, pieces, job.lengths, timings,
+            job.tokens, job.output_bytes, model.name, model.version,
+        )  # fmt: skip
+
+
+EMBED = Embed()
+
+
+def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
+    id_dtype = ID_DTYPES.get(request.ids_dtype)
+    if id_dtype is None:
+        raise InvalidInput(
+            f"input_ids dtype {request.ids_dtype} is not supported; send int64 or int32"
+        )
+    output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
+    if output_dtype is None:
+        raise InvalidInput(
+            f"output_dtype {request.output_dtype} is not supported; ask for "
+            f"{' or '.join(OUTPUT_DTYPES)}"
+        )
+    # The layout only shapes ragged answers (the proto says so); ignore it otherwise.
+    if request.lengths and request.layout not in (PADDED, FLAT):
+        raise InvalidInput(f"ragged_layout {request.layout} is not supported; use PADDED or FLAT")
+
+    shape = request.shape
+    if shape and min(shape) < 0:
+        raise InvalidInput(f"input_ids shape {list(shape)} has a negative dimension")
+    if request.lengths:
+        batch, seq_len, tokens = _ragged_geometry(shape, request.lengths)
+    else:
+        if len(shape) != 2:
+            raise InvalidInput(
+                f"input_ids shape {list(shape)} must be [B, S] (or [N] with lengths for ragged "
+                "input)"
+            )
+        batch, seq_len = shape
+        tokens = batch * seq_len
+        if tokens == 0:
+            raise InvalidInput(f"input_ids shape {list(shape)} is empty; send at least one id")
+    # Python ints: a huge declared shape cannot overflow into a plausible size.
+    _check_data_size("input_ids", request.data, shape, id_dtype, tokens)
+    limits = model.limits
+    if tokens > limits.max_tokens_per_request:
+        raise TooLarge(
+            f"request has {tokens} tokens, over the limit of {limits.max_tokens_per_request} "
+            "per request; split it"
+        )
+    layout = request.layout if request.lengths else PADDED
+    rows = batch * seq_len if layout == PADDED else tokens
+    output_bytes = rows * model.d_model * output_dtype.itemsize
+    if output_bytes > limits.max_output_bytes_per_request:
+        raise TooLarge(
+            f"response would be {output_bytes} bytes ({rows} rows x {model.d_model} x "
+            f"{output_dtype.name}), over the limit of {limits.max_output_bytes_per_request} "
+            "bytes per request; split it or ask for float16"
+        )
+
+    primary, *others = model.inputs
+    ids = TokenIds(request.data, id_dtype, tokens)
+    _check_bound(primary.name, ids, shape, primary.bound(model.model.manifest))
+    more = _more_ids(request, others, shape, tokens, model)
+    return EmbedJob(
+        look_up=LookUp(ids, output_dtype, more),
+        batch=batch,
+        seq_len=seq_len,
+        lengths=tuple(request.lengths) if request.lengths else None,
+        layout=layout,
+        output_bytes=output_bytes,
+    )
+
+
+def _more_ids(
+    request: EmbedInput,
+    inputs: Sequence[IdInput],
+    shape: tuple[int, ...],
+    tokens: int,
+    model: ServedModel,
+) -> dict[str, TokenIds] | None:
+    """The kind's further id inputs, validated as the ids are (absent optional ones: 0)."""
+    given = dict(request.more_ids or {})
+    unknown = sorted(set(given) - {spec.name for spec in inputs})
+    if unknown:
+        takes = ", ".join(spec.name for spec in inputs) or "no other ids"
+        raise InvalidInput(
+            f"model {model.name!r} ({model.kind.name} kind) takes {takes}; it got {unknown[0]}"
+        )
+    if not inputs:
+        return None
+    more: dict[str, TokenIds] = {}
+    for spec in inputs:
+        sent = given.get(spec.name)
+        if sent is None:
+            if not spec.optional:
+                raise InvalidInput(f"{spec.name} is missing; model {model.name!r} needs it")
+            more[spec.name] = TokenIds(bytes(8 * tokens), ID_DTYPES["int64"], tokens)
+            continue
+        dtype = ID_DTYPES.get(sent.dtype)
+        if dtype is None:
+            raise InvalidInput(
+                f"{spec.name} dtype {sent.dtype} is not supported; send int64 or int32"
+            )
+        if sent.shape != shape:
+            raise InvalidInput(
+                f"{spec.name} shape {list(sent.shape)} differs from input_ids shape {list(shape)}"
+            )
+        _check_data_size(spec.name, sent.data, shape, dtype, tokens)
+        ids = TokenIds(sent.data, dtype, tokens)
+        _check_bound(spec.name, ids, shape, spec.bound(model.model.manifest))
+        more[spec.name] = ids
+    return more
+
+
+def _check_data_size(
+    name: str, data: bytes, shape: tuple[int, ...], dtype: DType, tokens: int
+) -> None:
+    expected_bytes = tokens * dtype.itemsize
+    if len(data) != expected_bytes:
+        raise InvalidInput(
+            f"{name} data is {len(data)} bytes, but shape {list(shape)} of "
+            f"{dtype.name} needs {expected_bytes}"
+        )
+
+
+def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, int]:
+    if len(shape) != 1:
+        raise InvalidInput(
+            f"input_ids shape {list(shape)} must be [N] (flat) when lengths are given"
+        )
+    for index, length in enumerate(lengths):
+        if length <= 0:
+            raise InvalidInput(f"lengths[{index}] = {length}; every sequence needs >= 1 id")
+    total = sum(lengths)
+    if total != shape[0]:
+        raise InvalidInput(
+            f"lengths sum to {total}, but input_ids holds {shape[0]} ids (shape {list(shape)})"
+        )
+    return len(lengths), max(lengths), total
+
+
+# Up to this many ids, Python's min() and max() over their ints beat numpy's reductions,
+# whose per-call machinery dominates a tiny request (~2 us against ~10 us in the server);
+# the ints are what a table look-up slices rows by anyway.
+_PYTHON_BOUNDS_MAX_IDS = 64
+
+
+def within_bound(ids: TokenIds, bound: int) -> bool:
+    """Whether every id is in [0, bound)."""
+    if ids.count <= _PYTHON_BOUNDS_MAX_IDS:
+        values = ids.values()
+        return min(values) >= 0 and max(values) < bound
+    array = ids.array()
+    return int(array.min()) >= 0 and int(array.max()) < bound
+
+
+def _check_bound(name: str, ids: TokenIds, shape: tuple[int, ...], bound: int) -> None:
+    if not within_bound(ids, bound):
+        array = ids.array()
+        bad = np.flatnonzero((array < 0) | (array >= bound))
+        first = int(bad[0])
+        where = list(np.unravel_index(first, shape)) if len(shape) == 2 else [first]
+        index = ",".join(str(int(i)) for i in where)
+        more = f" ({bad.size} ids in all)" if bad.size > 1 else ""
+        what = "the vocabulary" if name == "input_ids" else "its range"
+        raise InvalidInput(
+            f"{name}[{index}] = {int(array[first])} is outside {what} [0, {bound}){more}"
+        )

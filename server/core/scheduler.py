@@ -1,0 +1,208 @@
+"""One served model version's compute: admit, place, batch, run, report.
+
+Generic over operations (``core.operations``): an operation validates its request into a
+job, and the scheduler takes it from there, the same way for every operation:
+
+- ``admit``: the job's room (queued tokens of this model, output bytes of the process),
+  or ``Overloaded`` at once;
+- ``run``: the placement the policy decides (``core.policy``, asked once per request and
+  once per batch), the one deadline check before compute (a queued request is checked by
+  its batcher when its batch is taken), the compute, one report per compute, the
+  operation's answer, and the caller's ``frame`` of it (its protocol's encoding), on the
+  thread that computed when the answer is large.
+
+It knows nothing of protocols: errors are ``core.errors``; ``frame`` is the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from tokembed.server.core.admission import Admission, OutputBudget, Ticket
+from tokembed.server.core.batcher import Batcher
+from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal
+from tokembed.server.core.operations.base import Job, Operation
+from tokembed.server.core.policy import Placement, Policy
+from tokembed.server.core.served import ServedModel
+from tokembed.server.core.types import Answer, Timings
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F")
+_Item = tuple[Operation[Any, Any, Any], Job]
+
+
+class SchedulerObserver(Protocol):
+    """What the scheduler reports (the metrics implement it)."""
+
+    def batch_done(self, model: str, requests: int, tokens: int, compute_s: float) -> None: ...
+
+    def dropped(self, model: str, reason: str) -> None: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        served: ServedModel,
+        *,
+        policy: Policy,
+        budget: OutputBudget,
+        workers: Executor,
+        observer: SchedulerObserver | None = None,
+    ) -> None:
+        """``workers``: threads for off-loop computes and frames (shared by the models);
+        ``budget``: the process's output bytes in flight (shared by the models)."""
+        self.served = served
+        self._policy = policy
+        self._workers = workers
+        self._observer = observer
+        self._batchers: dict[Hashable, Batcher[_Item, Any]] = {}
+        # Batches compute on threads of their own, as many as may compute at once: a
+        # model's batches never wait behind another model's large frames.
+        self._batch_threads: ThreadPoolExecutor | None = None
+        self._admission = Admission(
+            budget, max_queued_tokens=served.batch.max_queued_tokens,
+            queued_tokens=self.queued_tokens,
+        )  # fmt: skip
+
+    def queued_tokens(self) -> int:
+        """Tokens waiting in this model version's batchers."""
+        return sum(batcher.queued_tokens for batcher in self._batchers.values())
+
+    def admit(self, job: Job, on_release: Callable[[], None] | None = None) -> Ticket:
+        """Room for ``job``, or ``Overloaded``; release the ticket once its answer is sent
+        (``on_release`` is called then)."""
+        return self._admission.admit(job.tokens, job.output_bytes, on_release)
+
+    async def run(
+        self,
+        operation: Operation[Any, Any, Any],
+        job: Job,
+        deadline: float | None,
+        frame: Callable[[Answer], F],
+    ) -> F:
+        """``job`` computed where the policy places it, its answer framed by ``frame``.
+
+        ``deadline``: ``time.monotonic()`` after which nobody waits for the answer.
+        Raises a ``core.errors.EmbedError`` for a job that fails.
+        """
+        key = operation.batch_key(job)
+        batcher = self._batchers.get(key)
+        placement = self._policy.place(
+            job.tokens, job.output_bytes, batcher_idle=batcher is None or batcher.idle
+        )
+        if placement is Placement.BATCH:
+            return await self._batched(operation, job, key, deadline, frame)
+        if deadline is not None and deadline <= time.monotonic():
+            # As the batcher does for the queued requests it takes: no compute for nobody.
+            raise DeadlineExceeded("deadline passed before the look-up")
+        if placement is Placement.INLINE:
+            return self._alone(operation, job, frame)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, self._alone, operation, job, frame)
+
+    async def close(self) -> None:
+        """Fail what is still queued, wait for the batches computing, let go."""
+        for batcher in self._batchers.values():
+            await batcher.close()
+        if self._batch_threads is not None:
+            self._batch_threads.shutdown(wait=False)
+        self.served.backend.close()
+
+    # --- the compute, for every placement
+
+    def _alone(
+        self, operation: Operation[Any, Any, Any], job: Job, frame: Callable[[Answer], F]
+    ) -> F:
+        """A compute of one request (a batch of one), its answer and its frame."""
+        started = time.monotonic()
+        (result,) = self._compute(operation, [job])
+        compute_s = time.monotonic() - started
+        timings = Timings(0.0, compute_s, 1, job.tokens)
+        return frame(operation.answer(job, result, timings, self.served))
+
+    async def _batched(
+        self,
+        operation: Operation[Any, Any, Any],
+        job: Job,
+        key: Hashable,
+        deadline: float | None,
+        frame: Callable[[Answer], F],
+    ) -> F:
+        """A compute in the batch of ``key``, and the frame (off the loop when large)."""
+        batcher = self._batchers.get(key)
+        if batcher is None:
+            batcher = self._batchers[key] = self._new_batcher()
+        batched = await batcher.submit((operation, job), job.tokens, deadline)
+        timings = Timings(
+            batched.queue_s, batched.compute_s, batched.batch_requests, batched.batch_tokens
+        )
+        answer = operation.answer(job, batched.result, timings, self.served)
+        if self._policy.frames_inline(answer.nbytes):
+            return frame(answer)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, frame, answer)
+
+    def _new_batcher(self) -> Batcher[_Item, Any]:
+        limits = self.served.batch
+        if self._batch_threads is None:
+            self._batch_threads = ThreadPoolExecutor(
+                max_workers=limits.max_concurrent_batches,
+                thread_name_prefix=f"tokembed-batch-{self.served.name}",
+            )
+        return Batcher(
+            self._run_batch,
+            max_batch_tokens=limits.max_batch_tokens,
+            max_delay_s=limits.max_delay_s,
+            max_concurrent_batches=limits.max_concurrent_batches,
+            on_drop=self._report_drop,
+        )
+
+    async def _run_batch(self, items: list[_Item]) -> list[Any]:
+        """A batch the batcher took: computed where the policy says, for its size."""
+        operation = items[0][0]  # one batch key, one operation
+        jobs = [job for _, job in items]
+        tokens = sum(job.tokens for job in jobs)
+        if self._policy.runs_inline(tokens, sum(job.output_bytes for job in jobs)):
+            return self._compute(operation, jobs)
+        assert self._batch_threads is not None, "This is a bug."
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._batch_threads, self._compute, operation, jobs)
+
+    def _compute(self, operation: Operation[Any, Any, Any], jobs: Sequence[Job]) -> list[Any]:
+        """Every compute, whatever its placement: run, check, report once."""
+        started = time.monotonic()
+        try:
+            results = operation.compute(self.served.backend, jobs)
+        except EmbedError:
+            raise
+        except Exception as exc:
+            logger.exception("look-up failed for a batch of %d request(s)", len(jobs))
+            raise Internal(f"the look-up failed: {exc}") from exc
+        if len(results) != len(jobs):
+            raise Internal(f"this is a bug: the look-up gave {len(results)} results for "
+                           f"{len(jobs)} requests")  # fmt: skip
+        self._report_batch(len(jobs), sum(job.tokens for job in jobs), time.monotonic() - started)
+        return results
+
+    # --- reports: every compute is reported here, once
+
+    def _report_batch(self, requests: int, tokens: int, compute_s: float) -> None:
+        if self._observer is not None:
+            # A report (metrics) that fails must not fail the requests it reports.
+            try:
+                self._observer.batch_done(self.served.name, requests, tokens, compute_s)
+            except Exception:
+                logger.exception("batch report failed; this is a bug")
+
+    def _report_drop(self, reason: str) -> None:
+        if self._observer is not None:
+            try:
+                self._observer.dropped(self.served.name, reason)
+            except Exception:
+                logger.exception("drop report failed; this is a bug")

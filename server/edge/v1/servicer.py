@@ -1,0 +1,231 @@
+"""The tokembed.v1 front end: translate, hand to the data plane, frame through a sink.
+
+Each RPC is a translation: its request bytes became a data plane ``Request`` in gRPC's
+deserializer (``requests``); the data plane serves it (route, validate, admit, run,
+count: ``core.dataplane``) into one of the sinks below, which frame the answer
+(``responses``) and hand it to gRPC; a domain error becomes a status through one table
+(``edge.status_codes``).
+
+The Embed methods answer with bytes already encoded, so they are registered by hand
+with no serializer; GetModelInfo and ListModels return messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from tokembed.server.core.calls import Call, FrontEnd
+from tokembed.server.core.dataplane import DataPlane, Refused, Sink, StreamSink
+from tokembed.server.core.errors import EmbedError
+from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.types import Answer, Buffer
+from tokembed.server.edge.status_codes import (
+    CODE_NAMES,
+    status_name,
+    status_of,
+    trailing_metadata,
+)
+from tokembed.server.edge.v1 import responses
+from tokembed.server.edge.v1.requests import (
+    EmbedCall,
+    EmbedParser,
+    ModelQuery,
+    parse_list_models,
+    parse_model_query,
+)
+from tokembed.v1 import embedding_pb2 as pb
+
+SERVICE_NAME = "tokembed.v1.EmbeddingService"
+FRONT_END = FrontEnd(
+    protocol="tokembed.v1",
+    methods={
+        "Embed": "embed",
+        "EmbedStream": "embed",
+        "EmbedChunked": "embed",
+        "GetModelInfo": "model_info",
+        "ListModels": "list_models",
+    },
+    status_of=status_name,
+    codes=CODE_NAMES,
+)
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the ``time.monotonic()`` clock (None: none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class EmbeddingServicer:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        chunk_bytes: int,
+        max_message_bytes: int,
+        parse: EmbedParser,
+    ) -> None:
+        """``chunk_bytes``: slice size of EmbedChunked answers; ``max_message_bytes``: the
+        message limit GetModelInfo reports; ``parse``: the Embed methods' deserializer."""
+        self.parse = parse
+        self._dataplane = dataplane
+        self._chunk_bytes = chunk_bytes
+        self._max_message_bytes = max_message_bytes
+
+    # --- RPCs
+
+    async def Embed(self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext) -> bytes:
+        sink = _UnarySink(context)
+        await self._serve("Embed", request, context, sink)
+        return sink.payload
+
+    async def EmbedChunked(
+        self, request: EmbedCall | Refused, context: grpc.aio.ServicerContext
+    ) -> None:
+        sink = _ChunkedSink(context, self._chunk_bytes)
+        await self._serve("EmbedChunked", request, context, sink)
+
+    async def EmbedStream(
+        self,
+        request_iterator: AsyncIterator[EmbedCall | Refused],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await self._dataplane.serve_stream(
+            FRONT_END, "EmbedStream", EMBED, request_iterator, deadline_of(context),
+            _StreamItemSink(context),
+        )  # fmt: skip
+
+    async def GetModelInfo(
+        self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        try:
+            if isinstance(request, Refused):
+                self._dataplane.refuse(FRONT_END, "GetModelInfo", request.error)
+                raise request.error
+            served = self._dataplane.model_info(
+                FRONT_END, "GetModelInfo", request.model_name, request.model_version
+            )
+        except EmbedError as error:
+            await _abort(context, error)
+        return responses.model_info(served, self._max_message_bytes)
+
+    async def ListModels(
+        self, request: Refused | None, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        try:
+            if isinstance(request, Refused):
+                self._dataplane.refuse(FRONT_END, "ListModels", request.error)
+                raise request.error
+            served, default = self._dataplane.list_models(FRONT_END, "ListModels")
+        except EmbedError as error:
+            await _abort(context, error)
+        return responses.list_models(served, default, self._max_message_bytes)
+
+    async def _serve(
+        self,
+        method: str,
+        request: EmbedCall | Refused,
+        context: grpc.aio.ServicerContext,
+        sink: Sink[Any],
+    ) -> None:
+        try:
+            await self._dataplane.serve(
+                FRONT_END, method, EMBED, request, deadline_of(context), sink
+            )
+        except EmbedError as error:
+            await _abort(context, error)
+
+
+# --- the sinks: how tokembed.v1 frames an answer and hands it to gRPC
+
+
+def _server_s(call: Call) -> float:
+    """The answer's ``timings.server_seconds``: from the request's decoding until now."""
+    return time.perf_counter() - call.started
+
+
+class _UnarySink(Sink[bytes]):
+    """Embed: one EmbedResponse, returned by the handler; its bytes are gone when the
+    RPC ends (gRPC's documented done callback), sent or not."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self.payload = b""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return responses.embed_response(answer, call.request_id, _server_s(call))
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        self.payload = framed
+        self._context.add_done_callback(lambda _context: sent())
+
+
+class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
+    """EmbedChunked: a header, then the answer's bytes in slices, each made as it is
+    written (so an answer is never whole in memory twice)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, chunk_bytes: int) -> None:
+        self._context = context
+        self._chunk_bytes = chunk_bytes
+
+    def frame(self, answer: Answer, call: Call) -> tuple[bytes, list[Buffer]]:
+        header = responses.chunk_header(answer, call.request_id, _server_s(call))
+        return header, list(answer.pieces)
+
+    async def send(self, framed: tuple[bytes, list[Buffer]], sent: Callable[[], None]) -> None:
+        header, pieces = framed
+        try:
+            await self._context.write(header)
+            for chunk in responses.chunk_slices(pieces, self._chunk_bytes):
+                await self._context.write(chunk)
+        finally:
+            pieces.clear()  # the rows: nothing refers to them once written
+            sent()
+
+
+class _StreamItemSink(StreamSink[bytes]):
+    """EmbedStream: each answer (or a request's error) as the stream's next message."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return responses.stream_answer(
+            responses.embed_response(answer, call.request_id, _server_s(call))
+        )
+
+    def frame_error(self, error: EmbedError) -> bytes:
+        code = status_of(error)
+        return responses.stream_error(code.value[0], str(error), error.reason)
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        try:
+            await self._context.write(framed)
+        finally:
+            sent()
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
+    await context.abort(status_of(error), str(error), trailing_metadata=trailing_metadata(error))
+    raise AssertionError("this is a bug: context.abort returned")
+
+
+def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
+    """The methods, registered by hand: the Embed methods' answers are bytes already, so
+    they have no serializer (gRPC sends bytes as they are)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, servicer.parse),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, servicer.parse),
+        "EmbedChunked": grpc.unary_stream_rpc_method_handler(servicer.EmbedChunked, servicer.parse),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, parse_model_query, pb.ModelInfo.SerializeToString
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, parse_list_models, pb.ListModelsResponse.SerializeToString
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
