@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokembed.server.backends.base import Backend, Rows
-from tokembed.server.core.types import FLOAT32, OUTPUT_DTYPES, TokenIds
+from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.core.dtypes import FLOAT32, ID_DTYPES, OUTPUT_DTYPES, DType
+from tokembed.server.core.types import TokenIds
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
@@ -21,8 +22,11 @@ ONNXRUNTIME = {"float32_table_max_bytes": 0}
 FLOAT16 = OUTPUT_DTYPES["float16"]
 
 
-def token_ids(values: np.ndarray, dtype: str = "<i8") -> TokenIds:
-    return TokenIds(np.asarray(values, dtype=dtype).tobytes(), np.dtype(dtype), len(values))
+def look_up(values: np.ndarray, dtype: DType, id_dtype: str = "int64") -> LookUp:
+    """The look-up of ``values`` sent as ``id_dtype`` ids, answered in ``dtype``."""
+    ids = ID_DTYPES[id_dtype]
+    data = np.asarray(values, dtype=ids.numpy).tobytes()
+    return LookUp(TokenIds(data, ids, len(values)), dtype)
 
 
 def joined(rows: Rows) -> bytes:
@@ -54,14 +58,14 @@ def test_a_model_that_fits_gets_the_table_and_otherwise_onnxruntime(
 
 @pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=["float32", "float16"])
 def test_every_backend_gives_the_same_bits_for_every_id(
-    backends: dict[str, Backend], small_rows: np.ndarray, dtype: np.dtype
+    backends: dict[str, Backend], small_rows: np.ndarray, dtype: DType
 ) -> None:
     everything = np.arange(SMALL_V)
     ids = np.concatenate([everything, everything[::-1], [SMALL_PAD, 5, 5]])
-    want = small_rows[ids].astype(dtype).tobytes()
+    want = small_rows[ids].astype(dtype.numpy).tobytes()
     for name, backend in backends.items():
-        for id_dtype in ("<i8", "<i4"):
-            assert joined(backend.look_up(token_ids(ids, id_dtype), dtype)) == want, name
+        for id_dtype in ID_DTYPES:
+            assert joined(backend.look_up(look_up(ids, dtype, id_dtype))) == want, name
 
 
 def test_rows_are_cut_anywhere_in_order(
@@ -69,7 +73,7 @@ def test_rows_are_cut_anywhere_in_order(
 ) -> None:
     ids = np.array([3, 1, 4, 1, 5, 9, 2, 6])
     for name, backend in backends.items():
-        rows = backend.look_up(token_ids(ids), FLOAT32)
+        rows = backend.look_up(look_up(ids, FLOAT32))
         assert len(rows) == len(ids)
         for start, stop in ((0, 8), (0, 1), (2, 5), (7, 8), (4, 4)):
             got = b"".join(rows.pieces(start, stop))
@@ -77,7 +81,7 @@ def test_rows_are_cut_anywhere_in_order(
 
 
 def test_the_table_s_rows_are_read_only_views(backends: dict[str, Backend]) -> None:
-    rows = backends["table"].look_up(token_ids(np.array([7])), FLOAT32)
+    rows = backends["table"].look_up(look_up(np.array([7]), FLOAT32))
     (piece,) = rows.pieces(0, 1)
     view = memoryview(piece)
     assert view.readonly and view.nbytes == SMALL_D * 4
@@ -85,10 +89,11 @@ def test_the_table_s_rows_are_read_only_views(backends: dict[str, Backend]) -> N
 
 @pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=["float32", "float16"])
 def test_the_pad_row_is_the_padding_id_s_row(
-    backends: dict[str, Backend], small_rows: np.ndarray, dtype: np.dtype
+    backends: dict[str, Backend], small_rows: np.ndarray, dtype: DType
 ) -> None:
+    want = small_rows[SMALL_PAD].astype(dtype.numpy).tobytes()
     for name, backend in backends.items():
-        assert backend.pad_row(dtype) == small_rows[SMALL_PAD].astype(dtype).tobytes(), name
+        assert backend.pad_row(dtype) == want, name
 
 
 def test_without_a_padding_id_the_pad_row_is_zeros(tmp_path: Path) -> None:
@@ -105,11 +110,9 @@ def test_a_batch_is_one_run_and_each_answer_owns_its_rows(
     backend = backends["onnxruntime"]
     requests = [np.array([1, 2, 3]), np.array([4]), np.array([5, 6])]
     dtypes = [FLOAT32, FLOAT16, FLOAT32]
-    answers = backend.look_up_batch(
-        [(token_ids(i), d) for i, d in zip(requests, dtypes, strict=True)]
-    )
+    answers = backend.look_up_batch([look_up(i, d) for i, d in zip(requests, dtypes, strict=True)])
     for ids, dtype, rows in zip(requests, dtypes, answers, strict=True):
-        assert joined(rows) == small_rows[ids].astype(dtype).tobytes()
+        assert joined(rows) == small_rows[ids].astype(dtype.numpy).tobytes()
         # Its own memory: not a view of the batch's rows (which a slow reader would keep).
         (piece,) = rows.pieces(0, len(rows))
         array = memoryview(piece).obj

@@ -21,6 +21,7 @@ from tokembed.server.backends.sessions import (
     OutputCast,
     SessionOptions,
 )
+from tokembed.server.core.dtypes import FLOAT16
 from tokembed.server.core.errors import ServerConfigError
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
@@ -92,7 +93,7 @@ def test_float16_cast_rounds_exactly_as_numpy_does() -> None:
         1.0 + 2**-11,
         1.0 + 3 * 2**-11,
     ]
-    got = OutputCast(np.dtype(np.float16), SessionOptions())(rows)
+    got = OutputCast(FLOAT16, SessionOptions())(rows)
     with np.errstate(over="ignore"):  # 1e6 overflowing to inf is the point here
         want = rows.astype(np.float16)
     assert got.dtype == np.float16 and got.shape == rows.shape
