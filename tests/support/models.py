@@ -18,6 +18,7 @@ def export_model_dir(
     padding_idx: int | None = None,
     dtype: str = "float32",
     name: str = "test-model",
+    version: str = "1",
 ) -> Path:
     """Export a seeded random table with the real exporter (imports torch)."""
     from tokembed.export.module import TokenEmbedding, random_table
@@ -25,7 +26,10 @@ def export_model_dir(
 
     table = random_table(vocab_size, d_model, seed, padding_idx)
     module = TokenEmbedding(vocab_size, d_model, padding_idx=padding_idx, weight=table)
-    export_model(module, ExportOptions(out_dir=out_dir, name=name, weight_dtype=dtype, seed=seed))
+    export_model(
+        module,
+        ExportOptions(out_dir=out_dir, name=name, version=version, weight_dtype=dtype, seed=seed),
+    )
     return out_dir
 
 
