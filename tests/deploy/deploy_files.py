@@ -2,7 +2,7 @@
 
 Plain functions over the repository's files, no fixtures: what the server really listens
 on comes from ``tokembed.server.settings`` (its defaults and its TOKEMBED_* parsing), and
-which metrics it really exports comes from ``tokembed.server.metrics``.
+which metrics it really exports from the registry of a ``TokembedServer`` as it is built.
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def series_names(families: Mapping[str, str]) -> set[str]:
 
 
 def server_metric_families() -> dict[str, str]:
-    """{family name: type} of every metric the server registers, process collectors too."""
-    from prometheus_client import CollectorRegistry
+    """{family name: type} of every metric the server registers, process collectors too:
+    those of ``tokembed.server.metrics`` and those the server wires in as it is built
+    (what is served, read from its repository at each scrape). Built, never started."""
+    from tokembed.server.app import TokembedServer
+    from tokembed.server.settings import Settings
 
-    from tokembed.server.metrics import Metrics
-
-    registry = CollectorRegistry()
-    Metrics(registry)
+    registry = TokembedServer(Settings()).registry
     return {family.name: family.type for family in registry.collect()}
 
 
