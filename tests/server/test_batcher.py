@@ -1,11 +1,15 @@
-"""The dynamic batcher with a fake compute whose output rows reveal their ids.
+"""The dynamic batcher, a queue, with a fake ``run`` whose output rows reveal their ids.
 
-Each request's item is its ids; the fake compute concatenates a batch's ids (as the
-onnxruntime backend does) and maps them to rows where every value of row i equals
-ids[i], then slices them back, so a request's rows prove that it got exactly its own
-ids back, in order. It can block on
-a ``threading.Event`` (a busy runtime) and it records every id array it sees, so a
-test can prove what was (and was not) computed, and in which batches.
+Each request's item is its ids; the fake ``run`` computes on a thread (as the scheduler's
+does for a large batch), concatenates a batch's ids (as the onnxruntime backend does) and
+maps them to rows where every value of row i equals ids[i], then slices them back, so a
+request's rows prove that it got exactly its own ids back, in order. It can block on a
+``threading.Event`` (a busy runtime) and it records every batch it is given, so a test
+can prove what was (and was not) computed, and in which batches.
+
+Where a batch computes (on the loop or a thread) and whether a request queues at all are
+the policy's and the scheduler's (tests/server/test_policy.py, test_scheduler.py); the
+batcher only forms the batches and hands them to ``run``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -89,15 +93,15 @@ class FakeCompute:
 
 
 class Recorder:
-    """A BatchObserver that remembers what it was told."""
+    """What the batcher handed to ``run`` (requests and tokens of each batch, in order,
+    whether its compute then failed or not) and every drop it told of."""
 
     def __init__(self) -> None:
         self.batches: list[tuple[int, int]] = []
         self.drops: list[str] = []
 
-    def batch_done(self, requests: int, tokens: int, compute_s: float) -> None:
-        assert compute_s >= 0
-        self.batches.append((requests, tokens))
+    def given(self, items: Sequence[np.ndarray]) -> None:
+        self.batches.append((len(items), sum(len(i) for i in items)))
 
     def dropped(self, reason: str) -> None:
         self.drops.append(reason)
@@ -130,19 +134,21 @@ def fake_batcher(
     max_batch_tokens: int = 1000,
     max_delay_s: float = 1.0,
     max_concurrent_batches: int = 1,
-    inline_max_tokens: int = 0,
 ) -> Iterator[tuple[Batcher[np.ndarray, np.ndarray], FakeCompute, Recorder]]:
     compute = FakeCompute()
     observer = Recorder()
     executor = ThreadPoolExecutor(max_workers=4)
+    batch = sliced(compute)
+
+    async def run(items: list[np.ndarray]) -> list[np.ndarray]:
+        observer.given(items)
+        return await asyncio.get_running_loop().run_in_executor(executor, batch, items)
+
     batcher: Batcher[np.ndarray, np.ndarray] = Batcher(
-        sliced(compute),
-        executor,
+        run,
         max_batch_tokens=max_batch_tokens,
         max_delay_s=max_delay_s,
         max_concurrent_batches=max_concurrent_batches,
-        inline_max_tokens=inline_max_tokens,
-        on_batch=observer.batch_done,
         on_drop=observer.dropped,
     )
     try:
@@ -274,7 +280,7 @@ def test_max_delay_bounds_the_wait_while_another_batch_computes() -> None:
     assert result.queue_s >= max_delay * 0.9
     assert_own_rows(result, ids(7, 8))
     assert compute.calls == [[BLOCK], [7, 8]]
-    assert observer.batches == [(1, 2), (1, 1)]  # the second finished first
+    assert observer.batches == [(1, 1), (1, 2)]  # the second went beside the busy first
 
 
 def test_full_token_budget_goes_before_max_delay_while_busy() -> None:
@@ -301,7 +307,7 @@ def test_full_token_budget_goes_before_max_delay_while_busy() -> None:
         elapsed = run(closing(batcher, body()))
     assert elapsed < 1.0, f"a full batch waited {elapsed:.3f} s for max_delay (2 s)"
     assert compute.calls == [[BLOCK], [1, 2, 3, 4, 5, 6]]
-    assert observer.batches == [(2, 6), (1, 1)]
+    assert observer.batches == [(1, 1), (2, 6)]
 
 
 def test_cancelled_caller_is_dropped_before_compute() -> None:
@@ -408,7 +414,8 @@ def test_compute_failure_fails_every_caller_of_the_batch_and_the_next_batch_work
 
         result = run(closing(batcher, body()))
     assert compute.calls == [[BLOCK], [1, 2, FAIL, 3], [4, 5]]
-    assert observer.batches == [(1, 1), (1, 2)]  # a failed batch is not a done one
+    # The failed batch was run once; reporting batches (done ones only) is the scheduler's.
+    assert observer.batches == [(1, 1), (3, 4), (1, 2)]
     assert_own_rows(result, ids(4, 5))
     assert batcher.queued_tokens == 0
 
@@ -490,97 +497,78 @@ def test_queued_tokens_return_to_zero_after_a_mixed_load() -> None:
     assert all(tokens <= 16 or requests == 1 for requests, tokens in observer.batches)
 
 
-# --- the inline fast path: tiny batches looked up on the event loop itself
+# --- what ``run`` gives back, and when the batcher is idle
 
 
-def test_lone_small_request_is_computed_inline_on_the_event_loop() -> None:
-    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
-
-        async def body() -> tuple[BatchResult[np.ndarray], BatchResult[np.ndarray], int]:
-            small = await batcher.submit(*item(1, 2, 3, 4))
-            large = await batcher.submit(*item(5, 6, 7, 8, 9))
-            return small, large, threading.get_ident()
-
-        small, large, loop_thread = run(closing(batcher, body()))
-    assert_own_rows(small, ids(1, 2, 3, 4))
-    assert_own_rows(large, ids(5, 6, 7, 8, 9))
-    assert compute.calls == [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
-    assert compute.threads[0] == loop_thread  # inline: no thread hop
-    assert compute.threads[1] != loop_thread  # over the limit: on the executor
-    assert (small.batch_requests, small.batch_tokens, small.queue_s) == (1, 4, 0.0)
-    assert observer.batches == [(1, 4), (1, 5)]
-    assert batcher.queued_tokens == 0
-
-
-def test_inline_path_is_not_taken_while_a_batch_computes() -> None:
-    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
-
-        async def body() -> tuple[list[BatchResult[np.ndarray]], int]:
-            first = asyncio.ensure_future(batcher.submit(*item(BLOCK, 1, 2, 3, 4)))
-            await wait_event(compute.blocked)
-            tasks = [asyncio.ensure_future(batcher.submit(*item(n))) for n in (11, 12, 13)]
-            await until(lambda: batcher.queued_requests == 3)
-            assert len(compute.calls) == 1  # none of them ran inline beside the busy batch
-            compute.gate.set()
-            results = await asyncio.gather(*tasks)
-            await first
-            return results, threading.get_ident()
-
-        results, loop_thread = run(closing(batcher, body()))
-    assert compute.calls == [[BLOCK, 1, 2, 3, 4], [11, 12, 13]]
-    assert observer.batches == [(1, 5), (3, 3)]
-    # The queued three formed one batch, small enough to be looked up on the loop.
-    assert compute.threads[1] == loop_thread
-    for result, n in zip(results, (11, 12, 13), strict=True):
-        assert_own_rows(result, ids(n))
-        assert result.batch_requests == 3
-
-
-def test_inline_expired_deadline_is_never_computed() -> None:
-    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
-
-        async def body() -> None:
-            with pytest.raises(DeadlineExceeded):
-                await batcher.submit(*item(1), deadline=time.monotonic() - 0.001)
-
-        run(closing(batcher, body()))
-    assert compute.calls == []
-    assert observer.drops == ["deadline_exceeded"]
-
-
-def test_inline_compute_failure_is_internal_and_the_next_request_works() -> None:
-    with fake_batcher(inline_max_tokens=4) as (batcher, compute, observer):
-
-        async def body() -> BatchResult[np.ndarray]:
-            with pytest.raises(Internal, match="the fake runtime broke"):
-                await batcher.submit(*item(FAIL))
-            return await batcher.submit(*item(2))
-
-        result = run(closing(batcher, body()))
-    assert_own_rows(result, ids(2))
-    assert compute.calls == [[FAIL], [2]]
-    assert observer.batches == [(1, 1)]
-
-
-@pytest.mark.parametrize("inline_max_tokens", [0, 8], ids=["executor", "inline"])
-def test_compute_returning_the_wrong_number_of_results_is_internal_either_way(
-    inline_max_tokens: int,
+@pytest.mark.parametrize(
+    ("run_result", "message"),
+    [("short", "0 results for 1 requests"), ("raises", "the look-up failed: it broke")],
+)
+def test_a_run_that_fails_or_gives_the_wrong_number_of_results_is_internal(
+    run_result: str, message: str
 ) -> None:
+    async def failing(items: list[np.ndarray]) -> list[np.ndarray]:
+        if run_result == "raises":
+            raise ValueError("it broke")
+        return [rows_of(i) for i in items][:-1]
+
     async def body() -> None:
         batcher: Batcher[np.ndarray, np.ndarray] = Batcher(
-            lambda items: [rows_of(i) for i in items][:-1],
-            None,
-            max_batch_tokens=100,
-            max_delay_s=0.01,
-            inline_max_tokens=inline_max_tokens,
+            failing, max_batch_tokens=100, max_delay_s=0.01
         )
         try:
-            with pytest.raises(Internal, match="0 results for 1 items"):
+            with pytest.raises(Internal, match=message):
                 await batcher.submit(*item(1, 2, 3))
+            assert batcher.idle  # and ready for the next batch
         finally:
             await batcher.close()
 
     run(body())
+
+
+def test_an_internal_error_of_run_reaches_the_callers_as_it_is() -> None:
+    # The scheduler's run raises Internal with its own message: not wrapped a second time.
+    async def failing(items: list[np.ndarray]) -> list[np.ndarray]:
+        raise Internal("this is a bug: the look-up gave 2 results for 3 requests")
+
+    async def body() -> None:
+        batcher: Batcher[np.ndarray, np.ndarray] = Batcher(
+            failing, max_batch_tokens=100, max_delay_s=0.01
+        )
+        try:
+            with pytest.raises(Internal) as caught:
+                await batcher.submit(*item(1))
+            assert str(caught.value) == "this is a bug: the look-up gave 2 results for 3 requests"
+        finally:
+            await batcher.close()
+
+    run(body())
+
+
+def test_idle_is_nothing_queued_and_nothing_computing() -> None:
+    """``idle`` is what the policy weighs (a small request beside an idle batcher computes
+    at once, alone): false from a submit until its batch has returned, and while anything
+    waits in the queue."""
+    with fake_batcher() as (batcher, compute, _observer):
+
+        async def body() -> None:
+            assert batcher.idle  # new
+            first = asyncio.ensure_future(batcher.submit(*item(BLOCK)))
+            await asyncio.sleep(0)  # the submit ran: queued (or computing)
+            assert not batcher.idle
+            await wait_event(compute.blocked)
+            assert not batcher.idle and batcher.queued_requests == 0  # computing
+            second = asyncio.ensure_future(batcher.submit(*item(5)))
+            await until(lambda: batcher.queued_requests == 1)
+            assert not batcher.idle
+            compute.gate.set()
+            await first
+            await second
+            await until(lambda: batcher.idle)  # the second's batch has returned
+            assert batcher.queued_tokens == 0
+
+        run(closing(batcher, body()))
+    assert compute.calls == [[BLOCK], [5]]
 
 
 def test_an_answered_batch_keeps_no_rows_alive_while_the_batcher_idles() -> None:
