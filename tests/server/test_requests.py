@@ -1,29 +1,31 @@
-"""Request bytes -> the core's types (``edge/requests.py``, gRPC's deserializers): every
-field, every enum value (unknown ones named), and bytes that do not parse."""
+"""Request bytes -> the data plane's requests (``edge/v1/requests.py``, gRPC's
+deserializers): every field, every enum value (unknown ones named), and bytes that do not
+parse."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tokembed.server.core.dataplane import Refused, Request
 from tokembed.server.core.errors import InvalidInput, TooLarge
-from tokembed.server.core.types import FLAT, PADDED
-from tokembed.server.core.validation import Limits, validate
-from tokembed.server.edge.requests import (
+from tokembed.server.core.operations.embed import FLAT, PADDED, validate
+from tokembed.server.core.served import BatchLimits, Limits, ServedModel
+from tokembed.server.edge.v1.requests import (
     EmbedCall,
     EmbedParser,
     ModelQuery,
-    Refused,
     parse_embed,
     parse_list_models,
     parse_model_query,
 )
+from tokembed.server.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
 
 
 def parsed(message: pb.EmbedRequest) -> EmbedCall:
     call = parse_embed(message.SerializeToString())
-    assert isinstance(call, EmbedCall)
+    assert isinstance(call, Request)
     return call
 
 
@@ -35,17 +37,19 @@ def test_every_field_is_read() -> None:
         output_dtype=pb.DTYPE_FLOAT16,
         ragged_layout=pb.RAGGED_LAYOUT_FLAT,
         model_name="small",
+        model_version="2",
         request_id="abc",
     )
     call = parsed(message)
-    got = call.input
+    got = call.body
     assert got.ids_dtype == "int64"
     assert got.shape == (3,)
     assert got.data == ids.tobytes()
     assert got.lengths == (1, 2)
     assert got.output_dtype == "float16"
     assert got.layout == FLAT
-    assert (call.model_name, call.request_id) == ("small", "abc")
+    assert (call.model_name, call.model_version, call.request_id) == ("small", "2", "abc")
+    assert got.more_ids is None  # tokembed.v1 carries no other ids (yet)
 
 
 @pytest.mark.parametrize(
@@ -71,13 +75,13 @@ def test_enums_are_mapped_and_unknown_values_named(field: str, value: int, name:
     message = pb.EmbedRequest(input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 1]))
     if field == "ids":
         message.input_ids.dtype = value  # type: ignore[assignment]
-        assert parsed(message).input.ids_dtype == name
+        assert parsed(message).body.ids_dtype == name
     elif field == "output":
         message.output_dtype = value  # type: ignore[assignment]
-        assert parsed(message).input.output_dtype == name
+        assert parsed(message).body.output_dtype == name
     else:
         message.ragged_layout = value  # type: ignore[assignment]
-        assert parsed(message).input.layout == name
+        assert parsed(message).body.layout == name
 
 
 @pytest.mark.parametrize(
@@ -93,7 +97,7 @@ def test_enums_are_mapped_and_unknown_values_named(field: str, value: int, name:
     ],
 )
 def test_unknown_enum_values_are_named_in_the_validation_error(
-    fields: dict[str, object], fragment: str
+    fields: dict[str, object], fragment: str, small_loaded: LoadedModel
 ) -> None:
     fields.setdefault(
         "input_ids",
@@ -103,10 +107,12 @@ def test_unknown_enum_values_are_named_in_the_validation_error(
             data=bytes(8),
         ),
     )
-    limits = Limits(vocab_size=10, d_model=4, max_tokens_per_request=10,
-                    max_output_bytes_per_request=1000)  # fmt: skip
+    model = ServedModel(
+        small_loaded.model, small_loaded.backend, Limits(10, 1 << 20),
+        BatchLimits(16384, 0.002, 1, 1 << 20),
+    )  # fmt: skip
     with pytest.raises(InvalidInput) as error:
-        validate(parsed(pb.EmbedRequest(**fields)).input, limits)  # type: ignore[arg-type]
+        validate(parsed(pb.EmbedRequest(**fields)).body, model)  # type: ignore[arg-type]
     assert fragment in str(error.value)
 
 
@@ -137,11 +143,13 @@ def test_a_request_over_the_largest_valid_one_is_refused_by_its_size_unread() ->
     garbage = parse(b"\xff" * 101)
     assert isinstance(garbage, Refused) and isinstance(garbage.error, TooLarge)
     # At the limit and below, requests are parsed as ever.
-    assert isinstance(EmbedParser(len(message), 7)(message), EmbedCall)
+    assert isinstance(EmbedParser(len(message), 7)(message), Request)
 
 
-def test_model_queries_read_the_name() -> None:
+def test_model_queries_read_the_name_and_the_version() -> None:
     query = parse_model_query(pb.GetModelInfoRequest(model_name="dec").SerializeToString())
-    assert query == ModelQuery("dec")
-    assert parse_model_query(b"") == ModelQuery("")
+    assert query == ModelQuery("dec", "")
+    versioned = pb.GetModelInfoRequest(model_name="dec", model_version="3").SerializeToString()
+    assert parse_model_query(versioned) == ModelQuery("dec", "3")
+    assert parse_model_query(b"") == ModelQuery("", "")
     assert parse_list_models(b"") is None
