@@ -6,6 +6,7 @@ and turns them into the pieces a channel needs (options, credentials, call metad
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -23,10 +24,10 @@ from tokembed.client import codec
 from tokembed.client.errors import (
     EmbeddingError,
     OverloadedError,
+    RequestCancelledError,
     UnavailableError,
     client_invalid_input,
 )
-from tokembed.client.results import ModelInfo
 from tokembed.v1 import embedding_pb2 as pb
 
 logger = logging.getLogger("tokembed.client")
@@ -61,8 +62,12 @@ PemSource = str | os.PathLike[str] | bytes
 class RetryPolicy:
     """Bounded retries with exponential backoff and jitter.
 
-    Retried: UNAVAILABLE always (Embed is a pure look-up, so repeating it is safe), and
-    RESOURCE_EXHAUSTED/overloaded when ``retry_on_overload``; never too_large or others.
+    Retried: UNAVAILABLE always (Embed is a pure look-up, so repeating it is safe);
+    CANCELLED from the server (a server stopping under load cancels a call now and then,
+    a race inside gRPC: treated like UNAVAILABLE, as docs/security.md advises; never a
+    call the caller cancelled: closing the client, or cancelling an asyncio task, is not
+    retried); and RESOURCE_EXHAUSTED/overloaded when ``retry_on_overload``; never
+    too_large or others.
     The n-th retry waits a random time in [d/2, d], d = min(backoff_max_s, backoff_s·2^n):
     exponential growth, and jitter so that many clients do not retry in lock-step.
     """
@@ -75,7 +80,7 @@ class RetryPolicy:
     def should_retry(self, error: EmbeddingError, attempts_made: int) -> bool:
         if attempts_made > self.retries:
             return False
-        if isinstance(error, UnavailableError):
+        if isinstance(error, (UnavailableError, RequestCancelledError)):
             return True
         return self.retry_on_overload and isinstance(error, OverloadedError)
 
@@ -219,7 +224,10 @@ def make_settings(
         token = token.strip()
         if not token or any(c.isspace() or not c.isprintable() for c in token):
             raise EmbeddingError("token must be non-empty printable text without whitespace")
-        if not secure:
+        if not secure and not _is_loopback(target) and target not in _WARNED_PLAINTEXT:
+            # Once per target and process: a client made per request would say it per
+            # request. Loopback never leaves the machine: nothing to say there.
+            _WARNED_PLAINTEXT.add(target)
             logger.warning("sending a bearer token over a plaintext channel to %s", target)
         metadata = (("authorization", f"Bearer {token}"),)
     return Settings(
@@ -233,6 +241,42 @@ def make_settings(
         chunked_threshold_bytes=chunked_threshold_bytes,
         model_name=model_name,
     )
+
+
+_WARNED_PLAINTEXT: set[str] = set()
+
+
+def _is_loopback(target: str) -> bool:
+    """Whether every address ``target`` names is this machine: 127.x, ::1, localhost, or
+    a Unix socket (``unix:``); a DNS name other than localhost is not known to be."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    scheme, _, rest = target.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        addresses = rest.split(",")
+    elif target.startswith("dns:"):
+        addresses = [target[len("dns:") :].lstrip("/").split("/")[-1]]
+    else:
+        addresses = [target]
+    return all(_host_is_loopback(_host(address)) for address in addresses)
+
+
+def _host(address: str) -> str:
+    """The host of ``host:port``, ``[v6]:port`` or a bare host."""
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    if address.count(":") > 1:  # a bare IPv6 address
+        return address
+    return address.partition(":")[0]
+
+
+def _host_is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ClientBase:
@@ -334,17 +378,18 @@ class ClientBase:
         call = codec.embed_call(ids, dtype, layout, model_name=model_name, request_id=request_id)
         return call, self._deadline(timeout_s), model_name
 
-    def _needs_d_model(self, model: str) -> bool:
-        """Whether the model's D must be asked for (GetModelInfo) before choosing how to
-        ask for the answer: unary, or in chunks above ``chunked_threshold_bytes``."""
-        return self._settings.chunked_threshold_bytes is not None and model not in self._d_models
-
-    def _learnt(self, model: str, info: ModelInfo) -> ModelInfo:
-        """Remember the D of ``model`` (the name as asked)."""
-        self._d_models[model] = info.d_model
-        return info
+    def _learnt(self, model: str, d_model: int) -> None:
+        """Remember the D of ``model`` (the name as asked), from an answer or its info."""
+        self._d_models[model] = d_model
 
     def _wants_chunked(self, model: str, call: codec.EmbedCall) -> bool:
+        """Whether to ask for this answer in chunks: above ``chunked_threshold_bytes``.
+
+        The size needs the model's D, learnt from its first answer (or ``info``): a call
+        to a model not asked before goes unary. Asking GetModelInfo first would cost a
+        round trip, and a call naming a model nobody serves would be refused (and
+        counted by the server) as a GetModelInfo rather than as the Embed it was.
+        """
         threshold = self._settings.chunked_threshold_bytes
         d_model = self._d_models.get(model)
         if threshold is None or d_model is None:
@@ -353,6 +398,9 @@ class ClientBase:
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return self._settings.metadata
+
+    def _is_open(self) -> bool:
+        return not self._closed
 
     def _check_open(self) -> None:
         if self._closed:

@@ -59,10 +59,15 @@ class Attempts:
     call's deadline), and, after a failure, how long to wait before the next one, or the
     typed error that ends the call."""
 
-    def __init__(self, what: str, policy: RetryPolicy, deadline: Deadline) -> None:
+    def __init__(
+        self, what: str, policy: RetryPolicy, deadline: Deadline, is_open: Callable[[], bool]
+    ) -> None:
+        """``is_open``: whether the client is still open (a call cancelled by closing
+        the client is the caller's own doing, and never retried)."""
         self._what = what
         self._policy = policy
         self._deadline = deadline
+        self._is_open = is_open
         self._made = 0
 
     def timeout(self) -> float | None:
@@ -74,7 +79,7 @@ class Attempts:
         """The seconds to wait before trying again; raises the typed error instead when
         the policy, the attempts made or the time left say the call is over."""
         error = from_rpc_error(exc)
-        if not self._policy.should_retry(error, self._made):
+        if not self._is_open() or not self._policy.should_retry(error, self._made):
             raise give_up(error, self._made) from exc
         delay = self._policy.delay_s(self._made - 1)
         if not self._deadline.allows_sleep(delay):

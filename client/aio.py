@@ -88,14 +88,16 @@ class AsyncEmbeddingClient(ClientBase):
         request_id: str = "",
     ) -> npt.NDArray[np.floating]:
         """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
-        call, deadline, chunked = await self._start_embed(
+        call, deadline, model_name = await self._start_embed(
             ids, dtype, layout, model, timeout_s, request_id
         )
-        if chunked:
+        if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
             return decode.check_array_shape(result.hidden_states, call.leading_shape)
         raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
-        return decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
+        hidden = decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
+        self._learnt(model_name, hidden.shape[-1])
+        return hidden
 
     async def embed_result(
         self,
@@ -108,14 +110,15 @@ class AsyncEmbeddingClient(ClientBase):
         request_id: str = "",
     ) -> EmbedResult:
         """See ``EmbeddingClient.embed_result``."""
-        call, deadline, chunked = await self._start_embed(
+        call, deadline, model_name = await self._start_embed(
             ids, dtype, layout, model, timeout_s, request_id
         )
-        if chunked:
+        if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
         else:
             raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
             result = decode.decode_response(raw)
+            self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape)
 
     async def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
@@ -238,15 +241,13 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
-    ) -> tuple[codec.EmbedCall, Deadline, bool]:
+    ) -> tuple[codec.EmbedCall, Deadline, str]:
         """See ``EmbeddingClient._start_embed``."""
         self._ensure_open()
         call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id
         )
-        if self._needs_d_model(model_name):
-            await self._fetch_model_info(model_name, deadline)
-        return call, deadline, self._wants_chunked(model_name, call)
+        return call, deadline, model_name
 
     def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], Awaitable[bytes]]:
         """One Embed attempt with a given timeout: the answer's raw bytes."""
@@ -278,12 +279,14 @@ class AsyncEmbeddingClient(ClientBase):
         message = await self._with_retries(
             "GetModelInfo", deadline, lambda t: get(request, timeout=t, metadata=metadata)
         )
-        return self._learnt(model_name, ModelInfo.from_proto(message))
+        info = ModelInfo.from_proto(message)
+        self._learnt(model_name, info.d_model)
+        return info
 
     async def _with_retries(
         self, what: str, deadline: Deadline, attempt: Callable[[float | None], Awaitable[T]]
     ) -> T:
-        attempts = Attempts(what, self._settings.retry, deadline)
+        attempts = Attempts(what, self._settings.retry, deadline, self._is_open)
         while True:
             try:
                 return await attempt(attempts.timeout())

@@ -37,7 +37,8 @@ _LAYOUTS: dict[str, pb.RaggedLayout.ValueType] = {
 }
 _INT64: np.dtype[np.signedinteger[Any]] = dtypes.INT64.numpy
 _INT32: np.dtype[np.signedinteger[Any]] = dtypes.INT32.numpy
-_INT64_MAX = np.iinfo(np.int64).max
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_INT64_MIN = int(np.iinfo(np.int64).min)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,15 @@ def encode_ids(ids: Any) -> EncodedIds:
 
 
 def _asarray(obj: Any, what: str) -> npt.NDArray[Any]:
+    if isinstance(obj, (list, tuple)):
+        # Python ints past int64 would become objects or floats in numpy: name them here.
+        for index, value in enumerate(obj):
+            if isinstance(value, (str, bytes)):
+                raise client_invalid_input(f"{what}: element {index} = {value!r} is not an id")
+            if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+                raise client_invalid_input(
+                    f"{what}: element {index} = {value} does not fit in int64"
+                )
     try:
         return np.asarray(obj)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -180,12 +190,13 @@ def _from_array(arr: npt.NDArray[Any]) -> EncodedIds:
 def _int_ids(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.signedinteger[Any]]:
     """int32/int64 little-endian, converting other integer dtypes only when lossless."""
     kind, size = arr.dtype.kind, arr.dtype.itemsize
+    if kind == "O":
+        # Python ints beyond int64 (numpy keeps them as objects), or things not numbers.
+        raise client_invalid_input(_first_bad_object(arr, what))
     if kind not in "iu":
         hint = ""
         if kind == "f":
             hint = " (if the values are whole numbers, convert them: ids.astype(np.int64))"
-        elif kind == "O":
-            hint = " (values beyond int64, or not all of them numbers?)"
         raise client_invalid_input(f"{what} must be integers, got dtype {arr.dtype}{hint}")
     if kind == "i" and size == 8:
         target = _INT64
@@ -200,6 +211,17 @@ def _int_ids(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.signedinteger[A
     if arr.dtype == target:
         return arr
     return arr.astype(target)
+
+
+def _first_bad_object(arr: npt.NDArray[Any], what: str) -> str:
+    """The message for an object array of ids: its first value that is no int64, named."""
+    for index, value in np.ndenumerate(arr):
+        where = f"{what}: element {index[0] if len(index) == 1 else index}"
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            return f"{where} = {value!r} is not an integer id"
+        if not _INT64_MIN <= int(value) <= _INT64_MAX:
+            return f"{where} = {int(value)} does not fit in int64"
+    return f"{what} must be integers, got dtype {arr.dtype}"  # pragma: no cover - a bug
 
 
 def output_dtype(dtype: Any) -> dtypes.DType:

@@ -74,15 +74,17 @@ class EmbeddingClient(ClientBase):
         ``model_name``; "": the server's default). ``timeout_s`` overrides the client's
         default for this call.
         """
-        call, deadline, chunked = self._start_embed(
+        call, deadline, model_name = self._start_embed(
             ids, dtype, layout, model, timeout_s, request_id
         )
-        if chunked:
+        if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
             return decode.check_array_shape(result.hidden_states, call.leading_shape)
         raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
         # The array alone: the result object around it is for embed_result's callers.
-        return decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
+        hidden = decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
+        self._learnt(model_name, hidden.shape[-1])
+        return hidden
 
     def embed_result(
         self,
@@ -95,14 +97,15 @@ class EmbeddingClient(ClientBase):
         request_id: str = "",
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
-        call, deadline, chunked = self._start_embed(
+        call, deadline, model_name = self._start_embed(
             ids, dtype, layout, model, timeout_s, request_id
         )
-        if chunked:
+        if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
         else:
             raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
             result = decode.decode_response(raw)
+            self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape)
 
     def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
@@ -235,15 +238,13 @@ class EmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
-    ) -> tuple[codec.EmbedCall, Deadline, bool]:
-        """The call encoded, its deadline, and whether to ask for the answer in chunks."""
+    ) -> tuple[codec.EmbedCall, Deadline, str]:
+        """The call encoded, its deadline, and the model it is for."""
         self._check_open()
         call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id
         )
-        if self._needs_d_model(model_name):
-            self._fetch_model_info(model_name, deadline)
-        return call, deadline, self._wants_chunked(model_name, call)
+        return call, deadline, model_name
 
     def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], bytes]:
         """One Embed attempt with a given timeout: the answer's raw bytes."""
@@ -273,12 +274,14 @@ class EmbeddingClient(ClientBase):
         message = self._with_retries(
             "GetModelInfo", deadline, lambda t: get(request, timeout=t, metadata=metadata)
         )
-        return self._learnt(model_name, ModelInfo.from_proto(message))
+        info = ModelInfo.from_proto(message)
+        self._learnt(model_name, info.d_model)
+        return info
 
     def _with_retries(
         self, what: str, deadline: Deadline, attempt: Callable[[float | None], T]
     ) -> T:
-        attempts = Attempts(what, self._settings.retry, deadline)
+        attempts = Attempts(what, self._settings.retry, deadline, self._is_open)
         while True:
             try:
                 return attempt(attempts.timeout())

@@ -22,7 +22,7 @@ import numpy as np
 from tokembed.export.errors import ModelDirError
 from tokembed.export.hashing import sha256_file
 from tokembed.export.kinds import ModelKind, kind_of
-from tokembed.export.manifest import MODEL_NAME, WEIGHT_DTYPES, Manifest
+from tokembed.export.manifest import MANIFEST_NAME, MODEL_NAME, WEIGHT_DTYPES, Manifest
 
 # onnx.TensorProto data types, named the way the manifest names them.
 _ONNX_DTYPE_NAMES = {
@@ -57,16 +57,50 @@ class ModelDir:
 
 
 def load_model_dir(path: Path | str, *, verify_hashes: bool = True) -> ModelDir:
-    """Validate a model directory and return it; raise ``ModelDirError`` naming what is wrong."""
+    """Validate a model directory and return it; raise ``ModelDirError`` naming what is wrong.
+
+    ``verify_hashes=False`` checks everything but the files' sha256 (which reads every
+    byte): what the server checks before it binds its port, to fail at once.
+    """
     directory = Path(path)
+    if directory.is_file():
+        raise ModelDirError(
+            f"{directory}: is a file, not a model directory (model.onnx and manifest.json)"
+            + _export_hint(directory)
+        )
     if not directory.is_dir():
         raise ModelDirError(f"{directory}: model directory does not exist")
+    if not (directory / MANIFEST_NAME).is_file():
+        checkpoints = sorted(p.name for p in directory.iterdir() if _is_checkpoint(p))
+        if checkpoints:
+            raise ModelDirError(
+                f"{directory}: holds a checkpoint ({', '.join(checkpoints[:3])}) but no "
+                f"{MANIFEST_NAME}: it is not a model directory"
+                + _export_hint(directory / checkpoints[0])
+            )
     manifest = Manifest.read(directory)
     kind = kind_of(manifest, str(directory / "manifest.json"))
     _check_manifest_values(manifest, directory)
     _check_files(manifest, directory, verify_hashes=verify_hashes)
     _check_graph(manifest, kind, directory)
     return ModelDir(path=directory, manifest=manifest, kind=kind)
+
+
+# Files a model's weights come in, as tokembed export --weights reads them.
+_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return path.is_file() and path.name.endswith((*_CHECKPOINT_SUFFIXES, ".index.json"))
+
+
+def _export_hint(path: Path) -> str:
+    if not _is_checkpoint(path):
+        return ""
+    return (
+        f"; make one from it with: tokembed export --weights {path} --key "
+        "<the embedding's key> --out <model directory>"
+    )
 
 
 def _check_manifest_values(manifest: Manifest, directory: Path) -> None:

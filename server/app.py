@@ -48,7 +48,7 @@ from tokembed.server.edge.v1.servicer import (
     EmbeddingServicer,
     generic_handler,
 )
-from tokembed.server.loading import LoadedModel, ModelLoader, load_model
+from tokembed.server.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
 from tokembed.server.settings import Settings
@@ -79,7 +79,7 @@ class TokembedServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.repository = Repository(settings.default_model)
-        self.calls = Calls(self.metrics)
+        self.calls = Calls(self.metrics, summary_interval_s=settings.log_summary_interval_s)
         self.dataplane = DataPlane(self.repository, self.calls)
         self.metrics.track_inflight(lambda: self.calls.active)
         self.metrics.track_models(self._model_series, lambda: self.repository.ready)
@@ -103,6 +103,10 @@ class TokembedServer:
 
     async def start(self) -> None:
         settings = self.settings
+        # The model directories first: a bad one is one line, before anything listens.
+        await asyncio.get_running_loop().run_in_executor(
+            None, check_model_dirs, settings.model_dir, settings.default_model
+        )
         interceptors = []
         if settings.auth_token_file is not None:
             token = read_token(settings.auth_token_file)
@@ -351,8 +355,10 @@ class TokembedServer:
         self._workers.shutdown(wait=False)
         if self._stop_metrics is not None:
             self._stop_metrics()
+        self.calls.flush()
         self._stopped.set()
-        logger.info("stopped")
+        if self._server is not None:  # it never listened otherwise: nothing to say
+            logger.info("stopped")
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

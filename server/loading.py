@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,29 @@ class LoadedModel:
 # What the server loads each model directory with; tests wrap the backend of the real
 # one to hold or fail its look-ups.
 ModelLoader = Callable[[Path, Settings], LoadedModel]
+
+
+def check_model_dirs(directories: Sequence[Path], default_model: str | None) -> None:
+    """What can be known of the model directories before the server binds its port (all
+    but the files' sha256, which the load checks): each one valid, their names distinct,
+    the default one of them. Raises ``ServerConfigError`` naming the fault."""
+    paths: dict[str, Path] = {}
+    for directory in directories:
+        try:
+            name = load_model_dir(directory, verify_hashes=False).manifest.name
+        except ModelDirError as exc:
+            raise ServerConfigError(f"invalid model directory: {exc}") from exc
+        if name in paths:
+            raise ServerConfigError(
+                f"two models are named {name!r}: {paths[name]} and {directory}; give each "
+                "model directory a distinct name (tokembed export --name)"
+            )
+        paths[name] = directory
+    if directories and default_model is not None and default_model not in paths:
+        served = ", ".join(repr(name) for name in paths)
+        raise ServerConfigError(
+            f"default_model {default_model!r} is not one of the models served ({served})"
+        )
 
 
 def load_model(directory: Path, settings: Settings) -> LoadedModel:

@@ -17,7 +17,6 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Gauge,
     GCCollector,
     PlatformCollector,
@@ -28,7 +27,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tokembed.server.core.calls import FrontEnd
+from tokembed.server.core.calls import OUTCOMES, FrontEnd
 from tokembed.server.request_metrics import (
     CounterFamily,
     CounterSeries,
@@ -237,10 +236,18 @@ class Metrics:
         self.output_bytes = CounterFamily(
             "tokembed_output_bytes", "Bytes of hidden_states returned", ["model"]
         )
+        self.rejections = CounterFamily(
+            "tokembed_rejections", "Requests refused or dropped, by reason", ["reason"]
+        )
+        self.batcher_dropped = CounterFamily(
+            "tokembed_batcher_dropped",
+            "Queued requests dropped before compute, by model and reason",
+            ["model", "reason"],
+        )
         families = (
             self.requests, self.request_duration, self.queue_wait, self.compute,
             self.encode, self.batch_requests, self.batch_tokens, self.batches, self.tokens,
-            self.output_bytes,
+            self.output_bytes, self.rejections, self.batcher_dropped,
         )  # fmt: skip
         registry.register(
             RequestMetricsCollector(families, self._pending.lock, self._pending.apply)
@@ -251,18 +258,6 @@ class Metrics:
         self.inflight_output_bytes = Gauge(
             "tokembed_inflight_output_bytes",
             "Output bytes of admitted requests not yet finished (admission control)",
-            registry=registry,
-        )
-        self.rejections = Counter(
-            "tokembed_rejections",
-            "Requests refused or dropped, by reason",
-            ["reason"],
-            registry=registry,
-        )
-        self.batcher_dropped = Counter(
-            "tokembed_batcher_dropped",
-            "Queued requests dropped before compute, by model and reason",
-            ["model", "reason"],
             registry=registry,
         )
         if process_collector:
@@ -276,13 +271,22 @@ class Metrics:
         # (go-grpc-prometheus's InitializeMetrics does the same.) Those of each front end
         # and each model start when they are added.
         for reason in REJECTION_REASONS:
-            self.rejections.labels(reason=reason)
+            self.rejections.labels(reason)
 
     def _start_call_series(self, front_end: FrontEnd, model: str) -> None:
+        """The series of ``front_end``'s calls that can move for ``model`` ("": calls that
+        reached no model): those ``core.calls.OUTCOMES`` names, and no others."""
         protocol = front_end.protocol
         for method, operation in front_end.methods.items():
+            outcomes = OUTCOMES[operation]
+            errors = outcomes.with_model if model else outcomes.without_model
+            codes = {front_end.status_of(error("")) for error in errors}
+            if outcomes.ok_with_model == bool(model):
+                codes.add(front_end.ok)
+            if not codes:
+                continue
             self.request_duration.labels(protocol, operation, method, model)
-            for code in (front_end.ok, *front_end.codes):
+            for code in sorted(codes):
                 self.requests.labels(protocol, operation, method, code, model)
 
     # --- the calls' observer: deferred updates (see PendingUpdates)
@@ -318,7 +322,7 @@ class Metrics:
         )  # fmt: skip
 
     def rejected(self, reason: str) -> None:
-        self._pending.add(self.rejections.labels(reason=reason).inc, 1)
+        self._pending.add(self.rejections.labels(reason).inc, 1)
 
     # --- the schedulers' observer
 
@@ -327,7 +331,7 @@ class Metrics:
 
     def dropped(self, model: str, reason: str) -> None:
         # Rejections are counted once, with the call; this counts the look-ups saved.
-        self.batcher_dropped.labels(model=model, reason=reason).inc()
+        self._pending.add(self.batcher_dropped.labels(model, reason).inc, 1)
 
     # --- applied by PendingUpdates.apply, under its lock
 

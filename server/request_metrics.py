@@ -10,7 +10,8 @@ These series are only ever changed by ``PendingUpdates.apply``, which holds the 
 that :class:`RequestMetricsCollector` holds while it reads them: a scrape sees every
 update made before it, none twice, and never half of one. The exposition is the one
 prometheus_client writes for its own counters and histograms (names, ``le`` labels,
-``_created``), so dashboards and docs/metrics.md do not change.
+but no ``_created`` series: a timestamp per series that no dashboard here reads, and as
+many series again on every scrape), so dashboards and docs/metrics.md do not change.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 SeriesT = TypeVar("SeriesT", "CounterSeries", "HistogramSeries")
@@ -33,11 +32,10 @@ SeriesT = TypeVar("SeriesT", "CounterSeries", "HistogramSeries")
 class CounterSeries:
     """One labelled series of a counter."""
 
-    __slots__ = ("created", "value")
+    __slots__ = ("value",)
 
     def __init__(self) -> None:
         self.value = 0.0
-        self.created = time.time()
 
     def inc(self, amount: float) -> None:
         self.value += amount
@@ -46,13 +44,12 @@ class CounterSeries:
 class HistogramSeries:
     """One labelled series of a histogram: a count per bucket (the last one +Inf)."""
 
-    __slots__ = ("_upper_bounds", "counts", "created", "sum")
+    __slots__ = ("_upper_bounds", "counts", "sum")
 
     def __init__(self, upper_bounds: Sequence[float]) -> None:
         self._upper_bounds = tuple(upper_bounds)
         self.counts = [0] * (len(self._upper_bounds) + 1)
         self.sum = 0.0
-        self.created = time.time()
 
     def observe(self, amount: float) -> None:
         # The first bucket whose bound is >= amount: Prometheus buckets are "le".
@@ -103,7 +100,7 @@ class CounterFamily(_Family[CounterSeries]):
     def exposed(self) -> Metric:
         counter = self.described()
         for values, series in self.series.items():
-            counter.add_metric(list(values), series.value, created=series.created)
+            counter.add_metric(list(values), series.value)
         return counter
 
 
@@ -134,9 +131,6 @@ class HistogramFamily(_Family[HistogramSeries]):
                 cumulative += count
                 buckets.append((bound, float(cumulative)))
             histogram.add_metric(list(values), buckets, series.sum)
-            # prometheus_client's histograms expose when each series began; so do these.
-            labels = dict(zip(self.label_names, values, strict=True))
-            histogram.samples.append(Sample(f"{self.name}_created", labels, series.created))
         return histogram
 
 

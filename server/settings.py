@@ -120,6 +120,11 @@ class Settings:
     log_format: str = _setting(
         "text", "text or json (one object per line)", choices=("text", "json")
     )
+    log_summary_interval_s: float = _setting(
+        10.0,
+        "refused requests are logged per reason as the first one in full, then one line per "
+        "interval this long saying how many more there were (each has its own line at debug)",
+    )
     workers: int = _setting(1, "server processes sharing the port through SO_REUSEPORT")
     # --- security
     tls_cert: Path | None = _setting(None, "PEM certificate chain: serve TLS on the gRPC port")
@@ -185,6 +190,7 @@ class Settings:
             "stream_chunk_bytes",
             "max_concurrent_batches",
             "workers",
+            "log_summary_interval_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -204,7 +210,8 @@ class Settings:
                 raise ServerConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         # Fix: float("nan") parses from a flag or a variable and passes every "< 0" test
         # (a NaN max_delay made the batcher never wait); inf is no duration either.
-        for name in ("max_delay_ms", "grace_s", "max_connection_age_s", "memory_trim_interval_s"):
+        for name in ("max_delay_ms", "grace_s", "max_connection_age_s", "memory_trim_interval_s",
+                     "log_summary_interval_s"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):
                 raise ServerConfigError(
                     f"{name} must be a finite number, got {getattr(self, name)}"

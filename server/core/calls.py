@@ -2,6 +2,11 @@
 one came, and how each ended, told to the metrics and the log from here alone, whatever
 the protocol.
 
+Refusals are logged so that a flood does not drown the log (a 1 s drain under load once
+wrote 1,719 lines): per reason, the first refusal in full as a WARNING, then one summary
+line per interval ("N more rejected (unavailable) in the last 10 s"); each refusal also
+has its own line at DEBUG. The metrics count every one.
+
 A front end describes itself once (``FrontEnd``: its protocol's name, its methods and the
 operation each serves, and its table from domain errors to status codes); every call
 names its front end, so the metrics and the log say which protocol answered it.
@@ -21,6 +26,13 @@ from tokembed.server.core.errors import (
     Cancelled,
     DeadlineExceeded,
     EmbedError,
+    Internal,
+    InvalidInput,
+    ModelNotFound,
+    Overloaded,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
     ran_out_of_time,
 )
 from tokembed.server.core.types import Timings
@@ -37,8 +49,28 @@ class FrontEnd:
     methods: Mapping[str, str]  # each method's operation: "Embed" -> "embed"
     status_of: Callable[[EmbedError], str]  # its status code's name for a domain error
     ok: str = "OK"  # the status code of a served call
-    # The status codes its table can give (and ``ok``): the metrics' series start at 0.
-    codes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """How a call of one operation can end, by whether it had reached a model (routing
+    names the call's model): the metrics start these series at 0, and no others, since a
+    series that can never move is noise on a dashboard."""
+
+    without_model: tuple[type[EmbedError], ...]  # refused before routing
+    with_model: tuple[type[EmbedError], ...]  # refused once routed
+    ok_with_model: bool = True  # False: answered without naming a model (a listing)
+
+
+_BEFORE_ROUTING = (InvalidInput, TooLarge, ModelNotFound, Unavailable, Unauthenticated)
+OUTCOMES: dict[str, Outcomes] = {
+    "embed": Outcomes(
+        _BEFORE_ROUTING,
+        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
+    ),
+    "model_info": Outcomes((InvalidInput, ModelNotFound, Unavailable, Unauthenticated), ()),
+    "list_models": Outcomes((InvalidInput, Unavailable, Unauthenticated), (), ok_with_model=False),
+}
 
 
 class Call:
@@ -85,12 +117,19 @@ class CallsObserver(Protocol):
     def rejected(self, reason: str) -> None: ...
 
 
+# How often repeated refusals of one reason are summed up in the log, by default.
+SUMMARY_INTERVAL_S = 10.0
+
+
 class Calls:
-    def __init__(self, observer: CallsObserver | None) -> None:
+    def __init__(
+        self, observer: CallsObserver | None, *, summary_interval_s: float = SUMMARY_INTERVAL_S
+    ) -> None:
         self._observer = observer
         self.active = 0  # calls (and stream items) being served now
         self.last_call_at = 0.0  # time.monotonic() of the latest call to reach a handler
         self._idle: asyncio.Event | None = None
+        self._refusals = _RefusalLog(summary_interval_s)
 
     # --- in flight
 
@@ -164,13 +203,19 @@ class Calls:
                 time.perf_counter() - call.started,
             )  # fmt: skip
             self._observer.rejected(error.reason)
-        logger.warning(
-            "%s rejected (%s, %s): %s%s", call.method, error.reason, code, error,
-            _request_id(call),
-            extra={"method": call.method, "model": call.model, "reason": error.reason,
-                   "code": code, "protocol": call.front_end.protocol,
-                   "request_id": call.request_id},
-        )  # fmt: skip
+        level = self._refusals.level(error.reason)
+        if logger.isEnabledFor(level):
+            logger.log(
+                level, "%s rejected (%s, %s): %s%s", call.method, error.reason, code, error,
+                _request_id(call),
+                extra={"method": call.method, "model": call.model, "reason": error.reason,
+                       "code": code, "protocol": call.front_end.protocol,
+                       "request_id": call.request_id},
+            )  # fmt: skip
+
+    def flush(self) -> None:
+        """Log the refusals not yet summed up (the server is stopping)."""
+        self._refusals.flush()
 
     def gone(self, call: Call, deadline: float | None) -> None:
         """The call's handler was cancelled: its caller went away, or its deadline passed.
@@ -182,6 +227,55 @@ class Calls:
             self.refused(call, DeadlineExceeded("deadline passed"))
         else:
             self.refused(call, Cancelled("caller left"))
+
+
+class _RefusalLog:
+    """Which refusals are logged in full: per reason, the first of each interval; the
+    others are counted and summed up in one line when the interval ends."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._windows: dict[str, _Window] = {}  # open intervals, by reason
+
+    def level(self, reason: str) -> int:
+        """The level of this refusal's own line: WARNING for the first of an interval."""
+        window = self._windows.get(reason)
+        if window is not None:
+            window.more += 1
+            return logging.DEBUG
+        window = self._windows[reason] = _Window(time.monotonic())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a test, a thread): summed up at the next flush
+            return logging.WARNING
+        window.timer = loop.call_later(self._interval_s, self._close, reason)
+        return logging.WARNING
+
+    def flush(self) -> None:
+        for reason in list(self._windows):
+            self._close(reason)
+
+    def _close(self, reason: str) -> None:
+        window = self._windows.pop(reason, None)
+        if window is None:
+            return
+        if window.timer is not None:
+            window.timer.cancel()
+        if window.more:
+            logger.warning(
+                "%d more rejected (%s) in the last %.0f s", window.more, reason,
+                time.monotonic() - window.opened,
+                extra={"reason": reason, "count": window.more},
+            )  # fmt: skip
+
+
+class _Window:
+    __slots__ = ("more", "opened", "timer")
+
+    def __init__(self, opened: float) -> None:
+        self.opened = opened
+        self.more = 0
+        self.timer: asyncio.TimerHandle | None = None
 
 
 def _request_id(call: Call) -> str:

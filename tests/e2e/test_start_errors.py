@@ -79,6 +79,37 @@ def test_an_unreadable_model_directory(tmp_path: Path, kind: str) -> None:
         (where / "manifest.json").mkdir(parents=True)
     result = serve("--model-dir", str(where), "--port", "0", "--metrics-port", "-1")
     assert_one_line_error(result, "invalid model directory", str(where))
+    # Checked before binding: nothing was listening, so nothing stopped either.
+    assert "listening on" not in result.stderr and "stopped" not in result.stderr
+
+
+@pytest.mark.parametrize("layout", ["the checkpoint itself", "a directory of a checkpoint"])
+def test_a_checkpoint_named_as_a_model_directory_says_how_to_make_one(
+    tmp_path: Path, layout: str
+) -> None:
+    checkpoint = tmp_path / "llama" / "model.safetensors"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"weights")
+    where = checkpoint if layout == "the checkpoint itself" else checkpoint.parent
+    result = serve("--model-dir", str(where), "--port", "0", "--metrics-port", "-1")
+    line = assert_one_line_error(
+        result, "invalid model directory", str(where), "tokembed export --weights",
+        str(checkpoint),
+    )  # fmt: skip
+    if layout == "the checkpoint itself":
+        assert "is a file, not a model directory" in line and "does not exist" not in line
+    else:
+        assert "holds a checkpoint (model.safetensors) but no manifest.json" in line
+    assert "listening on" not in result.stderr
+
+
+def test_a_default_model_nobody_serves_is_refused_before_binding(
+    small_model_dir: Path,
+) -> None:
+    result = serve("--model-dir", str(small_model_dir), "--default-model", "enc",
+                   "--port", "0", "--metrics-port", "-1")  # fmt: skip
+    assert_one_line_error(result, "default_model 'enc' is not one of the models served", "'small'")
+    assert "listening on" not in result.stderr
 
 
 @pytest.mark.parametrize(

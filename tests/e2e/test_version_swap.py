@@ -139,9 +139,7 @@ def test_the_old_version_is_unloaded_only_when_its_last_request_is_answered(
     """A request admitted on version 1 (held at its look-up) finishes on version 1 after
     the swap; the unload waits for it, and new requests meanwhile go to version 2."""
     loader = GatedLoader()
-    server: ServerThread = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0
-    )
+    server: ServerThread = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
     app = server.server
     assert app is not None
     v1 = loader.backends["small"]

@@ -23,12 +23,7 @@ from tokembed.server.core.dataplane import DataPlane, Refused, Sink, StreamSink
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.types import Answer, Buffer
-from tokembed.server.edge.status_codes import (
-    CODE_NAMES,
-    status_name,
-    status_of,
-    trailing_metadata,
-)
+from tokembed.server.edge.status_codes import status_name, status_of, trailing_metadata
 from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
@@ -50,7 +45,6 @@ FRONT_END = FrontEnd(
         "ListModels": "list_models",
     },
     status_of=status_name,
-    codes=CODE_NAMES,
 )
 
 
