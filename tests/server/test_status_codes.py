@@ -65,19 +65,30 @@ def test_subclasses_inherit_their_parents_code_and_unknown_errors_are_internal()
 
 
 def test_every_status_code_of_the_table_has_a_requests_series_from_the_start() -> None:
-    # The front end declares its codes (from this table) and the metrics start a series
-    # at 0 for each, on every method, before any call: rate() sees the first one.
+    # Each way a call can end (core.calls.OUTCOMES, per operation, before and after it
+    # reached a model) has its series at 0 before any call, under the code this table
+    # gives it, so rate() sees the first one; together they use every code of the table.
     from prometheus_client import CollectorRegistry
 
+    from tokembed.server.core.calls import OUTCOMES
     from tokembed.server.edge.v1.servicer import FRONT_END
     from tokembed.server.metrics import Metrics
 
     assert FRONT_END.ok == "OK"
-    assert {code.name for code in STATUS_BY_ERROR.values()} <= set(FRONT_END.codes)
     registry = CollectorRegistry()
-    Metrics(registry, process_collector=False).add_front_end(FRONT_END)
+    metrics = Metrics(registry, process_collector=False)
+    metrics.add_front_end(FRONT_END)
+    metrics.add_model("small")
+    started: set[str] = set()
     for method, operation in FRONT_END.methods.items():
-        for code in {"OK", *(code.name for code in STATUS_BY_ERROR.values())}:
-            labels = {"protocol": "tokembed.v1", "operation": operation, "method": method,
-                      "code": code, "model": ""}  # fmt: skip
-            assert registry.get_sample_value("tokembed_requests_total", labels) == 0, labels
+        outcomes = OUTCOMES[operation]
+        for model, errors_ in (("", outcomes.without_model), ("small", outcomes.with_model)):
+            codes = {status_of(error("x")).name for error in errors_}
+            if outcomes.ok_with_model == bool(model):
+                codes.add("OK")
+            for code in codes:
+                labels = {"protocol": "tokembed.v1", "operation": operation, "method": method,
+                          "code": code, "model": model}  # fmt: skip
+                assert registry.get_sample_value("tokembed_requests_total", labels) == 0, labels
+            started |= codes
+    assert started == {"OK"} | {code.name for code in STATUS_BY_ERROR.values()}
