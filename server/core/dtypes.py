@@ -9,7 +9,7 @@ in the client's table (``tokembed.client.dtypes``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,10 +19,10 @@ class DType:
     name: str  # as requests, manifests, metrics and logs name it
     numpy: np.dtype  # little-endian: the wire's byte order
     v2: str  # the Open Inference Protocol's datatype name
+    itemsize: int = field(init=False, compare=False)  # read per request: a plain int
 
-    @property
-    def itemsize(self) -> int:
-        return int(self.numpy.itemsize)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "itemsize", int(self.numpy.itemsize))
 
 
 FLOAT32 = DType("float32", np.dtype("<f4"), "FP32")

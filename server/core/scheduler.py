@@ -91,11 +91,14 @@ class Scheduler:
         ``deadline``: ``time.monotonic()`` after which nobody waits for the answer.
         Raises a ``core.errors.EmbedError`` for a job that fails.
         """
-        key = operation.batch_key(job)
-        batcher = self._batchers.get(key)
-        placement = self._policy.place(
-            job.tokens, job.output_bytes, batcher_idle=batcher is None or batcher.idle
-        )
+        policy = self._policy
+        if policy.batches:
+            key = operation.batch_key(job)
+            batcher = self._batchers.get(key)
+            idle = batcher is None or batcher.idle
+        else:  # a backend that never batches has no batcher to ask
+            key, idle = None, True
+        placement = policy.place(job.tokens, job.output_bytes, batcher_idle=idle)
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
         if deadline is not None and deadline <= time.monotonic():
@@ -121,7 +124,7 @@ class Scheduler:
     ) -> F:
         """A compute of one request (a batch of one), its answer and its frame."""
         started = time.monotonic()
-        (result,) = self._compute(operation, [job])
+        (result,) = self._compute(operation, [job], job.tokens)
         compute_s = time.monotonic() - started
         timings = Timings(0.0, compute_s, 1, job.tokens)
         return frame(operation.answer(job, result, timings, self.served))
@@ -169,12 +172,16 @@ class Scheduler:
         jobs = [job for _, job in items]
         tokens = sum(job.tokens for job in jobs)
         if self._policy.runs_inline(tokens, sum(job.output_bytes for job in jobs)):
-            return self._compute(operation, jobs)
+            return self._compute(operation, jobs, tokens)
         assert self._batch_threads is not None, "This is a bug."
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._batch_threads, self._compute, operation, jobs)
+        return await loop.run_in_executor(
+            self._batch_threads, self._compute, operation, jobs, tokens
+        )
 
-    def _compute(self, operation: Operation[Any, Any, Any], jobs: Sequence[Job]) -> list[Any]:
+    def _compute(
+        self, operation: Operation[Any, Any, Any], jobs: Sequence[Job], tokens: int
+    ) -> list[Any]:
         """Every compute, whatever its placement: run, check, report once."""
         started = time.monotonic()
         try:
@@ -187,7 +194,7 @@ class Scheduler:
         if len(results) != len(jobs):
             raise Internal(f"this is a bug: the look-up gave {len(results)} results for "
                            f"{len(jobs)} requests")  # fmt: skip
-        self._report_batch(len(jobs), sum(job.tokens for job in jobs), time.monotonic() - started)
+        self._report_batch(len(jobs), tokens, time.monotonic() - started)
         return results
 
     # --- reports: every compute is reported here, once

@@ -4,7 +4,7 @@ scheduler runs its backend."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokembed.export.kinds import IdInput, ModelKind
 from tokembed.export.model_dir import ModelDir
@@ -33,6 +33,14 @@ class ServedModel:
     backend: Backend
     limits: Limits
     batch: BatchLimits
+    # Read per request: the kind's id inputs with their bounds, the primary one first.
+    inputs: tuple[IdInput, ...] = field(init=False)
+    bounds: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        inputs = self.model.kind.inputs(self.model.manifest)
+        object.__setattr__(self, "inputs", inputs)
+        object.__setattr__(self, "bounds", tuple(i.bound(self.model.manifest) for i in inputs))
 
     @property
     def name(self) -> str:
@@ -53,7 +61,3 @@ class ServedModel:
     @property
     def d_model(self) -> int:
         return self.model.manifest.d_model
-
-    @property
-    def inputs(self) -> tuple[IdInput, ...]:
-        return self.model.kind.inputs(self.model.manifest)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -59,10 +60,7 @@ class EmbedJob:
     lengths: tuple[int, ...] | None  # ragged input only
     layout: str
     output_bytes: int
-
-    @property
-    def tokens(self) -> int:
-        return self.look_up.ids.count
+    tokens: int
 
     @property
     def output_dtype(self) -> DType:
@@ -163,18 +161,16 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
             "bytes per request; split it or ask for float16"
         )
 
-    primary, *others = model.inputs
     ids = TokenIds(request.data, id_dtype, tokens)
-    _check_bound(primary.name, ids, shape, primary.bound(model.model.manifest))
-    more = _more_ids(request, others, shape, tokens, model)
+    if not within_bound(ids, model.bounds[0]):
+        _refuse_bound(model.inputs[0].name, ids, shape, model.bounds[0])
+    more = None
+    if request.more_ids or len(model.inputs) > 1:
+        more = _more_ids(request, model.inputs[1:], shape, tokens, model)
     return EmbedJob(
-        look_up=LookUp(ids, output_dtype, more),
-        batch=batch,
-        seq_len=seq_len,
-        lengths=tuple(request.lengths) if request.lengths else None,
-        layout=layout,
-        output_bytes=output_bytes,
-    )
+        LookUp(ids, output_dtype, more), batch, seq_len,
+        tuple(request.lengths) if request.lengths else None, layout, output_bytes, tokens,
+    )  # fmt: skip
 
 
 def _more_ids(
@@ -213,7 +209,9 @@ def _more_ids(
             )
         _check_data_size(spec.name, sent.data, shape, dtype, tokens)
         ids = TokenIds(sent.data, dtype, tokens)
-        _check_bound(spec.name, ids, shape, spec.bound(model.model.manifest))
+        bound = spec.bound(model.model.manifest)
+        if not within_bound(ids, bound):
+            _refuse_bound(spec.name, ids, shape, bound)
         more[spec.name] = ids
     return more
 
@@ -260,15 +258,16 @@ def within_bound(ids: TokenIds, bound: int) -> bool:
     return int(array.min()) >= 0 and int(array.max()) < bound
 
 
-def _check_bound(name: str, ids: TokenIds, shape: tuple[int, ...], bound: int) -> None:
-    if not within_bound(ids, bound):
-        array = ids.array()
-        bad = np.flatnonzero((array < 0) | (array >= bound))
-        first = int(bad[0])
-        where = list(np.unravel_index(first, shape)) if len(shape) == 2 else [first]
-        index = ",".join(str(int(i)) for i in where)
-        more = f" ({bad.size} ids in all)" if bad.size > 1 else ""
-        what = "the vocabulary" if name == "input_ids" else "its range"
-        raise InvalidInput(
-            f"{name}[{index}] = {int(array[first])} is outside {what} [0, {bound}){more}"
-        )
+def _refuse_bound(name: str, ids: TokenIds, shape: tuple[int, ...], bound: int) -> NoReturn:
+    """``InvalidInput`` naming the first id outside ``[0, bound)``, where it is, and how
+    many there are."""
+    array = ids.array()
+    bad = np.flatnonzero((array < 0) | (array >= bound))
+    first = int(bad[0])
+    where = list(np.unravel_index(first, shape)) if len(shape) == 2 else [first]
+    index = ",".join(str(int(i)) for i in where)
+    more = f" ({bad.size} ids in all)" if bad.size > 1 else ""
+    what = "the vocabulary" if name == "input_ids" else "its range"
+    raise InvalidInput(
+        f"{name}[{index}] = {int(array[first])} is outside {what} [0, {bound}){more}"
+    )
