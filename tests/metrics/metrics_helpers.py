@@ -20,8 +20,8 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokembed.server.backends.base import Backend, Rows
-from tokembed.server.core.types import TokenIds
+from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.core.dtypes import DType
 from tokembed.server.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
@@ -115,15 +115,15 @@ class ValvedBackend(Backend):
         self.d_model = inner.d_model
         self.batches = inner.batches
 
-    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
+    def look_up(self, request: LookUp) -> Rows:
         self._valve.pass_through()
-        return self._inner.look_up(ids, dtype)
+        return self._inner.look_up(request)
 
-    def look_up_batch(self, requests: Sequence[tuple[TokenIds, np.dtype]]) -> list[Rows]:
+    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
         self._valve.pass_through()
         return self._inner.look_up_batch(requests)
 
-    def pad_row(self, dtype: np.dtype) -> bytes:
+    def pad_row(self, dtype: DType) -> bytes:
         return self._inner.pad_row(dtype)
 
 

@@ -1,6 +1,7 @@
-"""Logs: a debug line per served request, a warning per rejection with its reason, JSON
-lines for log pipelines, and a start-up line that says what is served and under which
-limits."""
+"""Logs: a debug line per served request and per rejection, a warning for the first
+rejection of each reason (the others are summed up per interval: tests/e2e/
+test_refusal_log.py), JSON lines for log pipelines, and a start-up line that says what is
+served and under which limits."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ SERVICER_LOGGER = "tokembed.server.servicer"
 MiB = 1024 * 1024
 
 
-def test_one_debug_line_per_request_and_one_warning_per_rejection(
+def test_one_line_per_request_and_a_warning_for_the_first_rejection_of_each_reason(
     caplog: pytest.LogCaptureFixture,
     small_model_dir: Path,
     start_server: Callable[..., ServerThread],
 ) -> None:
-    server = start_server(small_model_dir, max_tokens_per_request=64)
+    # An interval no test outlives: the summary of the rejections after the first of each
+    # reason comes at the stop, after these checks.
+    server = start_server(small_model_dir, max_tokens_per_request=64, log_summary_interval_s=3600)
     caplog.set_level(logging.DEBUG, logger=SERVICER_LOGGER)
     with stub_for(server.target) as stub:
         for k in range(3):
@@ -36,16 +39,21 @@ def test_one_debug_line_per_request_and_one_warning_per_rejection(
                 stub.Embed(bad, timeout=10)
         records = [r for r in caplog.records if r.name == SERVICER_LOGGER]
 
-        served = [r for r in records if r.levelno == logging.DEBUG]
+        served = [r for r in records if r.levelno == logging.DEBUG and " ok " in r.getMessage()]
         assert len(served) == 3
         for record in served:
             assert record.getMessage().startswith("Embed ok shape=[1, 8, 64] dtype=float32")
             assert (record.method, record.code) == ("Embed", "OK")  # type: ignore[attr-defined]
-        refused = [r for r in records if r.levelno == logging.WARNING]
+            assert record.protocol == "tokembed.v1"  # type: ignore[attr-defined]
+        refused = [r for r in records if "rejected" in r.getMessage()]
         reasons = [r.reason for r in refused]  # type: ignore[attr-defined]
         assert reasons == ["invalid_input", "invalid_input", "too_large"]
+        # The first of each reason in full, as a warning; a repeat at debug only.
+        levels = [r.levelno for r in refused]
+        assert levels == [logging.WARNING, logging.DEBUG, logging.WARNING]
         for record, reason in zip(refused, reasons, strict=True):
             assert reason in record.getMessage()
+            assert (record.method, record.model) == ("Embed", "small")  # type: ignore[attr-defined]
         assert len(records) == 6  # one line per request, nothing more
 
         # Per-request lines are debug only: at info a served request writes nothing.

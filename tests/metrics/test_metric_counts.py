@@ -26,7 +26,8 @@ from metrics_helpers import (
     stub_for,
 )
 
-from tokembed.server.metrics import REJECTION_REASONS, RPC_METHODS
+from tokembed.server.edge.v1.servicer import FRONT_END
+from tokembed.server.metrics import REJECTION_REASONS
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D
@@ -193,7 +194,7 @@ def test_every_method_is_counted_under_its_name(
         for (name, labels), value in samples(scrape(server.metrics_port)).items()
         if name == "tokembed_requests_total" and value
     }
-    assert counted == set(RPC_METHODS)
+    assert counted == set(FRONT_END.methods)
     assert rejections(server) == {"invalid_input": 1}
     # Tokens are the ids sent, not padded positions: 3x8 streamed, 2x8 chunked, 8 ragged.
     assert m("tokembed_tokens_total") == 24 + 16 + 8
@@ -377,11 +378,13 @@ def test_known_traffic_numbers_are_what_a_scrape_shows(
             stub.Embed(embed_request(ids_of(3, start=k)), timeout=10)
     found = samples(scrape(server.metrics_port))
     small = ("model", "small")
-    assert found[("tokembed_requests_total", (("code", "OK"), ("method", "Embed"), small))] == 7
+    # A call's series name its protocol and operation too (labels sorted by name).
+    embed = (("method", "Embed"), small, ("operation", "embed"), ("protocol", "tokembed.v1"))
+    assert found[("tokembed_requests_total", (("code", "OK"), *embed))] == 7
     assert found[("tokembed_tokens_total", (small,))] == 21
     assert found[("tokembed_batch_tokens_sum", (small,))] == 21
     assert found[("tokembed_output_bytes_total", (small,))] == 21 * ROW_BYTES
     assert np.isclose(
-        found[("tokembed_request_duration_seconds_sum", (("method", "Embed"), small))],
+        found[("tokembed_request_duration_seconds_sum", embed)],
         server.metric("tokembed_request_duration_seconds_sum", {"method": "Embed"}),
     )

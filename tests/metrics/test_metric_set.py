@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.server.edge.status_codes import STATUS_BY_ERROR
-from tokembed.server.metrics import REJECTION_REASONS, RPC_CODES, RPC_METHODS, Metrics
+from tokembed.server.edge.v1.servicer import FRONT_END
+from tokembed.server.metrics import REJECTION_REASONS, Metrics, ModelLabels
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.server import ServerThread
@@ -27,8 +28,11 @@ LATENCY_HISTOGRAMS = (
 )
 # {family as the text format names it: (type, label names)}
 EXPECTED = {
-    "tokembed_requests": ("counter", {"method", "code", "model"}),
-    "tokembed_request_duration_seconds": ("histogram", {"method", "model"}),
+    "tokembed_requests": ("counter", {"protocol", "operation", "method", "code", "model"}),
+    "tokembed_request_duration_seconds": (
+        "histogram",
+        {"protocol", "operation", "method", "model"},
+    ),
     "tokembed_queue_wait_seconds": ("histogram", {"model"}),
     "tokembed_compute_seconds": ("histogram", {"model"}),
     "tokembed_encode_seconds": ("histogram", {"model"}),
@@ -45,6 +49,7 @@ EXPECTED = {
         "gauge",
         {"name", "version", "vocab_size", "d_model", "dtype", "execution_provider", "backend"},
     ),
+    "tokembed_ready": ("gauge", set()),
     "process_cpu_seconds": ("counter", set()),
     "process_resident_memory_bytes": ("gauge", set()),
     "process_open_fds": ("gauge", set()),
@@ -105,11 +110,12 @@ def test_a_live_scrape_has_every_metric_with_its_type_and_labels(
 
 
 def _with_a_model(registry: CollectorRegistry, name: str = "small") -> Metrics:
-    from tokembed.server.metrics import ModelLabels
-
+    """Metrics wired as the server wires them: its front end, one model, what is served."""
     metrics = Metrics(registry)
+    metrics.add_front_end(FRONT_END)
+    metrics.add_model(name)
     labels = ModelLabels(name, "1", 1000, 64, "float32", "CPUExecutionProvider", "table")
-    metrics.add_model(labels, lambda: 0)
+    metrics.track_models(lambda: [(labels, 0)], lambda: True)
     return metrics
 
 
@@ -130,31 +136,70 @@ def test_latency_histograms_resolve_below_a_millisecond() -> None:
         assert max(b for b in bounds if b != float("inf")) >= 5, f"{name}: {bounds}"
 
 
+# How each method's calls can end, by whether they reached a model ("" : refused before
+# routing, or a listing, which names none): the series that start at 0, and no others (a
+# series that can never move is noise on a dashboard).
+_EMBED_CODES = {
+    "": {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED"},
+    "model": {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED",
+              "UNAVAILABLE", "INTERNAL"},
+}  # fmt: skip
+CODES_BY_METHOD = {
+    "Embed": _EMBED_CODES,
+    "EmbedStream": _EMBED_CODES,
+    "EmbedChunked": _EMBED_CODES,
+    "GetModelInfo": {"": {"INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED"},
+                     "model": {"OK"}},
+    "ListModels": {"": {"OK", "INVALID_ARGUMENT", "UNAVAILABLE", "UNAUTHENTICATED"},
+                   "model": set()},
+}  # fmt: skip
+
+
 def test_reasons_methods_and_codes_exist_at_zero_before_any_request() -> None:
     """Series born at 0, so increase() and rate() count the first event after a start
     (the Prometheus test shows it: a series born at 3 would show no increase)."""
     registry = CollectorRegistry()
-    _with_a_model(registry, "enc")
-    _ = _with_a_model  # (the second model, below)
+    metrics = _with_a_model(registry, "enc")
     assert set(REJECTION_REASONS) >= ISSUE_REASONS
     for reason in REJECTION_REASONS:
         assert registry.get_sample_value("tokembed_rejections_total", {"reason": reason}) == 0
-    # Every code the server answers with: OK and each code of the error table, for each
-    # model served and for requests that name none ("").
-    assert set(RPC_CODES) == {"OK"} | {code.name for code in STATUS_BY_ERROR.values()}
-    for model in ("enc", ""):
-        for method in RPC_METHODS:
-            for code in RPC_CODES:
-                labels = {"method": method, "code": code, "model": model}
-                assert registry.get_sample_value("tokembed_requests_total", labels) == 0
-            labels = {"method": method, "model": model}
-            assert registry.get_sample_value("tokembed_request_duration_seconds_count", labels) == 0
-    for family in (
-        "tokembed_tokens_total",
-        "tokembed_batches_total",
-        "tokembed_output_bytes_total",
-    ):
-        assert registry.get_sample_value(family, {"model": "enc"}) == 0, family
+    # Every way a call of each method can end, for each model served and for calls that
+    # reached none (""); a model added once serving ("dec") starts its series too. Between
+    # them, every code the server answers with.
+    assert set(FRONT_END.methods) == set(CODES_BY_METHOD)
+    every_code = {code for codes in CODES_BY_METHOD.values() for each in codes.values()
+                  for code in each}  # fmt: skip
+    assert every_code == {"OK"} | {code.name for code in STATUS_BY_ERROR.values()}
+    metrics.add_model("dec")
+    want = {
+        (method, code, model)
+        for method, codes in CODES_BY_METHOD.items()
+        for model in ("enc", "dec", "")
+        for code in codes["model" if model else ""]
+    }
+    got = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == "tokembed_requests_total":
+                labels = sample.labels
+                assert labels["protocol"] == "tokembed.v1", labels
+                assert labels["operation"] == FRONT_END.methods[labels["method"]], labels
+                got[(labels["method"], labels["code"], labels["model"])] = sample.value
+    assert set(got) == want
+    assert set(got.values()) == {0}
+    for method, model in {(method, model) for method, _, model in want}:
+        call = {"protocol": "tokembed.v1", "operation": FRONT_END.methods[method]}
+        labels = {**call, "method": method, "model": model}
+        assert registry.get_sample_value("tokembed_request_duration_seconds_count", labels) == 0
+    for model in ("enc", "dec"):
+        for family_name in (
+            "tokembed_tokens_total",
+            "tokembed_batches_total",
+            "tokembed_output_bytes_total",
+        ):
+            assert registry.get_sample_value(family_name, {"model": model}) == 0, (
+                family_name, model,
+            )  # fmt: skip
 
 
 def test_nothing_is_registered_globally(

@@ -10,11 +10,30 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tokembed.server.metrics import Metrics, PendingUpdates
 
+# How the calls' bookkeeping (core.calls) labels a tokembed.v1 Embed call.
+EMBED = {"protocol": "tokembed.v1", "operation": "embed", "method": "Embed"}
+
+
+def served(
+    metrics: Metrics,
+    model: str,
+    duration_s: float,
+    *,
+    tokens: int,
+    output_bytes: int,
+    queue_s: float,
+    encode_s: float | None,
+) -> None:
+    """``call_served`` of one Embed call, as the calls' bookkeeping reports it."""
+    metrics.call_served(
+        "tokembed.v1", "embed", "Embed", model, duration_s, tokens, output_bytes, queue_s, encode_s
+    )
+
 
 def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, process_collector=False)
-    metrics.served("Embed", "enc", 0.0002, tokens=8, output_bytes=16384, queue_s=0.0, encode_s=2e-5)
+    served(metrics, "enc", 0.0002, tokens=8, output_bytes=16384, queue_s=0.0, encode_s=2e-5)
     metrics.batch_done("enc", requests=3, tokens=24, compute_s=0.00005)
     metrics.rejected("overloaded")
 
@@ -22,20 +41,10 @@ def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
         return registry.get_sample_value(name, labels or {})
 
     enc = {"model": "enc"}
-    assert value("tokembed_requests_total", {"method": "Embed", "code": "OK", **enc}) == 1
-    assert value("tokembed_request_duration_seconds_count", {"method": "Embed", **enc}) == 1
-    assert (
-        value(
-            "tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.00025", **enc}
-        )
-        == 1
-    )
-    assert (
-        value(
-            "tokembed_request_duration_seconds_bucket", {"method": "Embed", "le": "0.0001", **enc}
-        )
-        == 0
-    )
+    assert value("tokembed_requests_total", {**EMBED, "code": "OK", **enc}) == 1
+    assert value("tokembed_request_duration_seconds_count", {**EMBED, **enc}) == 1
+    assert value("tokembed_request_duration_seconds_bucket", {**EMBED, "le": "0.00025", **enc}) == 1
+    assert value("tokembed_request_duration_seconds_bucket", {**EMBED, "le": "0.0001", **enc}) == 0
     assert value("tokembed_tokens_total", enc) == 8
     assert value("tokembed_output_bytes_total", enc) == 16384
     assert value("tokembed_queue_wait_seconds_count", enc) == 1
@@ -44,8 +53,8 @@ def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
     assert value("tokembed_batch_tokens_sum", enc) == 24
     assert value("tokembed_rejections_total", {"reason": "overloaded"}) == 1
     # The text exposition a scrape gets reads through the same collection.
-    metrics.served("Embed", "enc", 0.0001, tokens=2, output_bytes=4096, queue_s=0.0, encode_s=None)
-    metrics.served("Embed", "dec", 0.0001, tokens=5, output_bytes=4096, queue_s=0.0, encode_s=None)
+    served(metrics, "enc", 0.0001, tokens=2, output_bytes=4096, queue_s=0.0, encode_s=None)
+    served(metrics, "dec", 0.0001, tokens=5, output_bytes=4096, queue_s=0.0, encode_s=None)
     exposition = generate_latest(registry)
     assert b'tokembed_tokens_total{model="enc"} 10.0' in exposition
     assert b'tokembed_tokens_total{model="dec"} 5.0' in exposition  # each model its own
@@ -60,7 +69,7 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
 
     def record() -> None:
         for _ in range(per_thread):
-            metrics.served("Embed", "m", 0.0, tokens=1, output_bytes=2, queue_s=0.0, encode_s=0.0)
+            served(metrics, "m", 0.0, tokens=1, output_bytes=2, queue_s=0.0, encode_s=0.0)
 
     def scrape() -> None:
         while not done.is_set():
@@ -81,7 +90,7 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
     assert registry.get_sample_value("tokembed_output_bytes_total", m) == 2 * total
     assert registry.get_sample_value("tokembed_queue_wait_seconds_count", m) == total
     assert registry.get_sample_value("tokembed_encode_seconds_count", m) == total
-    ok = {"method": "Embed", "code": "OK", **m}
+    ok = {**EMBED, "code": "OK", **m}
     assert registry.get_sample_value("tokembed_requests_total", ok) == total
 
 

@@ -1,6 +1,7 @@
 """The series every request updates (server/request_metrics.py) are exposed exactly as
-prometheus_client exposes its own counters and histograms after the same updates, and a
-scrape filtered by name sees them, up to date."""
+prometheus_client exposes its own counters and histograms after the same updates (less
+their ``_created`` series, which ours leave out), and a scrape filtered by name sees them,
+up to date."""
 
 from __future__ import annotations
 
@@ -10,38 +11,54 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
+from tokembed.server.core.calls import OUTCOMES
+from tokembed.server.edge.v1.servicer import FRONT_END
 from tokembed.server.metrics import (
     BATCH_REQUESTS_BUCKETS,
     BATCH_TOKENS_BUCKETS,
     LATENCY_BUCKETS_S,
-    RPC_CODES,
-    RPC_METHODS,
+    REJECTION_REASONS,
     Metrics,
 )
 
-# Refused: (method, model, code, seconds).
-RPCS = [("Embed", "enc", "INVALID_ARGUMENT", 3.0), ("EmbedStream", "", "CANCELLED", 0.0)]
-# Served: (method, model, seconds, tokens, bytes, queue seconds, encode seconds or None);
-# exact bucket edges, values past the last bucket, answers not encoded as one message,
-# and two models.
+V1 = "tokembed.v1"
+# Refused: (protocol, operation, method, code, model, seconds); a second protocol's call
+# too (the series are per protocol, whatever front ends are added).
+CALLS = [
+    (V1, "embed", "Embed", "INVALID_ARGUMENT", "enc", 3.0),
+    (V1, "embed", "EmbedStream", "CANCELLED", "", 0.0),
+    ("v2", "infer", "ModelInfer", "NOT_FOUND", "enc", 0.001),
+]
+# Served: (protocol, operation, method, model, seconds, tokens, bytes, queue seconds,
+# encode seconds or None); exact bucket edges, values past the last bucket, answers not
+# framed as one message, and two models.
 SERVED = [
-    ("Embed", "enc", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01),
-    ("Embed", "dec", 0.00025, 256, 524288, 0.002, 2.5e-5),
-    ("Embed", "enc", 1e9, 1, 64, 0.0, None), ("EmbedChunked", "enc", 0.5, 3, 192, 0.25, None),
-]  # fmt: skip
+    (V1, "embed", "Embed", "enc", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01),
+    (V1, "embed", "Embed", "dec", 0.00025, 256, 524288, 0.002, 2.5e-5),
+    (V1, "embed", "Embed", "enc", 1e9, 1, 64, 0.0, None),
+    (V1, "embed", "EmbedChunked", "enc", 0.5, 3, 192, 0.25, None),
+]
 # (model, requests, tokens, seconds)
 BATCHES = [("enc", 1, 7, 1e-5), ("dec", 3, 70000, 1e-6), ("enc", 600, 300000, 12.5)]
+REJECTED = ["invalid_input", "cancelled", "not_found", "invalid_input"]
+# (model, reason) of queued requests dropped before compute
+DROPPED = [("enc", "cancelled"), ("dec", "deadline_exceeded"), ("enc", "cancelled")]
 
 
 def ours() -> CollectorRegistry:
     registry = CollectorRegistry()
     metrics = Metrics(registry, process_collector=False)
-    for rpc in RPCS:
-        metrics.rpc_done(*rpc)
+    metrics.add_front_end(FRONT_END)
+    for call in CALLS:
+        metrics.call_done(*call)
     for served in SERVED:
-        metrics.served(*served)
+        metrics.call_served(*served)
     for batch in BATCHES:
         metrics.batch_done(*batch)
+    for reason in REJECTED:
+        metrics.rejected(reason)
+    for model, reason in DROPPED:
+        metrics.dropped(model, reason)
     return registry
 
 
@@ -51,13 +68,16 @@ def prometheus_clients_own() -> CollectorRegistry:
     registry = CollectorRegistry()
     requests = Counter(
         "tokembed_requests",
-        "RPCs finished, by method, gRPC status code and model (EmbedStream: one per request)",
-        ["method", "code", "model"], registry=registry,
+        "Calls finished, by protocol, operation, method, status code and model (a stream: "
+        "one per request)",
+        ["protocol", "operation", "method", "code", "model"], registry=registry,
     )  # fmt: skip
     duration = Histogram(
         "tokembed_request_duration_seconds",
-        "Server time of an RPC, from decoding the request to handing the answer to gRPC",
-        ["method", "model"], buckets=LATENCY_BUCKETS_S, registry=registry,
+        "Server time of a call, from decoding the request to handing the answer to the "
+        "transport",
+        ["protocol", "operation", "method", "model"], buckets=LATENCY_BUCKETS_S,
+        registry=registry,
     )  # fmt: skip
     queue = Histogram(
         "tokembed_queue_wait_seconds",
@@ -71,7 +91,7 @@ def prometheus_clients_own() -> CollectorRegistry:
     )  # fmt: skip
     encode = Histogram(
         "tokembed_encode_seconds",
-        "Time to encode one response's bytes (Embed and EmbedStream answers)",
+        "Time to frame one answer in its protocol's bytes (a chunked answer: its header)",
         ["model"], buckets=LATENCY_BUCKETS_S, registry=registry,
     )  # fmt: skip
     batch_requests = Histogram(
@@ -87,16 +107,32 @@ def prometheus_clients_own() -> CollectorRegistry:
     output_bytes = Counter(
         "tokembed_output_bytes", "Bytes of hidden_states returned", ["model"], registry=registry
     )
-    for method in RPC_METHODS:
-        duration.labels(method=method, model="")
-        for code in RPC_CODES:
-            requests.labels(method=method, code=code, model="")
-    for method, model, code, seconds in RPCS:
-        requests.labels(method=method, code=code, model=model).inc()
-        duration.labels(method=method, model=model).observe(seconds)
-    for method, model, seconds, count, nbytes, queue_s, encode_s in SERVED:
-        requests.labels(method=method, code="OK", model=model).inc()
-        duration.labels(method=method, model=model).observe(seconds)
+    rejections = Counter(
+        "tokembed_rejections", "Requests refused or dropped, by reason", ["reason"],
+        registry=registry,
+    )  # fmt: skip
+    dropped = Counter(
+        "tokembed_batcher_dropped", "Queued requests dropped before compute, by model and reason",
+        ["model", "reason"], registry=registry,
+    )  # fmt: skip
+    for reason in REJECTION_REASONS:  # every reason at 0 from the start
+        rejections.labels(reason)
+    # The front end's series that can move for calls that reach no model (model ""), at 0
+    # from the start: each way such a call can end (core.calls.OUTCOMES).
+    for method, operation in FRONT_END.methods.items():
+        outcomes = OUTCOMES[operation]
+        codes = {FRONT_END.status_of(error("")) for error in outcomes.without_model}
+        if not outcomes.ok_with_model:
+            codes.add(FRONT_END.ok)
+        duration.labels(V1, operation, method, "")
+        for code in sorted(codes):
+            requests.labels(V1, operation, method, code, "")
+    for protocol, operation, method, code, model, seconds in CALLS:
+        requests.labels(protocol, operation, method, code, model).inc()
+        duration.labels(protocol, operation, method, model).observe(seconds)
+    for protocol, operation, method, model, seconds, count, nbytes, queue_s, encode_s in SERVED:
+        requests.labels(protocol, operation, method, "OK", model).inc()
+        duration.labels(protocol, operation, method, model).observe(seconds)
         tokens.labels(model=model).inc(count)
         output_bytes.labels(model=model).inc(nbytes)
         queue.labels(model=model).observe(queue_s)
@@ -109,6 +145,10 @@ def prometheus_clients_own() -> CollectorRegistry:
         batch_requests.labels(model=model).observe(n_requests)
         batch_tokens.labels(model=model).observe(n_tokens)
         compute.labels(model=model).observe(seconds)
+    for reason in REJECTED:
+        rejections.labels(reason).inc()
+    for model, reason in DROPPED:
+        dropped.labels(model, reason).inc()
     return registry
 
 
@@ -116,6 +156,7 @@ FAMILIES = (
     "tokembed_requests", "tokembed_request_duration_seconds", "tokembed_queue_wait_seconds",
     "tokembed_compute_seconds", "tokembed_encode_seconds", "tokembed_batch_requests",
     "tokembed_batch_tokens", "tokembed_batches", "tokembed_tokens", "tokembed_output_bytes",
+    "tokembed_rejections", "tokembed_batcher_dropped",
 )  # fmt: skip
 _NAMES = "|".join(FAMILIES)
 _FAMILY_OF_LINE = re.compile(
@@ -124,17 +165,23 @@ _FAMILY_OF_LINE = re.compile(
 
 
 def _family_lines(text: str) -> list[str]:
-    """The lines of those families, in order, with their creation times masked."""
-    masked = re.sub(r"(_created(\{[^}]*\})?) \S+", r"\1 T", text)
-    return [line for line in masked.splitlines() if _FAMILY_OF_LINE.match(line)]
+    """The lines of those families, in order, but their ``_created`` series."""
+    return [
+        line
+        for line in text.splitlines()
+        if _FAMILY_OF_LINE.match(line)
+        and not re.match(r"^(?:# (?:HELP|TYPE|UNIT) )?\w+_created[ {]", line)
+    ]
 
 
 @pytest.mark.parametrize("generate", [generate_latest, generate_openmetrics])
 def test_the_exposition_is_prometheus_clients_own(generate: object) -> None:
-    got = _family_lines(generate(ours()).decode())  # type: ignore[operator]
+    text = generate(ours()).decode()  # type: ignore[operator]
+    got = _family_lines(text)
     want = _family_lines(generate(prometheus_clients_own()).decode())  # type: ignore[operator]
     assert len(want) >= 250  # every family, every series
     assert got == want
+    assert "_created" not in text  # a timestamp per series, which no dashboard reads
 
 
 def test_a_scrape_filtered_by_name_sees_the_latest_updates() -> None:
@@ -147,6 +194,9 @@ def test_a_scrape_filtered_by_name_sees_the_latest_updates() -> None:
         for metric in filtered.collect()
         for sample in metric.samples
     }
-    ok_enc = (("code", "OK"), ("method", "Embed"), ("model", "enc"))
+    ok_enc = (
+        ("code", "OK"), ("method", "Embed"), ("model", "enc"), ("operation", "embed"),
+        ("protocol", V1),
+    )  # fmt: skip
     assert samples[("tokembed_requests_total", ok_enc)] == 2
     assert samples[("tokembed_compute_seconds_count", (("model", "enc"),))] == 2
