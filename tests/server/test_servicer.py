@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 import pytest
 
-from tokembed.server.backends.base import Backend, Rows
-from tokembed.server.core.types import TokenIds
+from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.core.dtypes import FLOAT16, DType
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
@@ -39,12 +39,12 @@ class BrokenFloat16Backend(Backend):
         self.execution_provider = inner.execution_provider
         self.d_model = inner.d_model
 
-    def look_up(self, ids: TokenIds, dtype: np.dtype) -> Rows:
-        if dtype == np.float16:
+    def look_up(self, request: LookUp) -> Rows:
+        if request.dtype is FLOAT16:
             raise RuntimeError("cast exploded")
-        return self._inner.look_up(ids, dtype)
+        return self._inner.look_up(request)
 
-    def pad_row(self, dtype: np.dtype) -> bytes:
+    def pad_row(self, dtype: DType) -> bytes:
         return self._inner.pad_row(dtype)
 
 

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from tokembed.server.core.admission import OutputBudget
-from tokembed.server.core.engine import BatchLimits, Engine
+from tokembed.server.core.calls import Calls
+from tokembed.server.core.dataplane import DataPlane
 from tokembed.server.core.policy import Policy
-from tokembed.server.core.registry import ModelRegistry
-from tokembed.server.core.validation import Limits
-from tokembed.server.edge.calls import Calls
-from tokembed.server.edge.requests import EmbedParser, parse_embed
-from tokembed.server.edge.servicer import EmbeddingServicer
+from tokembed.server.core.repository import Repository
+from tokembed.server.core.scheduler import Scheduler
+from tokembed.server.core.served import BatchLimits, Limits, ServedModel
+from tokembed.server.edge.v1.requests import EmbedParser, parse_embed
+from tokembed.server.edge.v1.servicer import EmbeddingServicer
 from tokembed.server.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -58,20 +59,22 @@ def test_embed_holds_the_room_until_its_rpc_ends(
     ids = np.random.default_rng(9).integers(0, SMALL_V, (2, tokens // 2)).astype(dtype)
     budget = OutputBudget(1 << 30)
     workers = ThreadPoolExecutor(2)
-    engine = Engine(
+    served = ServedModel(
         small_loaded.model,
         small_loaded.backend,
-        limits=Limits(SMALL_V, SMALL_D, 65536, 1 << 30),
-        batch=BatchLimits(16384, 0.002, 1, 262144),
-        policy=Policy(batches=False, inline_max_tokens=256),
-        budget=budget,
-        workers=workers,
+        Limits(max_tokens_per_request=65536, max_output_bytes_per_request=1 << 30),
+        BatchLimits(16384, 0.002, 1, 262144),
     )
-    registry = ModelRegistry()
-    registry.add(engine)
-    registry.loaded()
+    scheduler = Scheduler(
+        served, policy=Policy(batches=False, inline_max_tokens=256), budget=budget,
+        workers=workers,
+    )  # fmt: skip
+    repository = Repository()
+    handle = repository.add(scheduler)
+    repository.activate(handle)
+    repository.started()
     servicer = EmbeddingServicer(
-        registry, Calls(None), chunk_bytes=1 << 20, max_message_bytes=0,
+        DataPlane(repository, Calls(None)), chunk_bytes=1 << 20, max_message_bytes=0,
         parse=EmbedParser(1 << 30, 65536),
     )  # fmt: skip
 
@@ -80,9 +83,11 @@ def test_embed_holds_the_room_until_its_rpc_ends(
         payload = await servicer.Embed(request(ids), context)  # type: ignore[arg-type]
         for _ in range(3):
             await asyncio.sleep(0)
-        assert budget.inflight_bytes == ids.size * SMALL_D * 4  # answered, not yet sent
+        # Answered, not yet sent: the room, and the model version's lease, are held.
+        assert budget.inflight_bytes == ids.size * SMALL_D * 4
+        assert handle.leases == 1
         context.end()
-        assert budget.inflight_bytes == 0
+        assert budget.inflight_bytes == 0 and handle.leases == 0
         return payload
 
     try:
