@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.client import EmbeddingClient
 
@@ -21,12 +22,18 @@ ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 def _served(server: ServerProcess) -> float:
+    """Embed calls ``server`` answered OK, as its scrape shows them (parsed by
+    prometheus_client, whatever the labels' order or number)."""
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith('tokembed_requests_total{code="OK",method="Embed",model="small"}'):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        text = response.read().decode()
+    ok = {"method": "Embed", "code": "OK", "model": "small"}.items()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tokembed_requests_total" and ok <= sample.labels.items()
+    )
 
 
 def test_round_robin_spreads_over_three_servers_and_survives_losing_one(
