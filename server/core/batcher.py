@@ -33,6 +33,7 @@ from typing import Generic, TypeVar
 
 from tokembed.server.core.errors import (
     DeadlineExceeded,
+    EmbedError,
     Internal,
     Unavailable,
     ran_out_of_time,
@@ -216,7 +217,9 @@ class Batcher(Generic[ItemT, ResultT]):
                 raise Internal(f"this is a bug: {len(answers)} results for {len(batch)} requests")
             compute_s = time.monotonic() - started
         except Exception as exc:
-            error = exc if isinstance(exc, Internal) else Internal(f"the look-up failed: {exc}")
+            # A domain error (Overloaded, Unavailable...) reaches the callers as it is, as
+            # it does from a compute outside the batcher; anything else is Internal.
+            error = exc if isinstance(exc, EmbedError) else Internal(f"the look-up failed: {exc}")
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(error)

@@ -15,8 +15,9 @@ back to a status through its own table. Everything else happens here, once:
     count (calls: in flight, outcome, metrics and the log, labelled by protocol,
          operation, method and model)
 
-Streams are served here too: answers in order, up to ``STREAM_WINDOW`` requests worked
-on ahead, a failed request answered by the sink's error frame while the stream goes on.
+Streams are served here too: answers in order, ``STREAM_WINDOW`` requests worked on ahead
+(two more in hand: the one whose answer is being sent, and the one waiting for room), a
+failed request answered by the sink's error frame while the stream goes on.
 Nothing here imports a transport.
 """
 

@@ -218,7 +218,7 @@ class Repository:
         """For each name, the version a request naming no version gets, in the order the
         names were first added."""
         served = []
-        for versions in self._models.values():
+        for versions in list(self._models.values()):
             ready = [h for h in versions if h.state is ModelState.READY]
             if ready:
                 served.append(ready[-1].served)
@@ -226,7 +226,10 @@ class Repository:
 
     def __iter__(self) -> Iterator[ModelHandle]:
         """Every handle not yet unloaded (every version), names in the order added."""
-        return iter([handle for versions in self._models.values() for handle in versions])
+        # Snapshots: the metrics thread iterates here while the loop may add a version.
+        return iter(
+            [handle for versions in list(self._models.values()) for handle in list(versions)]
+        )
 
     def __len__(self) -> int:
         return len(self._models)

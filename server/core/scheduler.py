@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 from tokembed.server.core.admission import Admission, OutputBudget, Ticket
 from tokembed.server.core.batcher import Batcher
-from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal
+from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal, Unavailable
 from tokembed.server.core.operations.base import Job, Operation
 from tokembed.server.core.policy import Placement, Policy
 from tokembed.server.core.served import ServedModel
@@ -65,6 +65,7 @@ class Scheduler:
         # Batches compute on threads of their own, as many as may compute at once: a
         # model's batches never wait behind another model's large frames.
         self._batch_threads: ThreadPoolExecutor | None = None
+        self._closed = False
         self._admission = Admission(
             budget, max_queued_tokens=served.batch.max_queued_tokens,
             queued_tokens=self.queued_tokens,
@@ -72,7 +73,8 @@ class Scheduler:
 
     def queued_tokens(self) -> int:
         """Tokens waiting in this model version's batchers."""
-        return sum(batcher.queued_tokens for batcher in self._batchers.values())
+        # A snapshot: the metrics thread asks while the loop may add a batcher.
+        return sum(batcher.queued_tokens for batcher in list(self._batchers.values()))
 
     def admit(self, job: Job, on_release: Callable[[], None] | None = None) -> Ticket:
         """Room for ``job``, or ``Overloaded``; release the ticket once its answer is sent
@@ -91,6 +93,8 @@ class Scheduler:
         ``deadline``: ``time.monotonic()`` after which nobody waits for the answer.
         Raises a ``core.errors.EmbedError`` for a job that fails.
         """
+        if self._closed:  # the repository routes nothing here once closed; a bug if so
+            raise Unavailable("this model version is unloaded")
         policy = self._policy
         if policy.batches:
             key = operation.batch_key(job)
@@ -111,6 +115,7 @@ class Scheduler:
 
     async def close(self) -> None:
         """Fail what is still queued, wait for the batches computing, let go."""
+        self._closed = True
         for batcher in self._batchers.values():
             await batcher.close()
         if self._batch_threads is not None:
