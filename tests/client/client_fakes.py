@@ -126,7 +126,7 @@ class FakeService(pb_grpc.EmbeddingServiceServicer):
     def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext
     ) -> pb.ModelInfo:
-        # The client asks for D before it decides on EmbedChunked; it reads nothing else.
+        # The client asks for D before it decides on EmbedChunked, and uses nothing else.
         self._enter("GetModelInfo", context)
         return pb.ModelInfo(name=FAKE_NAME, version="1", d_model=D)
 

@@ -45,7 +45,8 @@ def test_embed_prints_shape_preview_and_timings(
     )
     assert timings is not None, out
     queue, compute, total = (float(t) for t in timings.groups())
-    assert queue >= 0 and 0 < compute <= total
+    # Printed to 1 us: a tiny look-up may show 0.000 ms of compute, never more than the total.
+    assert queue >= 0 and 0 <= compute <= total and total > 0
     assert requests_of(real_server, "Embed") == 1
 
 
