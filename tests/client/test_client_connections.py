@@ -42,9 +42,7 @@ def test_bearer_token_is_sent(
     with client_for(server, token="s3cret\n") as client:  # surrounding whitespace goes
         np.testing.assert_array_equal(client.embed([[1]]), small_rows[[[1]]])
     for token in ("wrong", None):
-        with (
-            client_for(server, token=token, retries=3, chunked_threshold_bytes=None) as client,
-        ):
+        with client_for(server, token=token, retries=3, chunked_threshold_bytes=None) as client:
             with pytest.raises(AuthenticationError) as info:
                 client.embed([[1]])
             assert client.health() == "SERVING"  # health checks need no token
