@@ -1,6 +1,7 @@
 """One cell of the plan (a workload, width, dtype and concurrency), measured on every
 endpoint side by side: the floor, the service through each client, no batching, and the
-in-process ceiling.
+ceiling (the service's look-up in this process, ``ceiling.py``). ``report.ENDPOINTS``
+says what each endpoint is.
 
 Where a target compares two figures ~10% apart, the cells it compares are measured in
 turns (see ``runner.run_interleaved``), so that a slow stretch of this shared machine
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from tokembed.bench import processes
+from tokembed.bench.ceiling import Ceiling, ceiling_ids
 from tokembed.bench.meters import ServerMeter, SettleBetweenCells, TurnsMeter
 from tokembed.bench.plan import TARGETS_D_MODEL, Cell, MiB, Plan
 from tokembed.bench.runner import (
@@ -36,6 +38,7 @@ from tokembed.bench.runner import (
 )
 from tokembed.bench.workloads import LARGE, TINY, Workload
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec
+from tokembed.server.backends.base import Backend
 
 CLIENT_MESSAGE_BYTES = 1 << 30
 # The deadline the tokembed clients send with every call (they always send one).
@@ -85,7 +88,7 @@ class Endpoints:
     service_bare_call: Any  # the service's Embed as a bare unary callable
     unary: EmbeddingClient  # the sync client, unary calls only
     chunked: EmbeddingClient  # the sync client, EmbedChunked for answers of 1 MiB and up
-    session: Any  # onnxruntime's session on the same model: the ceiling
+    ceiling: Backend  # the service's backend for the same model, in this process
     service_proc: processes.Child
     nobatch_proc: processes.Child
     floor_pid: int
@@ -191,14 +194,10 @@ def measure_cell(
         run = measure.asyncio(no_batch.embed, requests, no_batch)
     yield measure.cell("no-batching", run, meter, "--max-batch-tokens 1, async client")
 
-    flat_requests = [_flat_ids(r) for r in requests]
-
-    def in_process(ids: Any) -> object:
-        out = at.session.run(None, {"input_ids": ids})[0]
-        return out.astype(np.float16) if dtype == "float16" else out
-
-    yield measure.cell("ceiling", measure.threads(in_process, flat_requests), None,
-                       "in-process onnxruntime")  # fmt: skip
+    ceiling = Ceiling(at.ceiling, dtype)
+    ceiling_requests = [ceiling_ids(r) for r in requests]
+    yield measure.cell("ceiling", measure.threads(ceiling, ceiling_requests), None,
+                       "the service's look-up in process, no transport")  # fmt: skip
 
 
 class _CellMeasure:
@@ -315,13 +314,6 @@ def _count_tokens(ids: Any) -> int:
     if isinstance(ids, np.ndarray):
         return int(ids.size)
     return sum(len(row) for row in ids)
-
-
-def _flat_ids(ids: Any) -> np.ndarray:
-    if isinstance(ids, np.ndarray):
-        return ids
-    flat = np.concatenate([np.asarray(row, dtype=np.int64) for row in ids])
-    return flat.reshape(1, -1)
 
 
 def _encode_request(ids: Any, dtype: str) -> bytes:

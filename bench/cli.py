@@ -1,26 +1,54 @@
-"""``tokembed bench``: measure the service against its floor and ceiling, in one run."""
+"""``tokembed bench``: measure the service against its floor and ceiling, in one run.
+
+Where it writes: a full run into ``docs/benchmarks`` (the project keeps its latest full run
+there, committed); ``--quick`` into a fresh temporary directory, so that trying it in a
+clone leaves no untracked file behind. ``--out`` names another.
+"""
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokembed.bench.plan import Plan
+
+# Where a full run writes by default: the project's record of its latest run.
+FULL_RUN_OUT = Path("docs/benchmarks")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmark the service against bare gRPC (floor) and in-process onnxruntime",
+        help="benchmark the service against bare gRPC (floor) and its own look-up in process "
+        "(ceiling)",
         description=(
-            "Starts the floor (a bare gRPC endpoint answering same-sized payloads), the "
-            "service with and without batching, and an in-process onnxruntime session, and "
-            "measures them side by side. Writes a markdown table and PNG plots."
+            "Starts the floor (a bare gRPC endpoint answering same-sized payloads) and the "
+            "service with and without batching, loads the service's look-up in this process "
+            "(the ceiling), and measures them side by side. Prints what each endpoint is, "
+            "then a line per cell as it is measured, then the targets; writes a markdown "
+            "table (and, for a full run, PNG plots)."
         ),
     )
-    parser.add_argument("--quick", action="store_true", help="a small plan (< 2 minutes)")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"),
-                        help="where the table and plots go (default docs/benchmarks)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small plan: tiny and large answers at D=512, no plots (about a minute on "
+        "2 cores; CI's smoke test)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the table (and plots) go. Default: docs/benchmarks for a full run (the "
+        "project's record of its latest run: run it from the checkout's root); a fresh "
+        "temporary directory for --quick. Printed at the end",
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path("models/bench"),
                         help="where the bench models are exported once and reused")  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -56,8 +84,18 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not name:
             raise SystemExit(f"tokembed bench: error: --server-env wants NAME=VALUE, got {item!r}")
         server_env[name] = value
+    print(_plan_line(plan, args.device))
+    print("endpoints (each cell measures each of them that applies):")
+    columns = min(100, shutil.get_terminal_size().columns) - 2
+    print("\n".join("  " + line for line in report.legend(columns)))
+    print(
+        "each cell's line: endpoint, workload, width D, answer dtype, concurrent callers, "
+        "requests/s, MB/s of answers, p50 and p99 latency of a call"
+    )
+    print()
     results = harness.run_plan(plan, args.cache_dir, device=args.device, server_env=server_env)
     targets = report.evaluate_targets(results)
+    args.out = output_dir(args.out, quick=args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("quick" if args.quick else "bench") + (
         "-cuda" if args.device == "cuda" else ""
@@ -82,3 +120,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"{errors} requests failed during the run (see the errors column)", file=sys.stderr)
         return 1
     return 0
+
+
+def output_dir(out: Path | None, *, quick: bool) -> Path:
+    """``--out`` if given; else a full run's record, docs/benchmarks, or for ``--quick`` a
+    fresh temporary directory (made now, after the run: a run that fails leaves none)."""
+    if out is not None:
+        return out
+    return Path(tempfile.mkdtemp(prefix="tokembed-bench-")) if quick else FULL_RUN_OUT
+
+
+def _plan_line(plan: Plan, device: str) -> str:
+    return (
+        f"plan: D={', '.join(map(str, plan.d_models))}; "
+        f"{', '.join(f'{w.name} {w.shape_text}' for w in plan.workloads)}; "
+        f"{', '.join(plan.dtypes)}; concurrency {', '.join(map(str, plan.concurrencies))}; "
+        f"{plan.duration_s:g} s a cell; device {device}"
+    )

@@ -1,12 +1,13 @@
 """The measurement plan run: every cell side by side in one run, against its references.
 
 Per model width D, the harness starts three processes and measures, per workload,
-concurrency and output dtype (see ``cells.measure_cell``):
+concurrency and output dtype (see ``cells.measure_cell``; ``report.ENDPOINTS`` says what
+each endpoint is):
 - floor:       a bare gRPC endpoint returning a same-sized payload, bare gRPC client;
 - service:     ``tokembed serve``, through the sync and asyncio clients (unary, chunked
                streaming for large answers, EmbedStream);
 - no batching: a second ``tokembed serve`` with ``--max-batch-tokens 1``;
-- ceiling:     the same look-up in-process with onnxruntime, no transport at all.
+- ceiling:     the service's own look-up in this process (``ceiling.py``), no transport.
 Server CPU seconds per request and peak RSS are read from /proc for the server processes.
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from tokembed.bench import floor as floor_module
 from tokembed.bench import processes
+from tokembed.bench.ceiling import load_backend
 from tokembed.bench.cells import CLIENT_MESSAGE_BYTES, CLIENT_TIMEOUT_S, Endpoints, measure_cell
 from tokembed.bench.meters import SettleBetweenCells
 from tokembed.bench.plan import Cell, MiB, Plan, Results
@@ -79,6 +81,7 @@ def run_plan(
 ) -> Results:
     """``server_env``: variables the service runs with (and not the floor or clients)."""
     results = Results(plan=plan)
+    progress(PROGRESS_HEADER)
     results.environment = {
         "cpus": str(os.cpu_count()),
         "device": device,
@@ -114,12 +117,19 @@ def _served_weights_bytes(model_dir: Path, d_model: int) -> int:
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 
 
+# The columns of the line printed for each cell as it is measured (``_progress_line``).
+PROGRESS_HEADER = (
+    f"{'endpoint':16s} {'workload':8s} {'D':>5s} {'dtype':8s} {'conc':>4s} "
+    f"{'req/s':>9s} {'MB/s':>9s} {'p50 ms':>9s} {'p99 ms':>9s}"
+)
+
+
 def _progress_line(cell: Cell) -> str:
     errors = f" errors={cell.run.errors} ({cell.run.first_error[:80]})" if cell.run.errors else ""
     return (
-        f"{cell.target:16s} {cell.workload:7s} D={cell.d_model:<5d} {cell.dtype:8s} "
-        f"c={cell.concurrency:<3d} {cell.run.rps:9.1f} req/s {cell.mb_per_s:9.1f} MB/s "
-        f"p50={cell.run.percentile_ms(50):8.3f} ms p99={cell.run.percentile_ms(99):8.3f} ms{errors}"
+        f"{cell.target:16s} {cell.workload:8s} {cell.d_model:5d} {cell.dtype:8s} "
+        f"{cell.concurrency:4d} {cell.run.rps:9.1f} {cell.mb_per_s:9.1f} "
+        f"{cell.run.percentile_ms(50):9.3f} {cell.run.percentile_ms(99):9.3f}{errors}"
     )
 
 
@@ -132,10 +142,6 @@ def _measure_width(
     nobatch_proc: processes.Child,
     device: str,
 ) -> Iterator[Cell]:
-    import onnxruntime as ort
-
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else None
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), providers=providers)
     floor_channel = grpc.insecure_channel(
         floor_proc.target,
         options=[("grpc.max_receive_message_length", CLIENT_MESSAGE_BYTES),
@@ -154,7 +160,7 @@ def _measure_width(
     settle = SettleBetweenCells(1.5 * Settings().memory_trim_interval_s)
     endpoints = Endpoints(
         floor_call=floor_call, service_bare_call=service_bare_call, unary=unary,
-        chunked=chunked, session=session, service_proc=service_proc,
+        chunked=chunked, ceiling=load_backend(model_dir, device), service_proc=service_proc,
         nobatch_proc=nobatch_proc, floor_pid=floor_proc.pid, settle=settle,
     )  # fmt: skip
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,46 @@ from pathlib import Path
 from tokembed.bench.plan import TARGETS_D_MODEL, Cell, Results
 
 MB = 1e6
+
+# What each endpoint of a cell is (bench/cells.py measures them), in the order the cells
+# come; printed before a run, and written into its table. docs/benchmarks/README.md has a
+# row for each (tests/bench/test_bench_legend.py checks it).
+ENDPOINTS: dict[str, str] = {
+    "floor": "a bare gRPC endpoint (bench/floor.py) answering a pre-encoded response of the "
+    "same size, called by a bare gRPC client with no deadline: what any Python gRPC service "
+    "costs at least. Targets are ratios to it",
+    "floor-deadline": "the floor called with the deadline the tokembed clients send "
+    "(tiny [1,8] at concurrency 1 only)",
+    "service-bare": "tokembed serve's Embed called by a bare gRPC client: the floor's request "
+    "bytes and the clients' deadline, no decoding (tiny [1,8] at concurrency 1 only)",
+    "service-sync": "tokembed serve through the sync client (EmbeddingClient), unary Embed",
+    "service-async": "tokembed serve through the asyncio client (AsyncEmbeddingClient), "
+    "unary Embed",
+    "service-chunked": "the sync client with EmbedChunked (1 MiB slices; what the client "
+    "uses above 16 MiB), for answers of 4 MiB and more",
+    "service-stream": "one EmbedStream per request through the sync client, for answers "
+    "under 4 MiB",
+    "no-batching": "a second tokembed serve with --max-batch-tokens 1, asyncio client (only "
+    "the onnxruntime backend batches: with the table backend, the default on CPU, it is the "
+    "service again)",
+    "ceiling": "the service's own look-up (its backend, loaded as tokembed serve loads the "
+    "model) called in the bench's process, the answer's bytes made once: no transport, no "
+    "request parsing, no client. What the service could reach if those cost nothing",
+}
+
+
+def legend(columns: int = 100) -> list[str]:
+    """Each endpoint's name, then what it is, wrapped to ``columns``."""
+    width = max(len(name) for name in ENDPOINTS) + 2
+    lines: list[str] = []
+    for name, what in ENDPOINTS.items():
+        lines += textwrap.wrap(
+            what,
+            width=max(columns, width + 30),
+            initial_indent=f"{name:{width}s}",
+            subsequent_indent=" " * width,
+        )
+    return lines
 
 
 @dataclass(frozen=True)
@@ -209,6 +250,8 @@ def markdown(results: Results, targets: list[Target], command: str) -> str:
         measured = "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
         lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
     lines += _latency_steps_markdown(results)
+    lines += ["", "## Endpoints", "", "| endpoint | what |", "|---|---|"]
+    lines += [f"| `{name}` | {what} |" for name, what in ENDPOINTS.items()]
     lines += [
         "",
         "## All cells",

@@ -1,7 +1,8 @@
-"""``tokembed embed``, ``tokembed info``, ``tokembed health``: the client on the command line.
+"""``tokembed embed``, ``info``, ``models``, ``health``: the client on the command line.
 
-grpc and numpy are imported inside the run functions, so that ``tokembed --help`` and the
-other subcommands do not pay for them.
+grpc and numpy are imported inside the run functions (and ``--dtype``'s choices when they
+are first asked for), so that ``tokembed --help`` and the other subcommands do not pay for
+them.
 """
 
 from __future__ import annotations
@@ -10,16 +11,35 @@ import argparse
 import json
 import os
 import sys
+import typing
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokembed.client.results import ModelInfo
+    from tokembed.client.results import ModelInfo, ModelList
     from tokembed.client.sync import EmbeddingClient
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 TARGET_ENV = "TOKEMBED_TARGET"
+
+
+class _OutputDtypes:
+    """``--dtype``'s choices: the output dtype names the client accepts
+    (``tokembed.client.codec.OutputDType``), read from there when argparse first asks
+    (a ``--dtype`` given, or ``embed --help``), since the codec imports numpy."""
+
+    def _names(self) -> tuple[str, ...]:
+        from tokembed.client.codec import OutputDType
+
+        return typing.get_args(OutputDType)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,7 +93,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="NAME",
         help="the served model to embed with (default: the server's default model)",
     )
-    embed.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    embed.add_argument(
+        "--dtype",
+        choices=_OutputDtypes(),
+        default="float32",
+        metavar="DTYPE",
+        help="dtype of the answer, one of: %(choices)s (default %(default)s; float16 is half "
+        "the bytes, rounded to nearest from the float32 values)",
+    )
     embed.add_argument(
         "--layout",
         choices=["padded", "flat"],
@@ -104,6 +131,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     info.add_argument("--timeout-s", type=float, default=10.0, help="per call (default 10)")
     info.set_defaults(run=run_info)
 
+    models = subparsers.add_parser(
+        "models",
+        parents=[common],
+        help="list the models a running server serves, one line each",
+        description="Call ListModels and print one line per served model: its name, "
+        "version, V, D, weight dtype and backend, the default one marked with *. "
+        "`tokembed info --all` prints every model in full.",
+    )
+    models.add_argument("--timeout-s", type=float, default=10.0, help="per call (default 10)")
+    models.set_defaults(run=run_models)
+
     health = subparsers.add_parser(
         "health",
         parents=[common],
@@ -112,7 +150,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "0 when SERVING; 1 when not serving, unknown or unreachable (one line says which).",
     )
     health.add_argument(
-        "--service", default="", help="service name to ask about (default: the whole server)"
+        "--service",
+        default="",
+        metavar="NAME",
+        help="the service to ask about: a served model's name, or tokembed.v1.EmbeddingService "
+        "(default: the whole server)",
     )
     health.add_argument("--timeout-s", type=float, default=5.0, help="per check (default 5)")
     health.set_defaults(run=run_health)
@@ -143,7 +185,8 @@ def _client(args: argparse.Namespace, *, retries: int | None = None) -> Embeddin
 
 
 def parse_ids(text: str) -> list[list[int]]:
-    """ "5 6 7; 8,9" -> [[5, 6, 7], [8, 9]]; a bad token raises InvalidInputError."""
+    """ "5 6 7; 8,9" -> [[5, 6, 7], [8, 9]]; a bad token raises InvalidInputError naming
+    it. Whether an id is in the model's vocabulary is the server's to say (it knows V)."""
     from tokembed.client.errors import client_invalid_input
 
     sequences: list[list[int]] = []
@@ -151,10 +194,16 @@ def parse_ids(text: str) -> list[list[int]]:
         tokens = part.replace(",", " ").split()
         if not tokens:
             raise client_invalid_input(f"--ids: sequence {i} is empty")
-        try:
-            sequences.append([int(t) for t in tokens])
-        except ValueError as exc:
-            raise client_invalid_input(f"--ids: {exc}") from exc
+        sequence = []
+        for token in tokens:
+            try:
+                sequence.append(int(token))
+            except ValueError:
+                raise client_invalid_input(
+                    f"--ids: {token!r} (sequence {i}) is not a token id: ids are integers "
+                    'separated by spaces or commas, sequences by ";"'
+                ) from None
+        sequences.append(sequence)
     return sequences
 
 
@@ -211,6 +260,40 @@ def _run_info_all(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_models(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        served = client.models()
+    print("\n".join(models_table(served)))
+    return 0
+
+
+def models_table(served: ModelList) -> list[str]:
+    """One line per model, under a header; ``*`` marks the default model."""
+    header = ("MODEL", "VERSION", "V", "D", "WEIGHTS", "BACKEND", "DEFAULT")
+    rows = [
+        (
+            info.name,
+            info.version,
+            str(info.vocab_size),
+            str(info.d_model),
+            info.weight_dtype,
+            info.backend or "?",
+            "*" if info.name == served.default_model else "",
+        )
+        for info in served
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    # V and D are numbers: right-aligned; the rest left-aligned.
+    numeric = (2, 3)
+    return [
+        "  ".join(
+            cell.rjust(width) if i in numeric else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in (header, *rows)
+    ]
+
+
 def _info_lines(info: ModelInfo) -> list[str]:
     lim = info.limits
     padding = "none" if info.padding_id is None else str(info.padding_id)
@@ -237,6 +320,8 @@ def _info_lines(info: ModelInfo) -> list[str]:
 def run_health(args: argparse.Namespace) -> int:
     from tokembed.client.errors import EmbeddingError
 
+    # The whole server is the target alone; a named service is named after it.
+    checked = args.target + (f" service {args.service!r}" if args.service else "")
     # Not retried: a health check reports the present, and the orchestrator asks again.
     with _client(args, retries=0) as client:
         try:
@@ -244,10 +329,12 @@ def run_health(args: argparse.Namespace) -> int:
         except EmbeddingError as exc:
             if exc.code is None:
                 raise  # not the server's answer (e.g. grpcio-health-checking missing)
-            print(f"{args.target}: unhealthy: {exc}", file=sys.stderr)
+            print(f"{checked}: unhealthy: {exc}", file=sys.stderr)
             return 1
     if status == "SERVING":
-        print(f"{args.target}: SERVING")
+        print(f"{checked}: SERVING")
         return 0
-    print(f"{args.target}: {status}", file=sys.stderr)
+    if status == "SERVICE_UNKNOWN":
+        status += " (the server has no such service: each served model has one under its name)"
+    print(f"{checked}: {status}", file=sys.stderr)
     return 1

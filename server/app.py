@@ -395,8 +395,30 @@ async def serve(settings: Settings) -> int:
         assert error is not None
         raise error
     await stop_wait
+    signalled_at = time.monotonic()
     logger.info("signal received: draining (grace %.1fs)", settings.grace_s)
     await server.stop()
     if not ready.done():
         ready.cancel()
+    # At most half of what is left of the grace, so that the process still ends within it.
+    await let_tasks_end(max(0.0, signalled_at + settings.grace_s - time.monotonic()) / 2)
     return 0
+
+
+async def let_tasks_end(timeout_s: float) -> None:
+    """Wait for every other task on this loop to end by itself, for at most ``timeout_s``.
+
+    gRPC's stop returns once its core holds no open call, while the Python side of calls it
+    has just ended may still be finishing (grpc/grpc#37239). Ending the loop then (asyncio.run
+    cancels what is left) makes gRPC log such a call as an unhandled CancelledError, with a
+    traceback: an error in the log of a drain that went well.
+    """
+    deadline = time.monotonic() + timeout_s
+    current = asyncio.current_task()
+    while others := asyncio.all_tasks() - {current}:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            names = sorted(task.get_name() for task in others)
+            logger.warning("%d tasks still running at the end: %s", len(names), names)
+            return
+        await asyncio.wait(others, timeout=left)

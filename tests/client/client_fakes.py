@@ -1,14 +1,27 @@
-"""A scripted fake EmbeddingService on 127.0.0.1, for the client's tests.
+"""A scripted fake EmbeddingService on 127.0.0.1, for the cases a real server cannot produce.
 
-The fake stands in for the real server only because the real one (server/) is being
-written at the same time; end-to-end tests against the real server live in tests/e2e/.
-It implements the protocol as the proto documents it (unary, stream, chunked, model
-info, ListModels, ragged layouts, float16, several models chosen by ``model_name``) with
-a table that makes every value checkable: E[id]*scale is replaced by
-``row(id) = id * D + arange(D)`` (distinct for every id, and D differs between models).
+Every behaviour a real server can show is tested against the real one (conftest.py's
+``real_server`` and friends). This fake exists only for what the real server never does on
+cue, and nothing else:
 
-Each test scripts failures by pushing actions onto ``FakeService.script``; every call is
-recorded (method, request, metadata, arrival time, deadline left) in ``FakeService.calls``.
+- a failure scripted for the n-th attempt of a call (UNAVAILABLE twice, then an answer),
+  with the arrival time and the deadline left of every attempt recorded: what the tests of
+  retries, backoff and the overall deadline measure the client by. The real server fails
+  only by its state (loading, draining, a full queue), which cannot be switched per attempt
+  nor timed to the millisecond;
+- a stream of chunks broken after its n-th message (a connection lost mid-answer);
+- answers that break the protocol: a wrong shape, a chunked answer cut short, more
+  EmbedStream answers than requests or fewer. A correct server never sends them; the client
+  must refuse them rather than return a wrong array.
+
+It answers rectangular input (``[B, S]``, int64 or int32) with ``row(id) = id * D +
+arange(D)``, so every value is checkable. It refuses ragged input (INVALID_ARGUMENT,
+reason invalid_input: no remaining test needs it, and a fake that padded it otherwise than
+the proto says would mislead). As the proto says, a refusal carries its reason: unary calls
+in the trailing metadata ``tokembed-error-reason``, EmbedStream items in ``Error.reason``.
+
+Tests push actions onto ``FakeService.script``; each Embed, EmbedChunked or EmbedStream call
+takes the next one (GetModelInfo never does). Calls are recorded in ``FakeService.calls``.
 """
 
 from __future__ import annotations
@@ -22,238 +35,158 @@ from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc as pb_grpc
 
 D = 8
 FAKE_NAME = "fake-model"
-FAKE_VERSION = "7"
 MAX_MESSAGE = 64 * 1024 * 1024
 _NP = {pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
 
 
-def rows(ids: Any, d: int = D, dtype: Any = np.float32) -> np.ndarray:
-    """The fake table's rows for ``ids`` (any shape): ``id * D + arange(D)``."""
+def rows(ids: Any) -> np.ndarray:
+    """The fake's answer for ``ids`` (any shape): ``id * D + arange(D)``, float32."""
     ids = np.asarray(ids, dtype=np.int64)
-    return (ids[..., None] * d + np.arange(d)).astype(dtype)
+    return (ids[..., None] * D + np.arange(D)).astype(np.float32)
 
 
 @dataclass
 class Abort:
-    """Fail the call with ``code``; ``reason`` goes to tokembed-error-reason."""
+    """Fail the call with ``code``; ``reason`` goes to tokembed-error-reason. Streaming
+    methods send ``after_messages`` messages first."""
 
     code: grpc.StatusCode
     reason: str | None = None
     message: str = "scripted failure"
-    delay_s: float = 0.0
-    after_chunks: int = 0  # EmbedChunked: send this many messages first
+    after_messages: int = 0
 
 
 @dataclass
-class Delay:
-    """Sleep before answering normally."""
+class Reply:
+    """Answer, with the messages the call would send passed through ``edit`` first (to
+    break the protocol): ``[EmbedResponse]`` for Embed, the chunks for EmbedChunked, the
+    answers for EmbedStream."""
 
-    seconds: float
+    edit: Callable[[list[Any]], list[Any]]
 
 
 @dataclass
 class Call:
     method: str
-    request: Any
-    metadata: dict[str, str]
-    at: float
-    time_remaining: float | None
-    peer: str
+    at: float  # time.monotonic() when the handler began
+    time_remaining: float | None  # the deadline left then, as the server saw it
 
 
 @dataclass
 class FakeService(pb_grpc.EmbeddingServiceServicer):
-    d_model: int = D  # the default model's (FAKE_NAME's)
-    # Models served beside the default one, name -> D; requests name them in model_name.
-    more_models: dict[str, int] = field(default_factory=dict)
     chunk_bytes: int = 1000
-    required_token: str | None = None
-    script: list[Any] = field(default_factory=list)
+    script: list[Abort | Reply] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
-    # Hook to corrupt answers: EmbedResponse -> EmbedResponse
-    mutate: Callable[[pb.EmbedResponse], pb.EmbedResponse] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    # ---------------------------------------------------------------- helpers
     def count(self, method: str) -> int:
         return sum(1 for c in self.calls if c.method == method)
 
-    def served(self) -> dict[str, int]:
-        """Every model served, name -> D, the default first."""
-        return {FAKE_NAME: self.d_model, **self.more_models}
-
-    def resolve(self, name: str) -> tuple[str, int] | Abort:
-        """The model a request names ("": the default) and its D, or the NOT_FOUND."""
-        served = self.served()
-        name = name or FAKE_NAME
-        if name not in served:
-            return Abort(
-                grpc.StatusCode.NOT_FOUND,
-                "not_found",
-                f"model {name!r} is not served here (this server serves {sorted(served)})",
-            )
-        return name, served[name]
-
-    def _enter(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        metadata = {k: v for k, v in context.invocation_metadata()}
+    def _enter(self, method: str, context: grpc.ServicerContext) -> Abort | Reply | None:
         with self.lock:
-            self.calls.append(
-                Call(
-                    method,
-                    request,
-                    metadata,
-                    time.monotonic(),
-                    context.time_remaining(),
-                    context.peer(),
-                )
-            )
-            action = self.script.pop(0) if self.script and method != "GetModelInfo" else None
-        if self.required_token is not None and (
-            metadata.get("authorization") != f"Bearer {self.required_token}"
-        ):
-            _abort(context, Abort(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "bad token"))
-        return action
-
-    def answer(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        model = self.resolve(request.model_name)
-        assert not isinstance(model, Abort), "checked before answering"
-        name, d = model
-        ids = np.frombuffer(request.input_ids.data, _NP[request.input_ids.dtype])
-        out_dtype = np.float16 if request.output_dtype == pb.DTYPE_FLOAT16 else np.float32
-        lengths = list(request.lengths)
-        if not lengths:
-            hs = rows(ids.reshape(tuple(request.input_ids.shape)), d, out_dtype)
-        elif request.ragged_layout == pb.RAGGED_LAYOUT_FLAT:
-            hs = rows(ids, d, out_dtype)
-        else:
-            hs = np.zeros((len(lengths), max(lengths), d), out_dtype)
-            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
-                hs[b, :n] = rows(ids[s : s + n], d, out_dtype)
-        response = pb.EmbedResponse(
-            hidden_states=pb.Tensor(
-                dtype=pb.DTYPE_FLOAT16 if out_dtype == np.float16 else pb.DTYPE_FLOAT32,
-                shape=hs.shape,
-                data=hs.tobytes(),
-            ),
-            lengths=lengths,
-            timings=pb.Timings(
-                queue_seconds=0.001,
-                compute_seconds=0.002,
-                server_seconds=0.004,
-                batch_requests=1,
-                batch_tokens=ids.size,
-            ),
-            model_name=name,
-            model_version=FAKE_VERSION,
-            request_id=request.request_id,
-        )
-        return self.mutate(response) if self.mutate else response
-
-    def _check(self, request: pb.EmbedRequest) -> Abort | None:
-        model = self.resolve(request.model_name)
-        if isinstance(model, Abort):
-            return model
-        ids = np.frombuffer(request.input_ids.data, _NP[request.input_ids.dtype])
-        if ids.size and ids.min() < 0:
-            return Abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", "negative id")
-        return None
+            self.calls.append(Call(method, time.monotonic(), context.time_remaining()))
+            return self.script.pop(0) if self.script and method != "GetModelInfo" else None
 
     # ---------------------------------------------------------------- RPCs
     def Embed(self, request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
-        action = self._enter("Embed", request, context)
-        _act(context, action)
-        problem = self._check(request)
-        if problem:
-            _abort(context, problem)
-        return self.answer(request)
+        action = self._enter("Embed", context)
+        if isinstance(action, Abort):
+            _abort(context, action)
+        response = _answer(request, context)
+        return _edit(action, [response])[0]
 
     def EmbedChunked(
         self, request: pb.EmbedRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.EmbedChunk]:
-        action = self._enter("EmbedChunked", request, context)
-        if not (isinstance(action, Abort) and action.after_chunks):
-            _act(context, action)
-        problem = self._check(request)
-        if problem:
-            _abort(context, problem)
-        response = self.answer(request)
+        action = self._enter("EmbedChunked", context)
+        response = _answer(request, context)
         data = response.hidden_states.data
-        header = pb.EmbedResponse()
-        header.CopyFrom(response)
-        header.hidden_states.data = b""
-        messages = [pb.EmbedChunk(header=header)] + [
+        response.hidden_states.data = b""
+        messages = [pb.EmbedChunk(header=response)] + [
             pb.EmbedChunk(data=data[i : i + self.chunk_bytes])
             for i in range(0, len(data), self.chunk_bytes)
         ]
-        for n, message in enumerate(messages):
-            if isinstance(action, Abort) and action.after_chunks == n:
-                _abort(context, action)
-            yield message
+        yield from _send(context, action, _edit(action, messages))
 
     def EmbedStream(
         self, request_iterator: Iterator[pb.EmbedRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.EmbedStreamResponse]:
-        self._enter("EmbedStream", None, context)
-        for request in request_iterator:
-            with self.lock:
-                self.calls.append(Call("EmbedStream.item", request, {}, time.monotonic(), None, ""))
-            problem = self._check(request)
-            if problem:
-                yield pb.EmbedStreamResponse(
-                    error=pb.Error(code=problem.code.value[0], message=problem.message)
-                )
-            else:
-                yield pb.EmbedStreamResponse(response=self.answer(request))
+        action = self._enter("EmbedStream", context)
+        # All requests first, then the answers: in order, one per request, as the proto
+        # asks (a scripted Reply may then add or drop some).
+        answers = [_stream_answer(request) for request in request_iterator]
+        yield from _send(context, action, _edit(action, answers))
 
     def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext
     ) -> pb.ModelInfo:
-        self._enter("GetModelInfo", request, context)
-        model = self.resolve(request.model_name)
-        if isinstance(model, Abort):
-            _abort(context, model)
-        assert not isinstance(model, Abort)
-        return self.model_info(*model)
+        # The client asks for D before it decides on EmbedChunked, and uses nothing else.
+        self._enter("GetModelInfo", context)
+        return pb.ModelInfo(name=FAKE_NAME, version="1", d_model=D)
 
-    def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.ServicerContext
-    ) -> pb.ListModelsResponse:
-        _act(context, self._enter("ListModels", request, context))
-        return pb.ListModelsResponse(
-            models=[self.model_info(name, d) for name, d in self.served().items()],
-            default_model=FAKE_NAME,
-        )
 
-    def model_info(self, name: str, d_model: int) -> pb.ModelInfo:
-        return pb.ModelInfo(
-            name=name,
-            version=FAKE_VERSION,
-            vocab_size=32000,
-            d_model=d_model,
-            scale=1.0,
-            padding_id=0,
-            weight_dtype="float32",
-            input_dtypes=[pb.DTYPE_INT64, pb.DTYPE_INT32],
-            output_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16],
-            execution_provider="FakeExecutionProvider",
-            limits=pb.Limits(
-                max_tokens_per_request=4096,
-                max_output_bytes_per_request=MAX_MESSAGE,
-                max_batch_tokens=8192,
-                max_message_bytes=MAX_MESSAGE,
-                max_delay_seconds=0.002,
-            ),
-            model_sha256="ab" * 32,
-            backend="table" if name == FAKE_NAME else "onnxruntime",
+def _refusal(request: pb.EmbedRequest) -> tuple[grpc.StatusCode, str, str] | None:
+    """Why the fake will not answer ``request`` (code, reason, message), or None."""
+    if request.lengths:
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_input",
+            "the fake answers rectangular input only",
         )
+    if request.input_ids.dtype not in _NP or len(request.input_ids.shape) != 2:
+        return grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", "input_ids must be [B, S] ints"
+    return None
+
+
+def _answer(request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
+    problem = _refusal(request)
+    if problem is not None:
+        _abort(context, Abort(*problem))
+    return _response(request)
+
+
+def _response(request: pb.EmbedRequest) -> pb.EmbedResponse:
+    ids = np.frombuffer(request.input_ids.data, _NP[request.input_ids.dtype])
+    hs = rows(ids.reshape(tuple(request.input_ids.shape)))
+    if request.output_dtype == pb.DTYPE_FLOAT16:
+        hs, dtype = hs.astype(np.float16), pb.DTYPE_FLOAT16
+    else:
+        dtype = pb.DTYPE_FLOAT32
+    return pb.EmbedResponse(
+        hidden_states=pb.Tensor(dtype=dtype, shape=hs.shape, data=hs.tobytes()),
+        model_name=FAKE_NAME,
+        model_version="1",
+        request_id=request.request_id,
+    )
+
+
+def _stream_answer(request: pb.EmbedRequest) -> pb.EmbedStreamResponse:
+    problem = _refusal(request)
+    if problem is None:
+        return pb.EmbedStreamResponse(response=_response(request))
+    code, reason, message = problem
+    return pb.EmbedStreamResponse(
+        error=pb.Error(code=code.value[0], message=message, reason=reason)
+    )
+
+
+def _edit(action: Abort | Reply | None, messages: list[Any]) -> list[Any]:
+    return action.edit(messages) if isinstance(action, Reply) else messages
+
+
+def _send(context: grpc.ServicerContext, action: Abort | Reply | None, messages: list[Any]) -> Any:
+    for sent, message in enumerate(messages):
+        if isinstance(action, Abort) and action.after_messages == sent:
+            _abort(context, action)
+        yield message
+    if isinstance(action, Abort):
+        _abort(context, action)
 
 
 def _abort(context: grpc.ServicerContext, action: Abort) -> None:
@@ -262,18 +195,9 @@ def _abort(context: grpc.ServicerContext, action: Abort) -> None:
     context.abort(action.code, action.message)
 
 
-def _act(context: grpc.ServicerContext, action: Any) -> None:
-    if isinstance(action, Delay):
-        time.sleep(action.seconds)
-    elif isinstance(action, Abort):
-        time.sleep(action.delay_s)
-        _abort(context, action)
-
-
 @dataclass
 class FakeServer:
     service: FakeService
-    health: health.HealthServicer
     server: grpc.Server
     port: int
 
@@ -285,12 +209,8 @@ class FakeServer:
         self.server.stop(grace=None).wait(5)
 
 
-def start_fake_server(
-    service: FakeService | None = None,
-    *,
-    credentials: grpc.ServerCredentials | None = None,
-) -> FakeServer:
-    """Start a fake on 127.0.0.1, a free port; health reports SERVING."""
+def start_fake_server(service: FakeService | None = None) -> FakeServer:
+    """Start a fake on 127.0.0.1, on a free port."""
     service = service or FakeService()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16),
@@ -301,63 +221,7 @@ def start_fake_server(
         ],
     )
     pb_grpc.add_EmbeddingServiceServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("tokembed.v1.EmbeddingService", health_pb2.HealthCheckResponse.SERVING)
-    if credentials is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", credentials)
+    port = server.add_insecure_port("127.0.0.1:0")
     assert port, "could not bind a loopback port"
     server.start()
-    return FakeServer(service, health_servicer, server, port)
-
-
-def free_port() -> int:
-    """A loopback port with nothing listening (bound, then released)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def make_certificates(directory: Any) -> dict[str, Any]:
-    """A throw-away CA, a server certificate for localhost/127.0.0.1 and a client
-    certificate, made with the openssl command (EC keys: fast)."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        import pytest
-
-        pytest.skip("the openssl command is needed to make test certificates")
-    d = Path(directory)
-    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=d, timeout=60)
-
-    run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=tokembed-test-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
-    for name, ext in (
-        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
-        ("client", "extendedKeyUsage=clientAuth\n"),
-    ):
-        (d / f"{name}.ext").write_text(ext)
-        run("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
-            "-extfile", f"{name}.ext")  # fmt: skip
-    return {
-        "ca": d / "ca.pem",
-        "server_cert": d / "server.pem",
-        "server_key": d / "server.key",
-        "client_cert": d / "client.pem",
-        "client_key": d / "client.key",
-    }
+    return FakeServer(service, server, port)

@@ -1,65 +1,79 @@
-"""AsyncEmbeddingClient against a real gRPC server on loopback (the scripted fake of
-client_fakes.py, standing in for the real server while that one is being written)."""
+"""AsyncEmbeddingClient against the real server, answers checked by value against the
+reference rows (retries, backoff and replies that break the protocol, which need failures
+on cue: test_client_scripted.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import pytest
-from client_fakes import FAKE_NAME, Abort, D, Delay, FakeServer, free_port, rows
-from grpc_health.v1 import health_pb2
+from client_support import (
+    SENTENCE,
+    SMALL_NAME,
+    HeldServer,
+    LoadingServer,
+    async_client_for,
+    free_port,
+    padded,
+    rejections,
+    requests_of,
+)
 
 from tokembed.client import (
-    AsyncEmbeddingClient,
     DeadlineExceededError,
     EmbeddingError,
     EmbedResult,
     InvalidInputError,
+    ModelInfo,
     OverloadedError,
     RequestTooLargeError,
     UnavailableError,
 )
 
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
+from support.server import ServerThread, wait_for, wait_for_async
+
 SC = grpc.StatusCode
-SENTENCE = [[5, 6, 7, 8, 9, 10, 11, 12]]
 T = TypeVar("T")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
 
 
-def client_for(server: FakeServer | str, **kwargs: Any) -> AsyncEmbeddingClient:
-    target = server if isinstance(server, str) else server.address
-    kwargs.setdefault("timeout_s", 10.0)
-    return AsyncEmbeddingClient(target, **kwargs)
+def test_embed_the_sentence(real_server: ServerThread, small_rows: np.ndarray) -> None:
+    seqs = [[1, 2, 3], [4]]
 
-
-def test_embed_the_sentence(fake: FakeServer) -> None:
     async def main() -> tuple[np.ndarray, EmbedResult]:
-        async with client_for(fake) as client:
+        async with async_client_for(real_server) as client:
             return await client.embed(SENTENCE), await client.embed_result(
-                [[1, 2, 3], [4]], "float16", request_id="r"
+                seqs, "float16", request_id="r"
             )
 
     hs, ragged = run(main())
-    assert hs.shape == (1, 8, D)
-    assert np.array_equal(hs, rows(SENTENCE))
+    assert hs.shape == (1, 8, SMALL_D)
+    np.testing.assert_array_equal(hs, small_rows[SENTENCE])
     assert not hs.flags.writeable
     assert ragged.hidden_states.dtype == np.float16
-    assert ragged.hidden_states.shape == (2, 3, D)
+    want = padded(small_rows, seqs, small_rows[SMALL_PAD]).astype(np.float16)
+    np.testing.assert_array_equal(ragged.hidden_states, want)
     assert ragged.lengths is not None and ragged.lengths.tolist() == [3, 1]
-    assert ragged.request_id == "r"
-    assert [c.method for c in fake.service.calls] == ["GetModelInfo", "Embed", "Embed"]
+    assert (ragged.request_id, ragged.model_name) == ("r", SMALL_NAME)
+    assert requests_of(real_server, "GetModelInfo") == 0  # D is learnt from the first answer
+    assert requests_of(real_server, "Embed") == 2
 
 
-def test_client_made_outside_the_loop_works_inside_it(fake: FakeServer) -> None:
-    client = client_for(fake)  # no running loop yet: the channel opens on first use
+def test_client_made_outside_the_loop_works_inside_it(
+    real_server: ServerThread, small_rows: np.ndarray
+) -> None:
+    client = async_client_for(real_server)  # no running loop yet: the channel opens on first use
 
     async def main() -> np.ndarray:
         try:
@@ -67,20 +81,18 @@ def test_client_made_outside_the_loop_works_inside_it(fake: FakeServer) -> None:
         finally:
             await client.close()
 
-    assert np.array_equal(run(main()), rows([[1]]))
+    np.testing.assert_array_equal(run(main()), small_rows[[[1]]])
 
 
-def test_a_new_loop_gets_a_new_channel(fake: FakeServer) -> None:
-    client = client_for(fake)
-    run(client.embed([[1]]))  # the loop of this asyncio.run ends with it
-    assert np.array_equal(run(client.embed([[2]])), rows([[2]]))
+def test_a_new_loop_gets_a_new_channel(real_server: ServerThread, small_rows: np.ndarray) -> None:
+    client = async_client_for(real_server)
+    np.testing.assert_array_equal(run(client.embed([[1]])), small_rows[[[1]]])  # loop 1 ends
+    np.testing.assert_array_equal(run(client.embed([[2]])), small_rows[[[2]]])
     run(client.close())
 
 
-def test_two_live_loops_cannot_share_a_client(fake: FakeServer) -> None:
-    import threading
-
-    client = client_for(fake)
+def test_two_live_loops_cannot_share_a_client(real_server: ServerThread) -> None:
+    client = async_client_for(real_server)
     errors: list[BaseException] = []
 
     async def main() -> None:
@@ -94,108 +106,85 @@ def test_two_live_loops_cannot_share_a_client(fake: FakeServer) -> None:
 
         thread = threading.Thread(target=other_loop)
         thread.start()
-        await asyncio.to_thread(thread.join, 10)
+        await asyncio.to_thread(thread.join, 30)
         await client.close()
 
     run(main())
     assert len(errors) == 1
     assert isinstance(errors[0], EmbeddingError)
     assert "one client per event loop" in str(errors[0])
+    assert requests_of(real_server, "Embed") == 1
 
 
-def test_concurrent_calls(fake: FakeServer) -> None:
+def test_concurrent_calls(real_server: ServerThread, small_rows: np.ndarray) -> None:
     async def main() -> list[np.ndarray]:
-        async with client_for(fake) as client:
+        async with async_client_for(real_server) as client:
             return await asyncio.gather(*(client.embed([[i, i + 1]]) for i in range(50)))
 
     for i, hs in enumerate(run(main())):
-        assert np.array_equal(hs, rows([[i, i + 1]]))
+        np.testing.assert_array_equal(hs, small_rows[[[i, i + 1]]])
 
 
-def test_model_info_and_health(fake: FakeServer) -> None:
-    async def main() -> tuple[Any, str, str, str]:
-        async with client_for(fake) as client:
+def test_model_info_and_health(loading: LoadingServer) -> None:
+    async def main() -> tuple[str, ModelInfo, str, str]:
+        async with async_client_for(loading.server) as client:
+            loading_status = await client.health()
+            await asyncio.to_thread(loading.finish_loading)
             info = await client.model_info()
-            serving = await client.health()
-            fake.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            return info, serving, await client.health(), await client.health("nope")
+            return loading_status, info, await client.health(), await client.health("nope")
 
-    info, serving, not_serving, unknown = run(main())
-    assert (info.name, info.d_model) == (FAKE_NAME, D)
-    assert (serving, not_serving, unknown) == ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
+    loading_status, info, serving, unknown = run(main())
+    assert (loading_status, serving, unknown) == ("NOT_SERVING", "SERVING", "SERVICE_UNKNOWN")
+    assert (info.name, info.vocab_size, info.d_model) == (SMALL_NAME, SMALL_V, SMALL_D)
 
 
-def test_retries_then_success(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 2
+def test_overload_is_retried_only_when_asked_and_too_large_never(
+    held: HeldServer, small_rows: np.ndarray
+) -> None:
+    held.fill_queue()
+    ids = [[1, 2, 3]]  # 8 queued + 3 > 10: refused while the queue is held
 
     async def main() -> np.ndarray:
-        async with client_for(fake, backoff_s=0.01, chunked_threshold_bytes=None) as client:
-            return await client.embed(SENTENCE)
-
-    assert np.array_equal(run(main()), rows(SENTENCE))
-    assert fake.service.count("Embed") == 3
-
-
-def test_overload_and_too_large(fake: FakeServer) -> None:
-    fake.service.script += [
-        Abort(SC.RESOURCE_EXHAUSTED, "overloaded"),
-        Abort(SC.RESOURCE_EXHAUSTED, "too_large"),
-        Abort(SC.RESOURCE_EXHAUSTED, "overloaded"),
-    ]
-
-    async def main() -> None:
-        async with client_for(
-            fake, retry_on_overload=False, backoff_s=0.01, chunked_threshold_bytes=None
+        async with async_client_for(
+            held.server, backoff_s=0.01, chunked_threshold_bytes=None
         ) as client:
-            with pytest.raises(OverloadedError):
-                await client.embed([[1]])
-        async with client_for(
-            fake, retry_on_overload=True, backoff_s=0.01, chunked_threshold_bytes=None
-        ) as client:
-            with pytest.raises(RequestTooLargeError):
-                await client.embed([[1]])
-            assert (await client.embed([[1]])).shape == (1, 1, D)
-
-    run(main())
-    assert fake.service.count("Embed") == 4
-
-
-def test_overall_timeout_spans_the_retries(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 1000
-
-    async def main() -> tuple[EmbeddingError, float]:
-        async with client_for(
-            fake, timeout_s=0.5, retries=1000, backoff_s=0.05, backoff_max_s=0.1,
+            with pytest.raises(OverloadedError) as overloaded:
+                await client.embed(ids)
+            assert overloaded.value.attempts == 1
+        async with async_client_for(
+            held.server, retries=1000, backoff_s=0.01, backoff_max_s=0.05, retry_on_overload=True,
             chunked_threshold_bytes=None,
         ) as client:  # fmt: skip
-            start = time.monotonic()  # the call alone, as in the sync test: not the set-up
-            # The last attempt's error: refused, or out of time during it (timing decides).
-            with pytest.raises((UnavailableError, DeadlineExceededError)) as info:
-                await client.embed([[1]])
-            return info.value, time.monotonic() - start
+            with pytest.raises(RequestTooLargeError) as too_large:
+                await client.embed([list(range(65))])  # over the held server's 64 per request
+            assert (too_large.value.reason, too_large.value.attempts) == ("too_large", 1)
+            call = asyncio.ensure_future(client.embed(ids))
+            # Refused, and retried: a second refusal of this call's.
+            assert await wait_for_async(lambda: rejections(held.server, "overloaded") >= 3, 30)
+            await asyncio.to_thread(held.release)
+            return await call
 
-    error, elapsed = run(main())
-    assert elapsed < 0.5 + 0.5
-    assert 2 <= error.attempts < 1000
-    assert f"gave up after {error.attempts} attempts" in str(error)
+    np.testing.assert_array_equal(run(main()), small_rows[ids])
+    assert rejections(held.server, "too_large") == 1
 
 
-def test_deadline(fake: FakeServer) -> None:
-    fake.service.script.append(Delay(3.0))
-
-    async def main() -> float:
-        async with client_for(fake, chunked_threshold_bytes=None) as client:
-            start = time.monotonic()
-            with pytest.raises(DeadlineExceededError):
+def test_a_held_answer_hits_the_deadline(held: HeldServer) -> None:
+    # The look-up waits at the gate, which stays shut: only the deadline can end the call.
+    async def main() -> DeadlineExceededError:
+        async with async_client_for(held.server, chunked_threshold_bytes=None) as client:
+            with pytest.raises(DeadlineExceededError) as info:
                 await client.embed([[1]], timeout_s=0.3)
-            return time.monotonic() - start
+            return info.value
 
-    assert run(main()) < 2.0  # the server would take 3 s
+    error = run(main())
+    assert (error.code, error.attempts) == (SC.DEADLINE_EXCEEDED, 1)
 
 
-def test_stopped_server() -> None:
+def test_a_server_that_is_not_there() -> None:
     async def main() -> UnavailableError:
-        async with client_for(f"127.0.0.1:{free_port()}", retries=1, backoff_s=0.01) as client:
+        async with async_client_for(
+            f"127.0.0.1:{free_port()}", retries=1, backoff_s=0.01
+        ) as client:
             with pytest.raises(UnavailableError) as info:
                 await client.embed([[1]])
             return info.value
@@ -203,28 +192,36 @@ def test_stopped_server() -> None:
     assert run(main()).attempts == 2
 
 
-def test_chunked(fake: FakeServer) -> None:
-    ids = np.arange(300).reshape(3, 100)
-    fake.service.script.append(Abort(SC.UNAVAILABLE, "unavailable", after_chunks=3))
+def test_chunked(
+    start_server: Callable[..., ServerThread], small_model_dir: Path, small_rows: np.ndarray
+) -> None:
+    server = start_server(small_model_dir, stream_chunk_bytes=4096)
+    ids = np.arange(300).reshape(3, 100)  # 300 * 64 * 4 = 76800 bytes: 19 chunks
 
-    async def main() -> np.ndarray:
-        async with client_for(fake, chunked_threshold_bytes=1000, backoff_s=0.01) as client:
-            return await client.embed(ids)
+    async def main() -> tuple[np.ndarray, EmbedResult]:
+        async with async_client_for(server, chunked_threshold_bytes=10_000) as client:
+            first = await client.embed(ids)  # D not known yet: unary, and learnt
+            return first, await client.embed(ids), await client.embed_result(ids, "float16")
 
-    hs = run(main())
-    assert np.array_equal(hs, rows(ids))
-    assert hs.flags.writeable
-    assert fake.service.count("EmbedChunked") == 2
+    first, hs, half = run(main())
+    np.testing.assert_array_equal(first, small_rows[ids])
+    assert not first.flags.writeable  # a view of the unary answer
+    np.testing.assert_array_equal(hs, small_rows[ids])
+    assert hs.flags.writeable  # assembled in the client's own buffer
+    np.testing.assert_array_equal(half.hidden_states, small_rows[ids].astype(np.float16))
+    assert half.model_name == SMALL_NAME
+    assert wait_for(lambda: requests_of(server, "EmbedChunked") == 2, 10)
+    assert requests_of(server, "Embed") == 1
 
 
-def test_stream_with_async_inputs(fake: FakeServer) -> None:
+def test_stream_with_async_inputs(real_server: ServerThread, small_rows: np.ndarray) -> None:
     async def inputs() -> AsyncIterator[Any]:
-        for item in ([[1, 2]], [[-1]], [[0.5]], [[3], [4, 5]]):
+        for item in ([[1, 2]], [[SMALL_V]], [[0.5]], [[3], [4, 5]]):
             await asyncio.sleep(0)
             yield item
 
     async def main() -> list[Any]:
-        async with client_for(fake) as client:
+        async with async_client_for(real_server) as client:
             return [r async for r in client.embed_stream_results(inputs(), return_exceptions=True)]
 
     out = run(main())
@@ -234,31 +231,57 @@ def test_stream_with_async_inputs(fake: FakeServer) -> None:
         InvalidInputError,
         EmbedResult,
     ]
-    assert np.array_equal(out[0].hidden_states, rows([[1, 2]]))
-    assert out[3].hidden_states.shape == (2, 2, D)
-    assert fake.service.count("EmbedStream.item") == 3
+    np.testing.assert_array_equal(out[0].hidden_states, small_rows[[[1, 2]]])
+    assert (out[1].reason, out[1].code) == ("invalid_input", SC.INVALID_ARGUMENT)  # the server's
+    assert "float" in str(out[2])  # the client's own
+    want = padded(small_rows, [[3], [4, 5]], small_rows[SMALL_PAD])
+    np.testing.assert_array_equal(out[3].hidden_states, want)
+    assert requests_of(real_server, "EmbedStream") == 3
 
 
-def test_stream_raises_for_the_failing_item(fake: FakeServer) -> None:
+def test_stream_raises_for_the_failing_item(
+    real_server: ServerThread, small_rows: np.ndarray
+) -> None:
     got: list[np.ndarray] = []
 
-    async def main() -> None:
-        async with client_for(fake) as client:
-            with pytest.raises(InvalidInputError, match="negative id"):
-                async for hs in client.embed_stream([[[1]], [[2]], [[-3]], [[4]]]):
+    async def main() -> InvalidInputError:
+        async with async_client_for(real_server) as client:
+            with pytest.raises(InvalidInputError, match="outside the vocabulary") as info:
+                async for hs in client.embed_stream([[[1]], [[2]], [[SMALL_V + 3]], [[4]]]):
                     got.append(hs)
+            return info.value
 
-    run(main())
-    assert len(got) == 2
+    assert run(main()).reason == "invalid_input"
+    np.testing.assert_array_equal(np.concatenate(got), small_rows[[[1], [2]]])
 
 
-def test_stream_input_failure_reaches_the_caller(fake: FakeServer) -> None:
+def test_stream_tells_overloaded_from_too_large_by_reason(
+    held: HeldServer, small_rows: np.ndarray
+) -> None:
+    held.fill_queue()
+    inputs = [[[1, 2, 3]], [list(range(65))], [[4]]]  # overloaded, too large, then queued
+
+    async def main() -> list[Any]:
+        async with async_client_for(held.server) as client:
+            results = client.embed_stream_results(inputs, return_exceptions=True)
+            out = [await anext(results), await anext(results)]
+            await asyncio.to_thread(held.release)  # the third waits at the gate until now
+            return out + [r async for r in results]
+
+    overloaded, too_large, last = run(main())
+    assert type(overloaded) is OverloadedError and overloaded.reason == "overloaded"
+    assert type(too_large) is RequestTooLargeError and too_large.reason == "too_large"
+    assert overloaded.code == too_large.code == SC.RESOURCE_EXHAUSTED
+    np.testing.assert_array_equal(last.hidden_states, small_rows[[[4]]])
+
+
+def test_stream_input_failure_reaches_the_caller(real_server: ServerThread) -> None:
     async def inputs() -> AsyncIterator[Any]:
         yield [[1]]
         raise KeyError("source broke")
 
     async def main() -> None:
-        async with client_for(fake) as client:
+        async with async_client_for(real_server) as client:
             with pytest.raises(KeyError, match="source broke"):
                 async for _ in client.embed_stream(inputs()):
                     pass
@@ -266,23 +289,26 @@ def test_stream_input_failure_reaches_the_caller(fake: FakeServer) -> None:
     run(main())
 
 
-def test_round_robin(fake_factory: Callable[..., FakeServer]) -> None:
-    servers = [fake_factory() for _ in range(2)]
-    target = "ipv4:" + ",".join(s.address for s in servers)
+def test_round_robin(
+    start_server: Callable[..., ServerThread], small_model_dir: Path, small_rows: np.ndarray
+) -> None:
+    servers = [start_server(small_model_dir) for _ in range(2)]
+    target = "ipv4:" + ",".join(s.target for s in servers)
 
     def spread() -> list[int]:
-        return [s.service.count("Embed") for s in servers]
+        return [requests_of(s, "Embed") for s in servers]
 
     async def main() -> list[int]:
-        async with client_for(target, load_balancing_policy="round_robin") as client:
-            # round_robin picks among the connections already made: warm up until all are.
-            deadline = time.monotonic() + 10
+        async with async_client_for(target, load_balancing_policy="round_robin") as client:
+            # round_robin picks among the connections already made: warm up until all are
+            # (the bound only keeps a broken client from looping for ever).
+            give_up_at = time.monotonic() + 60
             while min(spread()) == 0:
-                assert time.monotonic() < deadline, spread()
+                assert time.monotonic() < give_up_at, spread()
                 await client.embed([[1]])
             warm = spread()
-            for _ in range(20):
-                await client.embed([[1]])
+            for i in range(20):
+                np.testing.assert_array_equal(await client.embed([[i]]), small_rows[[[i]]])
             return warm
 
     warm = run(main())
@@ -291,9 +317,9 @@ def test_round_robin(fake_factory: Callable[..., FakeServer]) -> None:
     assert min(counts) >= 5, counts
 
 
-def test_closed_client(fake: FakeServer) -> None:
+def test_closed_client(real_server: ServerThread) -> None:
     async def main() -> None:
-        client = client_for(fake)
+        client = async_client_for(real_server)
         async with client:
             await client.embed([[1]])
         with pytest.raises(EmbeddingError, match="closed"):
@@ -301,3 +327,4 @@ def test_closed_client(fake: FakeServer) -> None:
         await client.close()
 
     run(main())
+    assert requests_of(real_server, "Embed") == 1

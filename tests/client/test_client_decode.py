@@ -8,16 +8,18 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokembed.client import (
     EmbeddingError,
     EmbedResult,
     InvalidInputError,
+    ModelNotFoundError,
     OverloadedError,
     RequestTooLargeError,
     ServerError,
+    UnavailableError,
 )
 from tokembed.client.decode import (
     ZERO_COPY_MIN_BYTES,
@@ -162,25 +164,42 @@ def test_stream_answer_decodes_zero_copy() -> None:
     assert owner(outcome.hidden_states) is raw
 
 
+SC = grpc.StatusCode
+
+
 @pytest.mark.parametrize(
-    ("code", "cls"),
+    ("code", "reason", "cls"),
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, InvalidInputError),
-        # Error has no reason field: RESOURCE_EXHAUSTED falls back to "too large".
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, RequestTooLargeError),
-        (grpc.StatusCode.INTERNAL, ServerError),
+        (SC.INVALID_ARGUMENT, "invalid_input", InvalidInputError),
+        # Both RESOURCE_EXHAUSTED: only the reason tells "never retry" from "retry later".
+        (SC.RESOURCE_EXHAUSTED, "too_large", RequestTooLargeError),
+        (SC.RESOURCE_EXHAUSTED, "overloaded", OverloadedError),
+        (SC.NOT_FOUND, "not_found", ModelNotFoundError),
+        (SC.UNAVAILABLE, "unavailable", UnavailableError),
+        (SC.INTERNAL, "internal", ServerError),
+        # An Error without a reason (a server older than Error.reason): the code's own row,
+        # which for RESOURCE_EXHAUSTED is "too large" (never retried).
+        (SC.RESOURCE_EXHAUSTED, "", RequestTooLargeError),
+        (SC.INVALID_ARGUMENT, "", InvalidInputError),
     ],
 )
-def test_stream_error_answer_becomes_typed_error(code: grpc.StatusCode, cls: type) -> None:
-    raw = pb.EmbedStreamResponse(
-        error=pb.Error(code=code.value[0], message="id -1 at position 3")
-    ).SerializeToString()
-    outcome = decode_stream_response(raw)
+@pytest.mark.parametrize("parsed", [False, True], ids=["bytes", "message"])
+def test_stream_error_reason_picks_the_typed_error(
+    code: grpc.StatusCode, reason: str, cls: type[EmbeddingError], parsed: bool
+) -> None:
+    message = pb.EmbedStreamResponse(
+        error=pb.Error(code=code.value[0], message="id -1 at position 3", reason=reason)
+    )
+    outcome = decode_stream_response(message if parsed else message.SerializeToString())
     assert type(outcome) is cls
     assert isinstance(outcome, EmbeddingError)
-    assert not isinstance(outcome, OverloadedError)
-    assert outcome.code == code
-    assert "id -1 at position 3" in str(outcome)
+    assert (outcome.code, outcome.reason) == (code, reason or None)
+    assert outcome.details == "id -1 at position 3"
+    assert str(outcome) == (
+        f"{code.name} ({reason}): id -1 at position 3"
+        if reason
+        else f"{code.name}: id -1 at position 3"
+    )
 
 
 def test_stream_answer_with_neither_is_a_protocol_error() -> None:
@@ -188,6 +207,9 @@ def test_stream_answer_with_neither_is_a_protocol_error() -> None:
         decode_stream_response(b"")
 
 
+# No deadline: a busy core can stretch one example past Hypothesis's default 200 ms,
+# which says nothing about the code under test.
+@settings(deadline=None)
 @given(
     shape=st.lists(st.integers(0, 5), min_size=1, max_size=3),
     half=st.booleans(),

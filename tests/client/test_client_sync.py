@@ -1,39 +1,42 @@
-"""EmbeddingClient against a real gRPC server on loopback.
+"""EmbeddingClient against the real server, answers checked by value against the reference
+rows (exact for float32; float16 is the reference cast with ``astype(np.float16)``).
 
-The server is the scripted fake of client_fakes.py, standing in for the real server only
-because that one is being written at the same time (tests/e2e/ will run the real one).
+What the client asked for is read from the server's own count of the RPCs it finished
+(``client_support.requests_of``). EmbedStream: test_client_stream.py; TLS, tokens and load
+balancing: test_client_connections.py. Retries, backoff and the overall deadline, measured
+per attempt, and replies that break the protocol need failures on cue that only a scripted
+fake gives: test_client_scripted.py.
 """
 
 from __future__ import annotations
 
-import logging
+import hashlib
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from client_fakes import (
-    FAKE_NAME,
-    FAKE_VERSION,
-    Abort,
-    D,
-    Delay,
-    FakeServer,
-    FakeService,
+from client_support import (
+    PAD_D,
+    PAD_ID,
+    SENTENCE,
+    SMALL_NAME,
+    HeldServer,
+    LoadingServer,
+    client_for,
     free_port,
-    make_certificates,
-    rows,
+    padded,
+    rejections,
+    requests_of,
 )
-from grpc_health.v1 import health_pb2
 
 from tokembed.client import (
     AuthenticationError,
     DeadlineExceededError,
-    EmbeddingClient,
     EmbeddingError,
     EmbedResult,
     InvalidInputError,
@@ -43,635 +46,429 @@ from tokembed.client import (
     ServerError,
     UnavailableError,
 )
-from tokembed.v1 import embedding_pb2 as pb
+
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
+from support.gates import GatedLoader
+from support.server import ServerThread, wait_for
 
 SC = grpc.StatusCode
-SENTENCE = [[5, 6, 7, 8, 9, 10, 11, 12]]  # "The keys on the table are lost."
-
-
-def client_for(server: FakeServer | str, **kwargs: Any) -> EmbeddingClient:
-    target = server if isinstance(server, str) else server.address
-    kwargs.setdefault("timeout_s", 10.0)
-    return EmbeddingClient(target, **kwargs)
+Start = Callable[..., ServerThread]
 
 
 # ---------------------------------------------------------------- the happy paths
 
 
-def test_embed_the_sentence(fake: FakeServer) -> None:
-    with client_for(fake) as client:
+def test_embed_the_sentence(real_server: ServerThread, small_rows: np.ndarray) -> None:
+    with client_for(real_server) as client:
         hs = client.embed(SENTENCE)
-    assert hs.shape == (1, 8, D)
+    assert hs.shape == (1, 8, SMALL_D)
     assert hs.dtype == np.float32
-    assert np.array_equal(hs, rows(SENTENCE))
+    np.testing.assert_array_equal(hs, small_rows[SENTENCE])
     assert not hs.flags.writeable  # zero-copy view of the reply
 
 
-def test_first_embed_asks_for_model_info_once(fake: FakeServer) -> None:
-    with client_for(fake) as client:
+def test_the_first_embed_to_a_model_asks_nothing_else(real_server: ServerThread) -> None:
+    """The model's D (for the chunked choice) is learnt from its first answer: no
+    GetModelInfo round trip first, so a refusal is counted as the Embed it was."""
+    with client_for(real_server) as client:
         client.embed([[1, 2]])
         client.embed([[3]])
-    assert [c.method for c in fake.service.calls] == ["GetModelInfo", "Embed", "Embed"]
+    assert requests_of(real_server, "GetModelInfo") == 0
+    assert requests_of(real_server, "Embed") == 2
 
 
-def test_no_model_info_when_chunking_is_off(fake: FakeServer) -> None:
-    with client_for(fake, chunked_threshold_bytes=None) as client:
+def test_no_model_info_when_chunking_is_off(real_server: ServerThread) -> None:
+    with client_for(real_server, chunked_threshold_bytes=None) as client:
         client.embed([[1, 2]])
-    assert [c.method for c in fake.service.calls] == ["Embed"]
+    assert requests_of(real_server, "GetModelInfo") == 0
+    assert requests_of(real_server, "Embed") == 1
 
 
-def test_int32_ids_travel_as_int32(fake: FakeServer) -> None:
-    with client_for(fake) as client:
-        hs = client.embed(np.array([[1, 2, 3]], dtype=np.int32))
-    sent = fake.service.calls[-1].request
-    assert sent.input_ids.dtype == pb.DTYPE_INT32
-    assert np.array_equal(hs, rows([[1, 2, 3]]))
+def test_int32_ids(real_server: ServerThread, small_rows: np.ndarray) -> None:
+    ids = np.array([[1, 2, SMALL_V - 1, 0]], dtype=np.int32)
+    with client_for(real_server) as client:
+        hs = client.embed(ids)
+    np.testing.assert_array_equal(hs, small_rows[ids.astype(np.int64)])
 
 
-def test_ragged_padded_and_flat(fake: FakeServer) -> None:
+def test_ragged_is_padded_with_the_padding_ids_row_and_flat_has_none(
+    start_server: Start, pad_model_dir: Path, pad_rows: np.ndarray
+) -> None:
+    server = start_server(pad_model_dir)
     seqs = [[1, 2, 3], [4], [5, 6]]
-    with client_for(fake) as client:
-        padded = client.embed_result(seqs)
+    want = padded(pad_rows, seqs, pad_rows[PAD_ID])  # a row that is not zeros
+    with client_for(server) as client:
+        assert client.info().padding_id == PAD_ID
+        result = client.embed_result(seqs)
+        half = client.embed(seqs, "float16")
         flat = client.embed_result(seqs, layout="flat")
         rect_flat = client.embed([[1, 2], [3, 4]], layout="flat")
-    assert padded.hidden_states.shape == (3, 3, D)
-    assert padded.lengths is not None and padded.lengths.tolist() == [3, 1, 2]
-    for seq, part in zip(seqs, padded.sequences(), strict=True):
-        assert np.array_equal(part, rows(seq))
-    assert flat.hidden_states.shape == (6, D)
-    assert np.array_equal(flat.hidden_states, rows([1, 2, 3, 4, 5, 6]))
-    assert rect_flat.shape == (4, D)  # flat is [N,D] for rectangular input too
+    np.testing.assert_array_equal(result.hidden_states, want)
+    assert result.lengths is not None and result.lengths.tolist() == [3, 1, 2]
+    for seq, part in zip(seqs, result.sequences(), strict=True):
+        np.testing.assert_array_equal(part, pad_rows[seq])
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half, want.astype(np.float16))
+    np.testing.assert_array_equal(flat.hidden_states, pad_rows[[1, 2, 3, 4, 5, 6]])
+    assert flat.lengths is not None and flat.lengths.tolist() == [3, 1, 2]
+    assert rect_flat.shape == (4, PAD_D)  # flat is [N, D] for rectangular input too
+    np.testing.assert_array_equal(rect_flat, pad_rows[[1, 2, 3, 4]])
 
 
-def test_float16(fake: FakeServer) -> None:
-    with client_for(fake) as client:
-        hs = client.embed([[1, 2, 3]], "float16")
+def test_ragged_on_the_small_model_and_without_a_padding_id(
+    two_models: ServerThread, small_rows: np.ndarray, decoder_rows: np.ndarray
+) -> None:
+    seqs = [[1, 2], [3, 4, 5, 6], [7]]
+    with client_for(two_models) as client:
+        small = client.embed(seqs)
+        decoder = client.embed(seqs, model="decoder")
+        assert client.info("decoder").padding_id is None
+    np.testing.assert_array_equal(small, padded(small_rows, seqs, small_rows[SMALL_PAD]))
+    # No padding id: the proto says zeros.
+    np.testing.assert_array_equal(decoder, padded(decoder_rows, seqs, np.zeros(1, np.float32)))
+
+
+def test_float16(real_server: ServerThread, small_rows: np.ndarray) -> None:
+    ids = np.arange(SMALL_V).reshape(10, -1)
+    with client_for(real_server) as client:
+        hs = client.embed(ids, "float16")
+        result = client.embed_result([[1, 2, 3]], "float16")
     assert hs.dtype == np.float16
-    assert fake.service.calls[-1].request.output_dtype == pb.DTYPE_FLOAT16
-    assert np.array_equal(hs, rows([[1, 2, 3]], dtype=np.float16))
+    np.testing.assert_array_equal(hs, small_rows[ids].astype(np.float16))
+    np.testing.assert_array_equal(result.hidden_states, small_rows[[[1, 2, 3]]].astype(np.float16))
 
 
-def test_embed_result_carries_server_metadata(fake: FakeServer) -> None:
-    with client_for(fake) as client:
+def test_embed_result_carries_server_metadata(
+    real_server: ServerThread, small_rows: np.ndarray
+) -> None:
+    with client_for(real_server) as client:
+        version = client.info().version
         result = client.embed_result([[1, 2]], request_id="req-42")
     assert isinstance(result, EmbedResult)
     assert (result.model_name, result.model_version, result.request_id) == (
-        FAKE_NAME,
-        FAKE_VERSION,
+        SMALL_NAME,
+        version,
         "req-42",
     )
-    assert result.timings.compute_seconds == pytest.approx(0.002)
-    assert result.timings.batch_tokens == 2
+    np.testing.assert_array_equal(result.hidden_states, small_rows[[[1, 2]]])
+    assert result.lengths is None
+    timings = result.timings
+    assert (timings.batch_requests, timings.batch_tokens) == (1, 2)
+    assert timings.compute_seconds > 0 and timings.server_seconds >= timings.compute_seconds
 
 
-def test_model_info(fake: FakeServer) -> None:
-    with client_for(fake) as client:
+def test_model_info(real_server: ServerThread, small_model_dir: Path) -> None:
+    with client_for(real_server) as client:
         info = client.model_info()
-    assert (info.name, info.d_model, info.padding_id) == (FAKE_NAME, D, 0)
-    assert info.input_dtypes == ("int64", "int32")
-    assert info.limits.max_message_bytes == 64 * 1024 * 1024
+    settings = real_server.settings
+    assert (info.name, info.vocab_size, info.d_model, info.padding_id) == (
+        SMALL_NAME, SMALL_V, SMALL_D, SMALL_PAD,
+    )  # fmt: skip
+    assert info.scale == pytest.approx(SMALL_D**0.5)
+    assert (info.input_dtypes, info.output_dtypes) == (("int64", "int32"), ("float32", "float16"))
+    assert (info.execution_provider, info.backend) == ("CPUExecutionProvider", "table")
+    onnx = (small_model_dir / "model.onnx").read_bytes()
+    assert info.model_sha256 == hashlib.sha256(onnx).hexdigest()
+    assert info.limits.max_message_bytes == settings.max_message_bytes
+    assert info.limits.max_tokens_per_request == settings.max_tokens_per_request
+    assert info.limits.max_batch_tokens == settings.max_batch_tokens
     with pytest.raises(AttributeError):
         info.name = "x"  # type: ignore[misc]  # frozen
 
 
-def test_torch_like_input(fake: FakeServer) -> None:
+def test_torch_like_input(real_server: ServerThread, small_rows: np.ndarray) -> None:
     class Tensorish:
         def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
             return np.array([[7, 8, 9]])
 
-    with client_for(fake) as client:
-        assert np.array_equal(client.embed(Tensorish()), rows([[7, 8, 9]]))
+    with client_for(real_server) as client:
+        np.testing.assert_array_equal(client.embed(Tensorish()), small_rows[[[7, 8, 9]]])
 
 
-def test_invalid_input_is_refused_without_a_call(fake: FakeServer) -> None:
+def test_invalid_input_is_refused_without_a_call(real_server: ServerThread) -> None:
     with (
-        client_for(fake, chunked_threshold_bytes=None) as client,
+        client_for(real_server, chunked_threshold_bytes=None) as client,
         pytest.raises(InvalidInputError, match="float"),
     ):
         client.embed([[1.5, 2.0]])
-    assert fake.service.calls == []
+    assert real_server.metric("tokembed_requests_total") == 0  # no RPC at all
 
 
 # ---------------------------------------------------------------- errors from the server
 
 
-@pytest.mark.parametrize(
-    ("abort", "cls"),
-    [
-        (Abort(SC.INVALID_ARGUMENT, "invalid_input", "id 40000 at [0,1] >= V"), InvalidInputError),
-        (Abort(SC.RESOURCE_EXHAUSTED, "too_large", "too many tokens"), RequestTooLargeError),
-        (Abort(SC.RESOURCE_EXHAUSTED, "overloaded", "queue full"), OverloadedError),
-        (Abort(SC.INTERNAL, "internal", "boom"), ServerError),
-        (Abort(SC.UNAUTHENTICATED, "unauthenticated", "bad token"), AuthenticationError),
-    ],
-)
+ERRORS: dict[str, tuple[type[EmbeddingError], grpc.StatusCode, str]] = {
+    "invalid_input": (InvalidInputError, SC.INVALID_ARGUMENT, "input_ids[0,1] = 1000 is outside"),
+    "too_large": (RequestTooLargeError, SC.RESOURCE_EXHAUSTED, "3 tokens, over the limit of 2"),
+    "overloaded": (OverloadedError, SC.RESOURCE_EXHAUSTED, "server overloaded: 8 tokens queued"),
+    "internal": (ServerError, SC.INTERNAL, "injected onnxruntime failure"),
+    "unauthenticated": (AuthenticationError, SC.UNAUTHENTICATED, "missing or wrong bearer token"),
+}
+
+
+@pytest.mark.parametrize("reason", list(ERRORS))
 def test_server_errors_are_typed_and_not_retried(
-    fake: FakeServer, abort: Abort, cls: type[EmbeddingError]
+    reason: str,
+    start_server: Start,
+    small_model_dir: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
-    fake.service.script.append(abort)
+    cls, code, words = ERRORS[reason]
+    ids = [[1, 2, 3]]
+    if reason == "invalid_input":
+        server = start_server(small_model_dir)
+        ids = [[1, SMALL_V]]
+    elif reason == "too_large":
+        server = start_server(small_model_dir, max_tokens_per_request=2)
+    elif reason == "overloaded":
+        held: HeldServer = request.getfixturevalue("held")
+        held.fill_queue()
+        server = held.server
+    elif reason == "internal":
+        loader = GatedLoader()
+        server = start_server(
+            small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
+        )
+        assert loader.backend is not None
+        loader.backend.fail_next = True
+    else:
+        (tmp_path / "token").write_text("s3cret\n")
+        server = start_server(small_model_dir, auth_token_file=tmp_path / "token")
     with (
-        client_for(fake, retries=3, backoff_s=0.01, chunked_threshold_bytes=None) as client,
+        client_for(server, retries=3, backoff_s=0.01, chunked_threshold_bytes=None) as client,
         pytest.raises(cls) as info,
     ):
-        client.embed([[1]])
-    assert info.value.code == abort.code
-    assert info.value.reason == abort.reason
-    assert abort.message in str(info.value)
+        client.embed(ids)
+    assert type(info.value) is cls
+    assert (info.value.code, info.value.reason) == (code, reason)
+    assert words in str(info.value)
     assert isinstance(info.value.__cause__, grpc.RpcError)
-    assert fake.service.count("Embed") == 1
+    assert info.value.attempts == 1
+    assert rejections(server, reason) == 1  # not retried: the server refused it once
 
 
-def test_model_name_mismatch(fake: FakeServer) -> None:
+def test_model_name_mismatch(real_server: ServerThread, small_rows: np.ndarray) -> None:
     with (
-        client_for(fake, model_name="other-model", chunked_threshold_bytes=None) as client,
-        pytest.raises(ModelNotFoundError, match="other-model"),
+        client_for(real_server, model_name="other-model", chunked_threshold_bytes=None) as client,
+        pytest.raises(ModelNotFoundError, match="other-model") as info,
     ):
         client.embed([[1]])
-    with client_for(fake, model_name=FAKE_NAME, chunked_threshold_bytes=None) as client:
-        assert client.embed([[1]]).shape == (1, 1, D)
-
-
-@pytest.mark.parametrize("method", ["embed", "embed_result"])
-def test_wrong_shape_from_server_is_a_protocol_error(fake: FakeServer, method: str) -> None:
-    def drop_a_row(response: pb.EmbedResponse) -> pb.EmbedResponse:
-        t = response.hidden_states
-        b, s, d = t.shape
-        t.shape[:] = [b, s - 1, d]
-        t.data = t.data[: b * (s - 1) * d * 4]
-        return response
-
-    fake.service.mutate = drop_a_row
-    with (
-        client_for(fake, chunked_threshold_bytes=None) as client,
-        pytest.raises(ServerError, match="shape") as info,
-    ):
-        getattr(client, method)([[1, 2, 3]])
-    assert info.value.reason == "protocol"
+    assert (info.value.code, info.value.reason) == (SC.NOT_FOUND, "not_found")
+    assert f"this server serves '{SMALL_NAME}'" in str(info.value)
+    with client_for(real_server, model_name=SMALL_NAME, chunked_threshold_bytes=None) as client:
+        np.testing.assert_array_equal(client.embed([[1]]), small_rows[[[1]]])
 
 
 # ---------------------------------------------------------------- retries and deadlines
 
 
-def test_unavailable_twice_then_success(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 2
-    with client_for(fake, retries=2, backoff_s=0.01, chunked_threshold_bytes=None) as client:
-        hs = client.embed(SENTENCE)
-    assert np.array_equal(hs, rows(SENTENCE))
-    assert fake.service.count("Embed") == 3
-
-
-def test_retries_are_bounded(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable", "draining")] * 5
+def test_unavailable_while_loading_is_retried_until_served(
+    loading: LoadingServer, small_rows: np.ndarray
+) -> None:
+    server = loading.server
     with (
-        client_for(fake, retries=2, backoff_s=0.01, chunked_threshold_bytes=None) as client,
-        pytest.raises(UnavailableError, match="gave up after 3 attempts") as info,
+        client_for(server, retries=1000, backoff_s=0.01, backoff_max_s=0.05) as client,
+        ThreadPoolExecutor(1) as pool,
     ):
-        client.embed([[1]])
-    assert info.value.attempts == 3
-    assert fake.service.count("Embed") == 3
+        call = pool.submit(client.embed, SENTENCE, timeout_s=60)
+        # Refused at least once (the models are loading), the client retrying meanwhile.
+        assert wait_for(lambda: requests_of(server, "Embed", code="UNAVAILABLE") >= 2, 30)
+        loading.finish_loading()
+        np.testing.assert_array_equal(call.result(60), small_rows[SENTENCE])
+    assert requests_of(server, "GetModelInfo") == 0
+    assert requests_of(server, "Embed", code="OK") == 1
 
 
-def test_backoff_grows_exponentially_with_jitter(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 3
-    with client_for(
-        fake, retries=3, backoff_s=0.1, backoff_max_s=10, chunked_threshold_bytes=None
-    ) as client:
-        client.embed([[1]])
-    arrivals = [c.at for c in fake.service.calls if c.method == "Embed"]
-    gaps = np.diff(arrivals)
-    assert len(gaps) == 3
-    # The n-th wait is drawn from [d/2, d], d = 0.1 * 2^n (plus scheduling noise above).
-    for n, gap in enumerate(gaps):
-        ceiling = 0.1 * 2**n
-        assert gap >= ceiling / 2 - 0.01, (n, gaps)
-        assert gap < ceiling + 1.0, (n, gaps)
-
-
-def test_backoff_is_capped(fake: FakeServer, caplog: pytest.LogCaptureFixture) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 4
+def test_overload_is_retried_only_when_asked(held: HeldServer, small_rows: np.ndarray) -> None:
+    held.fill_queue()
+    ids = [[1, 2, 3]]  # 8 queued + 3 > 10: refused while the queue is held
     with (
-        caplog.at_level(logging.INFO, logger="tokembed.client"),
+        client_for(held.server, retries=3, backoff_s=0.01, chunked_threshold_bytes=None) as client,
+        pytest.raises(OverloadedError) as info,
+    ):
+        client.embed(ids)
+    assert info.value.attempts == 1
+    assert rejections(held.server, "overloaded") == 1
+    with (
         client_for(
-            fake, retries=4, backoff_s=0.05, backoff_max_s=0.06, chunked_threshold_bytes=None
+            held.server, retries=1000, backoff_s=0.01, backoff_max_s=0.05, retry_on_overload=True,
+            chunked_threshold_bytes=None,
         ) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):  # fmt: skip
+        call = pool.submit(client.embed, ids, timeout_s=60)
+        # Refused, and retried: a second refusal of this call's.
+        assert wait_for(lambda: rejections(held.server, "overloaded") >= 3, 30)
+        held.release()
+        np.testing.assert_array_equal(call.result(60), small_rows[ids])
+
+
+def test_too_large_is_never_retried_even_with_retry_on_overload(
+    start_server: Start, small_model_dir: Path
+) -> None:
+    server = start_server(small_model_dir, max_tokens_per_request=4)
+    with (
+        client_for(
+            server, retries=3, backoff_s=0.01, retry_on_overload=True, chunked_threshold_bytes=None
+        ) as client,
+        pytest.raises(RequestTooLargeError) as info,
     ):
-        client.embed([[1]])
-    gaps = np.diff([c.at for c in fake.service.calls if c.method == "Embed"])
-    assert len(gaps) == 4
-    # The waits the client chose, from its log line per retry (the gaps between arrivals
-    # add each call's own time, which a loaded machine stretches). Uncapped, the 4th would
-    # be drawn from [0.2, 0.4]; capped, each is drawn from [0.03, 0.06] once 0.05·2^n > 0.06.
-    delays = [float(r.getMessage().rsplit(" in ", 1)[1].split()[0]) for r in caplog.records
-              if "; retry " in r.getMessage()]  # fmt: skip
-    assert len(delays) == 4, caplog.text
-    assert 0.025 <= delays[0] <= 0.05 and all(0.03 <= d <= 0.06 for d in delays[1:]), delays
-    # ... and they were slept (the log rounds to 1 ms).
-    assert all(gap >= delay - 0.001 for gap, delay in zip(gaps, delays, strict=True))
+        client.embed([[1, 2, 3, 4, 5]])
+    assert (info.value.reason, info.value.attempts) == ("too_large", 1)
+    assert requests_of(server, "Embed") == 1
 
 
-def test_overall_timeout_spans_the_retries(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.UNAVAILABLE, "unavailable")] * 1000
-    with client_for(
-        fake, timeout_s=0.6, retries=1000, backoff_s=0.05, backoff_max_s=0.1,
-        chunked_threshold_bytes=None,
-    ) as client:  # fmt: skip
-        start = time.monotonic()
-        # The last attempt's error: refused (no time left for another), or out of time
-        # during it, which of the two depends on how long each attempt took.
-        with pytest.raises((UnavailableError, DeadlineExceededError)) as info:
-            client.embed([[1]])
-        elapsed = time.monotonic() - start
-    assert elapsed < 0.6 + 0.5
-    assert 2 <= info.value.attempts < 1000
-    assert f"gave up after {info.value.attempts} attempts" in str(info.value)
-    # Each attempt got the deadline that was left, not a fresh timeout_s.
-    remaining = [c.time_remaining for c in fake.service.calls if c.method == "Embed"]
-    # (gRPC sends the timeout rounded up to its wire units: allow 10 ms over 0.6 s.)
-    assert all(r is not None and r <= 0.61 for r in remaining)
-    last = remaining[-1]
-    assert last is not None and last < 0.35  # the last attempts ran late in the 0.6 s
-
-
-def test_slow_server_hits_the_deadline(fake: FakeServer) -> None:
-    fake.service.script.append(Delay(3.0))
-    with client_for(fake, chunked_threshold_bytes=None) as client:
-        start = time.monotonic()
-        with pytest.raises(DeadlineExceededError) as info:
-            client.embed([[1]], timeout_s=0.3)
-        assert time.monotonic() - start < 2.0
+def test_a_held_answer_hits_the_deadline_and_is_not_retried(held: HeldServer) -> None:
+    # The look-up waits at the gate, which stays shut: only the deadline can end the call.
+    with (
+        client_for(held.server, chunked_threshold_bytes=None, retries=3) as client,
+        pytest.raises(DeadlineExceededError) as info,
+    ):
+        client.embed([[1]], timeout_s=0.3)
     assert info.value.code == SC.DEADLINE_EXCEEDED
-    assert fake.service.count("Embed") == 1  # a deadline is not retried
+    assert info.value.attempts == 1  # a deadline is not retried
 
 
-def test_overload_retried_only_when_asked(fake: FakeServer) -> None:
-    overloaded = Abort(SC.RESOURCE_EXHAUSTED, "overloaded", "queue full")
-    fake.service.script += [overloaded] * 2
+def test_a_server_that_is_not_there_is_unavailable_after_retries() -> None:
     with (
-        client_for(fake, retries=3, backoff_s=0.01, chunked_threshold_bytes=None) as client,
-        pytest.raises(OverloadedError),
+        client_for(f"127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as client,
+        pytest.raises(UnavailableError) as info,
     ):
         client.embed([[1]])
-    assert fake.service.count("Embed") == 1
-    with client_for(
-        fake, retries=3, backoff_s=0.01, retry_on_overload=True, chunked_threshold_bytes=None
-    ) as client:
-        assert client.embed([[1]]).shape == (1, 1, D)
-    assert fake.service.count("Embed") == 1 + 2  # one more failure, then the answer
-
-
-def test_too_large_never_retried_even_with_retry_on_overload(fake: FakeServer) -> None:
-    fake.service.script += [Abort(SC.RESOURCE_EXHAUSTED, "too_large")] * 3
-    with (
-        client_for(
-            fake, retries=3, backoff_s=0.01, retry_on_overload=True, chunked_threshold_bytes=None
-        ) as client,
-        pytest.raises(RequestTooLargeError),
-    ):
-        client.embed([[1]])
-    assert fake.service.count("Embed") == 1
-
-
-def test_stopped_server_raises_unavailable_after_retries() -> None:
-    target = f"127.0.0.1:{free_port()}"
-    with client_for(target, retries=2, backoff_s=0.01) as client:
-        start = time.monotonic()
-        with pytest.raises(UnavailableError) as info:
-            client.embed([[1]])
-        assert time.monotonic() - start < 5
-    assert info.value.attempts == 3
+    # UNAVAILABLE, not the deadline's error: refused at once, each attempt.
     assert info.value.code == SC.UNAVAILABLE
-
-
-def test_retry_is_logged(fake: FakeServer, caplog: pytest.LogCaptureFixture) -> None:
-    fake.service.script.append(Abort(SC.UNAVAILABLE, "unavailable"))
-    with (
-        caplog.at_level(logging.INFO, logger="tokembed.client"),
-        client_for(fake, backoff_s=0.01, chunked_threshold_bytes=None) as client,
-    ):
-        client.embed([[1]])
-    assert any("retry 1" in r.getMessage() for r in caplog.records)
+    assert info.value.attempts == 3
 
 
 # ---------------------------------------------------------------- message size, chunks
 
 
 def test_large_reply_fits_the_default_receive_limit(
-    fake_factory: Callable[..., FakeServer],
+    real_server: ServerThread, small_rows: np.ndarray
 ) -> None:
-    server = fake_factory(FakeService(d_model=1024))
-    ids = np.arange(1500).reshape(1, 1500)  # 1500 * 1024 * 4 = 6 MB > gRPC's 4 MiB default
-    with client_for(server, chunked_threshold_bytes=None) as client:
+    ids = (np.arange(24576) % SMALL_V).reshape(1, -1)  # 24576 * 64 * 4 = 6 MiB > gRPC's 4 MiB
+    with client_for(real_server, chunked_threshold_bytes=None) as client:
         hs = client.embed(ids)
-    assert hs.shape == (1, 1500, 1024)
-    assert np.array_equal(hs[0, -1], rows([1499], 1024)[0])
+    assert hs.nbytes == 6 * 2**20
+    np.testing.assert_array_equal(hs, small_rows[ids])
 
 
-def test_receive_limit_is_the_clients_setting(fake_factory: Callable[..., FakeServer]) -> None:
-    server = fake_factory(FakeService(d_model=1024))
-    ids = np.arange(600).reshape(1, 600)  # 2.4 MB
+def test_receive_limit_is_the_clients_setting(real_server: ServerThread) -> None:
+    ids = (np.arange(5000) % SMALL_V).reshape(1, -1)  # 5000 * 64 * 4 = 1.28 MB > 1 MiB
     with (
         client_for(
-            server, max_message_bytes=1024 * 1024, chunked_threshold_bytes=None, retries=3
+            real_server, max_message_bytes=2**20, chunked_threshold_bytes=None, retries=3
         ) as client,
-        pytest.raises(RequestTooLargeError),
+        pytest.raises(RequestTooLargeError) as info,
     ):
         client.embed(ids)
-    assert server.service.count("Embed") == 1
+    assert info.value.code == SC.RESOURCE_EXHAUSTED
+    assert info.value.reason is None  # gRPC's own size check, not the server's refusal
+    assert info.value.attempts == 1
+    assert requests_of(real_server, "Embed") == 1  # the server answered; the client refused it
 
 
-def test_large_outputs_go_chunked_transparently(fake: FakeServer) -> None:
-    ids = np.arange(200).reshape(4, 50)  # 200 * 8 * 4 = 6400 bytes > 1000
-    with client_for(fake, chunked_threshold_bytes=1000) as client:
+def test_large_outputs_go_chunked_transparently(
+    start_server: Start, small_model_dir: Path, small_rows: np.ndarray
+) -> None:
+    server = start_server(small_model_dir, stream_chunk_bytes=4096)  # 13 chunks for 51200 B
+    ids = np.arange(200).reshape(4, 50)  # 200 * 64 * 4 = 51200 bytes > 10000
+    with client_for(server, chunked_threshold_bytes=10_000) as client:
+        small = client.embed([[1, 2]])  # 512 bytes: unary (and the model's D learnt)
         chunked = client.embed_result(ids, request_id="big")
-        small = client.embed([[1, 2]])  # 64 bytes: unary
-    assert [c.method for c in fake.service.calls] == ["GetModelInfo", "EmbedChunked", "Embed"]
-    assert np.array_equal(chunked.hidden_states, rows(ids))
-    assert chunked.hidden_states.shape == (4, 50, D)
-    assert chunked.request_id == "big"
+    np.testing.assert_array_equal(chunked.hidden_states, small_rows[ids])
+    assert (chunked.request_id, chunked.model_name) == ("big", SMALL_NAME)
     assert chunked.hidden_states.flags.writeable  # assembled in the client's own buffer
-    assert np.array_equal(small, rows([[1, 2]]))
+    np.testing.assert_array_equal(small, small_rows[[[1, 2]]])
+    assert wait_for(lambda: requests_of(server, "EmbedChunked") == 1, 10)
+    assert requests_of(server, "Embed") == 1
+    assert requests_of(server, "GetModelInfo") == 0
 
 
-def test_chunked_threshold_counts_padding_and_dtype(fake: FakeServer) -> None:
-    # Ragged padded: 2 x 10 rows x 8 x 2 bytes = 320 > 300; flat: 11 rows = 176 < 300.
+def test_a_large_first_call_goes_unary_and_teaches_the_client_d(
+    start_server: Start, small_model_dir: Path, small_rows: np.ndarray
+) -> None:
+    """Before a model's D is known, a call cannot be sized: it goes unary (asking
+    GetModelInfo first would cost every new client a round trip), and its answer teaches D."""
+    server = start_server(small_model_dir, stream_chunk_bytes=4096)
+    ids = np.arange(200).reshape(4, 50)
+    with client_for(server, chunked_threshold_bytes=10_000) as client:
+        first = client.embed(ids)
+        second = client.embed(ids)
+    np.testing.assert_array_equal(first, small_rows[ids])
+    np.testing.assert_array_equal(second, small_rows[ids])
+    assert not first.flags.writeable and second.flags.writeable
+    assert wait_for(lambda: requests_of(server, "EmbedChunked") == 1, 10)
+    assert requests_of(server, "Embed") == 1 and requests_of(server, "GetModelInfo") == 0
+
+
+def test_chunked_threshold_counts_padding_and_dtype(
+    real_server: ServerThread, small_rows: np.ndarray
+) -> None:
+    # float16 padded: 2 x 10 rows x 64 x 2 bytes = 2560 > 2000; flat: 11 rows = 1408 < 2000;
+    # float32 flat: 2816 > 2000.
     seqs = [list(range(10)), [1]]
-    with client_for(fake, chunked_threshold_bytes=300) as client:
-        client.embed(seqs, "float16")
-        client.embed(seqs, "float16", layout="flat")
-    assert [c.method for c in fake.service.calls][1:] == ["EmbedChunked", "Embed"]
-
-
-def test_chunked_retries_a_stream_broken_midway(fake: FakeServer) -> None:
-    fake.service.script.append(Abort(SC.UNAVAILABLE, "unavailable", after_chunks=2))
-    ids = np.arange(100).reshape(2, 50)
-    with client_for(fake, chunked_threshold_bytes=0, backoff_s=0.01) as client:
-        hs = client.embed(ids)
-    assert np.array_equal(hs, rows(ids))
-    assert fake.service.count("EmbedChunked") == 2
-
-
-# ---------------------------------------------------------------- EmbedStream
-
-
-def test_stream_answers_in_order(fake: FakeServer) -> None:
-    inputs = [[[1, 2]], [[3]], [[4, 5], [6]], np.array([7, 8, 9], np.int32)]
-    with client_for(fake) as client:
-        out = list(client.embed_stream(inputs))
-    assert [o.shape for o in out] == [(1, 2, D), (1, 1, D), (2, 2, D), (1, 3, D)]
-    assert np.array_equal(out[2][0], rows([4, 5]))
-    assert np.array_equal(out[3], rows([[7, 8, 9]]))
-    assert fake.service.count("EmbedStream") == 1
-    assert fake.service.count("EmbedStream.item") == 4
-
-
-def test_stream_error_raises_for_its_item(fake: FakeServer) -> None:
-    inputs = [[[1]], [[2]], [[-1]], [[4]]]
-    got: list[np.ndarray] = []
-    with (
-        client_for(fake) as client,
-        pytest.raises(InvalidInputError, match="negative id") as info,
-    ):
-        for hs in client.embed_stream(inputs):
-            got.append(hs)
-    assert [g[0, 0, 0] for g in got] == [rows(1)[0], rows(2)[0]]
-    assert info.value.code == SC.INVALID_ARGUMENT
-
-
-def test_stream_return_exceptions_keeps_going(fake: FakeServer) -> None:
-    inputs = [[[1]], [[-1]], [[1.5]], [[4]]]  # a server refusal, then a client refusal
-    with client_for(fake) as client:
-        out = list(client.embed_stream_results(inputs, return_exceptions=True))
-    assert [type(o).__name__ for o in out] == [
-        "EmbedResult",
-        "InvalidInputError",
-        "InvalidInputError",
-        "EmbedResult",
-    ]
-    assert "negative id" in str(out[1])
-    assert "float" in str(out[2])
-    last = out[3]
-    assert isinstance(last, EmbedResult)
-    assert np.array_equal(last.hidden_states, rows([[4]]))
-    assert fake.service.count("EmbedStream.item") == 3  # the float input never left
-
-
-def test_stream_client_refusal_raises_in_turn(fake: FakeServer) -> None:
-    got: list[np.ndarray] = []
-    with client_for(fake) as client, pytest.raises(InvalidInputError, match="float"):
-        for hs in client.embed_stream([[[1]], [[2]], [[0.5]], [[3]]]):
-            got.append(hs)
-    assert len(got) == 2
-
-
-def test_stream_input_failure_reaches_the_caller(fake: FakeServer) -> None:
-    class Boom(Exception):
-        pass
-
-    def inputs() -> Iterator[list[list[int]]]:
-        yield [[1]]
-        raise Boom("the input source broke")
-
-    with client_for(fake) as client, pytest.raises(Boom, match="input source"):
-        list(client.embed_stream(inputs()))
-
-
-def test_stream_input_failure_comes_after_earlier_items(fake: FakeServer) -> None:
-    class Boom(Exception):
-        pass
-
-    def inputs() -> Iterator[Any]:
-        yield [[1]]
-        yield [[0.5]]  # refused by the client
-        raise Boom("late")
-
-    got: list[Any] = []
-    with client_for(fake) as client, pytest.raises(Boom, match="late"):
-        for item in client.embed_stream_results(inputs(), return_exceptions=True):
-            got.append(item)
-    assert [type(g) for g in got] == [EmbedResult, InvalidInputError]
-
-
-def test_stream_against_a_stopped_server() -> None:
-    with client_for(f"127.0.0.1:{free_port()}") as client, pytest.raises(UnavailableError):
-        list(client.embed_stream([[[1]]]))
+    with client_for(real_server, chunked_threshold_bytes=2000) as client:
+        client.info()  # teaches the client the model's D
+        half_padded = client.embed(seqs, "float16")
+        assert wait_for(lambda: requests_of(real_server, "EmbedChunked") == 1, 10)
+        half_flat = client.embed(seqs, "float16", layout="flat")
+        assert requests_of(real_server, "Embed") == 1
+        full_flat = client.embed(seqs, layout="flat")
+        assert wait_for(lambda: requests_of(real_server, "EmbedChunked") == 2, 10)
+    want = padded(small_rows, seqs, small_rows[SMALL_PAD])
+    np.testing.assert_array_equal(half_padded, want.astype(np.float16))
+    np.testing.assert_array_equal(half_flat, small_rows[[*range(10), 1]].astype(np.float16))
+    np.testing.assert_array_equal(full_flat, small_rows[[*range(10), 1]])
 
 
 # ---------------------------------------------------------------- health
 
 
-def test_health(fake: FakeServer) -> None:
-    with client_for(fake) as client:
+def test_health(loading: LoadingServer) -> None:
+    with client_for(loading.server) as client:
+        assert client.health() == "NOT_SERVING"  # port open, models loading
+        assert client.health("tokembed.v1.EmbeddingService") == "NOT_SERVING"
+        assert client.health(SMALL_NAME) == "SERVICE_UNKNOWN"  # each model's: once loaded
+        loading.finish_loading()
         assert client.health() == "SERVING"
-        fake.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert client.health() == "NOT_SERVING"
         assert client.health("tokembed.v1.EmbeddingService") == "SERVING"
+        assert client.health(SMALL_NAME) == "SERVING"
         assert client.health("no.such.Service") == "SERVICE_UNKNOWN"
 
 
-def test_health_of_a_stopped_server() -> None:
+def test_health_of_a_server_that_is_not_there() -> None:
     with client_for(f"127.0.0.1:{free_port()}") as client, pytest.raises(UnavailableError):
-        client.health(timeout_s=2)
+        client.health(timeout_s=10)
 
 
-def test_health_without_the_package(fake: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_without_the_package(
+    real_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "grpc_health.v1", None)  # import now fails
     with (
-        client_for(fake) as client,
+        client_for(real_server) as client,
         pytest.raises(EmbeddingError, match="pip install grpcio-health-checking"),
     ):
         client.health()
 
 
-# ---------------------------------------------------------------- auth, TLS
-
-
-def test_bearer_token_is_sent(fake: FakeServer) -> None:
-    fake.service.required_token = "s3cret"
-    with client_for(fake, token="s3cret\n", chunked_threshold_bytes=None) as client:
-        assert client.embed([[1]]).shape == (1, 1, D)
-    assert fake.service.calls[-1].metadata["authorization"] == "Bearer s3cret"
-    with (
-        client_for(fake, token="wrong", chunked_threshold_bytes=None, retries=3) as client,
-        pytest.raises(AuthenticationError) as info,
-    ):
-        client.embed([[1]])
-    assert info.value.code == SC.UNAUTHENTICATED
-    with (
-        client_for(fake, chunked_threshold_bytes=None) as client,
-        pytest.raises(AuthenticationError),
-    ):
-        client.embed([[1]])
-
-
-def test_bad_tokens_are_refused() -> None:
-    for token in ("", "two words", "tab\there"):
-        with pytest.raises(EmbeddingError, match="token"):
-            EmbeddingClient("127.0.0.1:1", token=token)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_certificates(tmp_path_factory.mktemp("certs"))
-
-
-def test_tls(fake_factory: Callable[..., FakeServer], certs: dict[str, Path]) -> None:
-    creds = grpc.ssl_server_credentials(
-        [(certs["server_key"].read_bytes(), certs["server_cert"].read_bytes())]
-    )
-    server = fake_factory(credentials=creds)
-    with client_for(server, root_certificates=certs["ca"]) as client:
-        assert np.array_equal(client.embed(SENTENCE), rows(SENTENCE))
-    # A plaintext client gets no answer from a TLS port.
-    with client_for(server, retries=0) as client, pytest.raises(UnavailableError):
-        client.embed([[1]], timeout_s=3)
-    # PEM bytes work as well as paths.
-    with client_for(server, root_certificates=certs["ca"].read_bytes()) as client:
-        assert client.health() == "SERVING"
-
-
-def test_mutual_tls(fake_factory: Callable[..., FakeServer], certs: dict[str, Path]) -> None:
-    creds = grpc.ssl_server_credentials(
-        [(certs["server_key"].read_bytes(), certs["server_cert"].read_bytes())],
-        root_certificates=certs["ca"].read_bytes(),
-        require_client_auth=True,
-    )
-    server = fake_factory(credentials=creds)
-    with client_for(
-        server,
-        root_certificates=certs["ca"],
-        client_certificate=certs["client_cert"],
-        client_key=certs["client_key"],
-        token="t",
-    ) as client:
-        assert client.embed([[3]]).shape == (1, 1, D)
-    with (
-        client_for(server, root_certificates=certs["ca"], retries=0) as client,
-        pytest.raises(UnavailableError),
-    ):
-        client.embed([[1]], timeout_s=3)
-
-
-def test_tls_options_are_checked(certs: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(EmbeddingError, match="both client_certificate and client_key"):
-        EmbeddingClient("127.0.0.1:1", client_certificate=certs["client_cert"])
-    with pytest.raises(EmbeddingError, match="cannot read root certificates"):
-        EmbeddingClient("127.0.0.1:1", root_certificates=tmp_path / "missing.pem")
-
-
-# ---------------------------------------------------------------- load balancing
-
-
-def _spread(servers: list[FakeServer]) -> list[int]:
-    return [s.service.count("Embed") for s in servers]
-
-
-def test_round_robin_spreads_over_all_addresses(fake_factory: Callable[..., FakeServer]) -> None:
-    servers = [fake_factory() for _ in range(3)]
-    target = "ipv4:" + ",".join(s.address for s in servers)
-    with client_for(target, load_balancing_policy="round_robin") as client:
-        # round_robin picks among the connections already made: warm up until all are.
-        deadline = time.monotonic() + 10
-        while min(_spread(servers)) == 0:
-            assert time.monotonic() < deadline, _spread(servers)
-            client.embed([[1]])
-        warm = _spread(servers)
-        for _ in range(60):
-            client.embed([[1]])
-    counts = [after - before for after, before in zip(_spread(servers), warm, strict=True)]
-    assert sum(counts) == 60
-    assert min(counts) >= 10, counts  # pick_first would give [0, 0, 60]
-
-
-def test_without_round_robin_one_address_gets_everything(
-    fake_factory: Callable[..., FakeServer],
-) -> None:
-    servers = [fake_factory() for _ in range(2)]
-    target = "ipv4:" + ",".join(s.address for s in servers)
-    with client_for(target) as client:
-        for _ in range(10):
-            client.embed([[1]])
-    assert sorted(_spread(servers)) == [0, 10]  # pick_first: why round_robin is needed
-
-
-def test_round_robin_fails_over_when_a_replica_goes(
-    fake_factory: Callable[..., FakeServer],
-) -> None:
-    servers = [fake_factory() for _ in range(3)]
-    target = "ipv4:" + ",".join(s.address for s in servers)
-    with client_for(target, load_balancing_policy="round_robin", backoff_s=0.02) as client:
-        for _ in range(9):
-            client.embed([[1]])
-        servers[0].stop()
-        for _ in range(30):
-            assert client.embed([[2]]).shape == (1, 1, D)
-    assert servers[1].service.count("Embed") + servers[2].service.count("Embed") >= 30
-
-
-def test_dns_target_with_round_robin(fake: FakeServer) -> None:
-    with client_for(f"dns:///127.0.0.1:{fake.port}", load_balancing_policy="round_robin") as c:
-        assert np.array_equal(c.embed(SENTENCE), rows(SENTENCE))
-
-
-def test_unknown_policy_is_refused() -> None:
-    with pytest.raises(EmbeddingError, match="load_balancing_policy"):
-        EmbeddingClient("127.0.0.1:1", load_balancing_policy="random")
-
-
 # ---------------------------------------------------------------- lifecycle
 
 
-def test_closed_client_refuses_calls(fake: FakeServer) -> None:
-    with client_for(fake) as client:
+def test_closed_client_refuses_calls(real_server: ServerThread) -> None:
+    with client_for(real_server) as client:
         client.embed([[1]])
     with pytest.raises(EmbeddingError, match="closed"):
         client.embed([[1]])
     client.close()  # idempotent
+    assert requests_of(real_server, "Embed") == 1
 
 
-def test_threads_share_one_client(fake: FakeServer) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    with client_for(fake) as client, ThreadPoolExecutor(8) as pool:
+def test_threads_share_one_client(real_server: ServerThread, small_rows: np.ndarray) -> None:
+    with client_for(real_server) as client, ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(lambda i: client.embed([[i, i + 1]]), range(40)))
     for i, hs in enumerate(outs):
-        assert np.array_equal(hs, rows([[i, i + 1]]))
+        np.testing.assert_array_equal(hs, small_rows[[[i, i + 1]]])
+    assert requests_of(real_server, "Embed") == 40

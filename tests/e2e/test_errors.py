@@ -26,12 +26,8 @@ from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.gates import GatedLoader
-from support.models import reference_rows
 from support.server import ServerThread, wait_for, wait_for_async
-
-SMALL_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 def queued_tokens(server: ServerThread) -> float:
@@ -86,7 +82,7 @@ def shared_server(small_model_dir: Path) -> Iterator[ServerThread]:
 @pytest.mark.parametrize(("name", "request_", "code", "message"), BAD_REQUESTS,
                          ids=[b[0] for b in BAD_REQUESTS])  # fmt: skip
 def test_each_bad_input_gets_its_code_and_message(
-    shared_server: ServerThread, name: str, request_: pb.EmbedRequest,
+    shared_server: ServerThread, small_rows: np.ndarray, name: str, request_: pb.EmbedRequest,
     code: grpc.StatusCode, message: str,
 ) -> None:  # fmt: skip
     server = shared_server
@@ -96,22 +92,31 @@ def test_each_bad_input_gets_its_code_and_message(
             stub.Embed(request_, timeout=10)
         assert caught.value.code() == code
         assert message in caught.value.details()
-        # ... and the server answers normally afterwards.
-        ok = stub.Embed(pb.EmbedRequest(input_ids=_tensor(np.array([[7]]))), timeout=10)
-        assert list(ok.hidden_states.shape) == [1, 1, SMALL_D]
+        # ... and the server answers exactly afterwards.
+        ok = stub.Embed(pb.EmbedRequest(input_ids=_tensor(np.array([[7, 999]]))), timeout=10)
+        assert ok.hidden_states.dtype == pb.DTYPE_FLOAT32
+        got = np.frombuffer(ok.hidden_states.data, "<f4").reshape(list(ok.hidden_states.shape))
+        np.testing.assert_array_equal(got, small_rows[[[7, 999]]])
 
 
-def test_client_raises_typed_errors(small_model_dir: Path, start_server: Any) -> None:
+def test_client_raises_typed_errors(
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
+) -> None:
     server = start_server(small_model_dir, max_output_bytes_per_request=64 * 1024)
     with EmbeddingClient(server.target, model_name="") as client:
         with pytest.raises(InvalidInputError) as invalid:
             client.embed([[1, 1000]])
         assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "1000" in str(invalid.value)
+        np.testing.assert_array_equal(client.embed([[1, 999]]), small_rows[[[1, 999]]])
         with pytest.raises(RequestTooLargeError) as large:
             client.embed(np.zeros((1, 300), np.int64))  # 300 x 64 x 4 > 64 KiB
         assert large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert client.embed(np.zeros((1, 300), np.int64), "float16").shape == (1, 300, SMALL_D)
+        # The same ids in float16 fit (half the bytes), and are the rows rounded to float16.
+        ids = np.arange(300, dtype=np.int64).reshape(1, 300)
+        np.testing.assert_array_equal(
+            client.embed(ids, "float16"), small_rows[ids].astype(np.float16)
+        )
     with (
         EmbeddingClient(server.target, model_name="other") as client,
         pytest.raises(ModelNotFoundError),
@@ -120,7 +125,7 @@ def test_client_raises_typed_errors(small_model_dir: Path, start_server: Any) ->
 
 
 def test_a_bad_request_among_good_ones_fails_alone(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
     server = start_server(
@@ -148,16 +153,16 @@ def test_a_bad_request_among_good_ones_fails_alone(
 
     first, results, error = asyncio.run(scenario())
     assert error is not None and "-1" in str(error)
-    np.testing.assert_array_equal(first, SMALL_ROWS[[[1]]])
+    np.testing.assert_array_equal(first, small_rows[[[1]]])
     for ids, got in zip(good, results, strict=True):
-        np.testing.assert_array_equal(got, SMALL_ROWS[ids])
+        np.testing.assert_array_equal(got, small_rows[ids])
     # One batch after the blocker held all twenty good requests, and never the bad one.
     assert len(backend.calls) == 2
     assert sorted(backend.calls[1].tolist()) == list(range(60))
 
 
 def test_cancelled_and_expired_requests_disturb_nobody(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     loader = GatedLoader(open_look_ups=False)
     server = start_server(
@@ -191,7 +196,7 @@ def test_cancelled_and_expired_requests_disturb_nobody(
 
     results = asyncio.run(scenario())
     for index, got in enumerate(results):
-        np.testing.assert_array_equal(got, SMALL_ROWS[[[1 if index == 0 else index + 1]]])
+        np.testing.assert_array_equal(got, small_rows[[[1 if index == 0 else index + 1]]])
     assert loader.backend is not None
     computed = np.concatenate([call.ravel() for call in loader.backend.calls])
     assert 888 not in computed and 777 not in computed  # dropped before compute
@@ -236,7 +241,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
 
 
 def test_a_look_up_failure_fails_its_batch_with_internal_and_the_server_goes_on(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     loader = GatedLoader()
     server = start_server(
@@ -248,7 +253,7 @@ def test_a_look_up_failure_fails_its_batch_with_internal_and_the_server_goes_on(
         with pytest.raises(Exception) as failed:
             client.embed([[1, 2]])
         assert getattr(failed.value, "code", None) == grpc.StatusCode.INTERNAL
-        np.testing.assert_array_equal(client.embed([[1, 2]]), SMALL_ROWS[[[1, 2]]])
+        np.testing.assert_array_equal(client.embed([[1, 2]]), small_rows[[[1, 2]]])
 
 
 def test_client_against_a_stopped_server_raises_unavailable_after_retries(
@@ -276,7 +281,7 @@ def test_malformed_model_info_request_is_invalid_argument(shared_server: ServerT
 
 
 def test_chunked_answer_from_a_shared_batch_owns_its_rows(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     """A chunked answer computed in a batch with others is correct and independent."""
     loader = GatedLoader(open_look_ups=False)
@@ -288,6 +293,7 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
 
     async def scenario() -> list[np.ndarray]:
         async with AsyncEmbeddingClient(server.target, chunked_threshold_bytes=1) as client:
+            await client.info()  # D known: every call below goes chunked
             first = asyncio.ensure_future(client.embed([[1]]))  # holds the runtime
             assert await wait_for_async(backend.entered.is_set, 10)
             batched = [asyncio.ensure_future(client.embed([[i, i + 1]])) for i in range(2, 8)]
@@ -296,8 +302,8 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
             return [await first, *[await task for task in batched]]
 
     results = asyncio.run(scenario())
-    np.testing.assert_array_equal(results[0], SMALL_ROWS[[[1]]])
+    np.testing.assert_array_equal(results[0], small_rows[[[1]]])
     for i, got in zip(range(2, 8), results[1:], strict=True):
-        np.testing.assert_array_equal(got, SMALL_ROWS[[[i, i + 1]]])
+        np.testing.assert_array_equal(got, small_rows[[[i, i + 1]]])
     assert server.metric("tokembed_requests_total", {"method": "EmbedChunked", "code": "OK"}) == 7
     assert [len(call) for call in backend.calls] == [1, 12]  # the six shared one batch

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,8 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokembed.client import EmbeddingClient, UnavailableError
+from tokembed.v1 import embedding_pb2 as pb
+from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import DEFAULT_V, SMALL_D
+from support.fixtures import DEFAULT_V, SMALL_D, SMALL_V
 from support.gates import GatedLoader
 from support.models import default_rows
 from support.no_torch import env_without_torch
@@ -36,7 +40,7 @@ def _health(target: str) -> int:
 
 
 def test_health_walks_not_serving_serving_not_serving_while_draining(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     loader = GatedLoader(open_loading=False)
     server = start_server(
@@ -67,7 +71,8 @@ def test_health_walks_not_serving_serving_not_serving_while_draining(
         loader.look_up_gate.set()
         held.join(10)
         stopping.result(15)
-    assert len(results) == 1 and results[0].shape == (1, 2, SMALL_D)
+    assert len(results) == 1
+    np.testing.assert_array_equal(results[0], small_rows[[[3, 4]]])
 
 
 def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
@@ -87,15 +92,28 @@ def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=call) for _ in range(6)]
-        for thread in threads:
-            thread.start()
-        # Wait until the server has accepted all six (in flight or done), then stop it. Two
-        # scrapes in a row: one that lands as a call ends, between its OK being counted and
-        # its in-flight count dropping, counts that call twice.
-        assert wait_for(lambda: _accepted(server) >= 6 and _accepted(server) >= 6, 30)
-        assert _inflight(server) >= 1
-        server.send_signal(signal.SIGTERM)
+        request = pb.EmbedRequest(
+            input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=ids.shape, data=ids.tobytes())
+        )
+        with grpc.insecure_channel(server.target) as channel:
+            # One call held in flight until the signal has landed: an EmbedChunked answer
+            # read only afterwards. Flow control stops the server sending once this
+            # reader's window and socket buffers are full (2-4 MB here, against 34 MB), so
+            # the call cannot end before it is read, however fast the other six go.
+            held = embedding_pb2_grpc.EmbeddingServiceStub(channel).EmbedChunked(
+                request, timeout=60
+            )
+            header = next(held).header.hidden_states  # its handler is answering
+            threads = [threading.Thread(target=call) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            # Wait until the server has accepted all seven (in flight or done), then stop
+            # it. Two scrapes in a row: one that lands as a call ends, between its OK being
+            # counted and its in-flight count dropping, counts that call twice.
+            assert wait_for(lambda: _accepted(server) >= 7 and _accepted(server) >= 7, 30)
+            assert _inflight(server) >= 1  # the held call, at least, until it is read
+            server.send_signal(signal.SIGTERM)
+            data = b"".join(chunk.data for chunk in held)
         for thread in threads:
             thread.join(60)
         assert server.wait(30) == 0
@@ -103,6 +121,8 @@ def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
         assert len(results) == 6
         for got in results:
             np.testing.assert_array_equal(got, want)
+        assert header.dtype == pb.DTYPE_FLOAT32
+        np.testing.assert_array_equal(np.frombuffer(data, "<f4").reshape(list(header.shape)), want)
         assert "signal received: draining" in server.output
     finally:
         server.kill()
@@ -238,16 +258,59 @@ def test_environment_variables_configure_the_server(small_model_dir: Path) -> No
         assert time.monotonic() - started < 15
 
 
+def _connections_to(port: int) -> set[int]:
+    """The local ports of this machine's TCP sockets to 127.0.0.1:``port``, in any state
+    (the kernel's tables, /proc/net/tcp and tcp6: gRPC's sockets are IPv6 ones, holding
+    IPv4 as ::ffff:127.0.0.1): one per connection a client opened to it."""
+    ports = set()
+    for table_path, family, address in (
+        ("/proc/net/tcp", socket.AF_INET, "127.0.0.1"),
+        ("/proc/net/tcp6", socket.AF_INET6, "::ffff:127.0.0.1"),
+    ):
+        if not Path(table_path).exists():
+            continue  # no IPv6 here: every socket is in /proc/net/tcp
+        packed = socket.inet_pton(family, address)
+        # Listed as 32-bit words in the machine's byte order, each as 8 hex digits.
+        words = struct.unpack(f"={len(packed) // 4}I", packed)
+        wanted = "".join(f"{word:08X}" for word in words) + f":{port:04X}"
+        with open(table_path, encoding="ascii") as table:
+            next(table)  # the column names
+            for line in table:
+                local, remote = line.split()[1:3]
+                if remote == wanted:
+                    ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("max_age_s", [0.5, 0.0], ids=["max-age", "no-max-age"])
 def test_max_connection_age_recycles_connections_without_failing_calls(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, max_age_s: float
 ) -> None:
-    # Connections are closed (GOAWAY) after 0.5 s; the client reconnects transparently.
-    server = start_server(small_model_dir, max_connection_age_s=0.5, grace_s=2)
-    with EmbeddingClient(server.target, retries=3) as client:
-        deadline = time.monotonic() + 2.5
-        calls = 0
-        while time.monotonic() < deadline:
-            assert client.embed([[calls % 100]]).shape == (1, 1, SMALL_D)
+    """With --max-connection-age-s the server closes each connection (GOAWAY) after that
+    age; the client opens another and no call fails, even without the client's retries.
+    Without it, one connection carries every call. The connections are counted from the
+    kernel's tables of TCP sockets, read after every call."""
+    server = start_server(small_model_dir, max_connection_age_s=max_age_s, grace_s=2)
+    connections: set[int] = set()
+    calls = 0
+    started = time.monotonic()
+    with EmbeddingClient(server.target, retries=0) as client:
+        while True:
+            ids = [[calls % SMALL_V, (7 * calls + 3) % SMALL_V]]
+            np.testing.assert_array_equal(client.embed(ids), small_rows[ids])
             calls += 1
+            connections |= _connections_to(server.port)
+            elapsed = time.monotonic() - started
+            if max_age_s and len(connections) >= 3:
+                break  # three connections: two recycled
+            if not max_age_s and elapsed > 2.0:
+                break  # four of the other case's ages
+            # 60 s: far past three ages (0.5 s each, +-10% jitter, and a reconnection).
+            assert elapsed < 60, (calls, connections)
             time.sleep(0.01)
-    assert calls > 20
+    if max_age_s:
+        assert len(connections) >= 3 and calls >= 3
+    else:
+        assert len(connections) == 1, connections
+        assert calls > 20

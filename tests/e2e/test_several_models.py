@@ -115,6 +115,8 @@ def test_concurrent_mixed_traffic_gets_each_model_s_own_rows(
         EmbeddingClient(server.target, chunked_threshold_bytes=1) as client,
         ThreadPoolExecutor(4) as pool,
     ):
+        for model in ("small", "decoder"):
+            client.info(model=model)  # each model's D known: every call below goes chunked
         chunked = list(pool.map(lambda r: client.embed(r[1], r[2], model=r[0]), requests[:20]))
     for (model, ids, dtype), got in zip(requests[:20], chunked, strict=True):
         np.testing.assert_array_equal(got, _expected(model, ids, dtype), err_msg=model)

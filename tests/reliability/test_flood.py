@@ -43,7 +43,7 @@ from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import DEFAULT_D, DEFAULT_V
 from support.models import default_rows
-from support.server import ServerProcess, serve_args
+from support.server import ServerProcess, serve_args, wait_for
 
 MAX_TOKENS = 16384
 MAX_OUTPUT = MAX_TOKENS * DEFAULT_D * 4  # 32 MiB: one maximum-size float32 answer
@@ -97,7 +97,9 @@ def _call(
             return None, error
 
 
-def test_an_oversized_request_is_refused_before_it_is_decoded(flood_server: ServerProcess) -> None:
+def test_an_oversized_request_is_refused_before_it_is_decoded(
+    flood_server: ServerProcess, rows: np.ndarray
+) -> None:
     """48 MiB of one-byte ``lengths``: refused by the receive limit, which follows from
     max_tokens_per_request (8 bytes an id, <= 10 a length), not from the output limit.
     Decoded, such a request held ~30x its size (8-byte integers, twice) before
@@ -121,7 +123,7 @@ def test_an_oversized_request_is_refused_before_it_is_decoded(flood_server: Serv
         encode(ids.reshape(-1), lengths=[1] * MAX_TOKENS, layout=pb.RAGGED_LAYOUT_FLAT),
     )
     assert error is None and reply is not None
-    assert decode_response(reply).shape == (MAX_TOKENS, DEFAULT_D)
+    np.testing.assert_array_equal(decode_response(reply), rows[ids.reshape(-1)])
 
 
 def test_per_request_caps_hold_at_the_boundary(
@@ -262,6 +264,16 @@ def _sampler(pid: int, metrics_port: int, stop: threading.Event, tally: FloodTal
                     tally.queued_samples.append(float(line.split()[1]))
 
 
+def _unsent_bytes(metrics_port: int) -> float:
+    """Output bytes the server holds room for (answers admitted and not yet sent)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    name = "tokembed_inflight_output_bytes "
+    (value,) = [float(line.split()[1]) for line in lines if line.startswith(name)]
+    return value
+
+
 def _stream_outcomes(metrics_port: int) -> float:
     """EmbedStream requests the server has answered or refused so far."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -367,6 +379,15 @@ def flood(server: ServerProcess, rows: np.ndarray) -> None:
         stop.set()
         sampler.join(10)
     peak = peak_rss(pid)
+    # The flood over (its refusals, its slow readers), the next answer is exact, and whole.
+    # Asked once the server has let go of every answer's room (it does when gRPC reports
+    # the bytes sent, which may come after the caller has them): not refused for room.
+    assert wait_for(lambda: _unsent_bytes(server.metrics_port) == 0, 30)
+    ids = _max_ids(12)
+    reply, error = _call(server.target, encode(ids))
+    assert error is None and reply is not None, error
+    np.testing.assert_array_equal(decode_response(reply), rows[ids])
+    del reply
     print(
         f"\nflood {FLOOD_S:.0f}s: baseline {baseline / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB "
         f"(+{(peak - baseline) / MiB:.0f}), bound {bound / MiB:.0f} MiB; "

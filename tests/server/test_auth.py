@@ -19,18 +19,12 @@ from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import SMALL_D, SMALL_V
 from support.server import ServerThread
 
 TOKEN = "s3cret-token"
 TIMEOUT_S = 10
 IDS = np.array([[5, 6, 7]], dtype=np.int64)
-
-
-@pytest.fixture(scope="module")
-def reference() -> np.ndarray:
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 @pytest.fixture
@@ -89,9 +83,32 @@ BAD_METADATA = {
 GOOD_METADATA = (("authorization", f"Bearer {TOKEN}"),)
 
 
+def float32_array(tensor: pb.Tensor, data: bytes | None = None) -> np.ndarray:
+    assert tensor.dtype == pb.DTYPE_FLOAT32
+    raw = tensor.data if data is None else data
+    return np.frombuffer(raw, "<f4").reshape(list(tensor.shape))
+
+
+def assert_exact(method: str, reply: Any, small_rows: np.ndarray) -> None:
+    """``reply`` (what ``CALLS[method]`` returned) is exactly the small model's answer."""
+    want = small_rows[IDS]
+    if method == "Embed":
+        np.testing.assert_array_equal(float32_array(reply.hidden_states), want)
+    elif method == "GetModelInfo":
+        assert (reply.name, reply.vocab_size, reply.d_model) == ("small", SMALL_V, SMALL_D)
+    elif method == "EmbedStream":
+        assert [a.WhichOneof("result") for a in reply] == ["response", "response"]
+        for answer in reply:
+            np.testing.assert_array_equal(float32_array(answer.response.hidden_states), want)
+    else:
+        assert method == "EmbedChunked" and reply[0].HasField("header")
+        data = b"".join(chunk.data for chunk in reply[1:])
+        np.testing.assert_array_equal(float32_array(reply[0].header.hidden_states, data), want)
+
+
 @pytest.mark.parametrize("method", list(CALLS))
 def test_missing_or_wrong_token_is_unauthenticated(
-    server: ServerThread, channel: grpc.Channel, method: str
+    server: ServerThread, channel: grpc.Channel, small_rows: np.ndarray, method: str
 ) -> None:
     stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
     for label, metadata in BAD_METADATA.items():
@@ -104,6 +121,9 @@ def test_missing_or_wrong_token_is_unauthenticated(
         ), label
     rejected = server.metric("tokembed_rejections_total", {"reason": "unauthenticated"})
     assert rejected == len(BAD_METADATA)
+    # ... and the right token, on the same channel afterwards, gets the exact answer.
+    assert_exact(method, CALLS[method](stub, GOOD_METADATA), small_rows)
+    assert server.metric("tokembed_rejections_total", {"reason": "unauthenticated"}) == rejected
 
 
 def test_health_check_works_without_a_token(channel: grpc.Channel) -> None:
@@ -114,30 +134,11 @@ def test_health_check_works_without_a_token(channel: grpc.Channel) -> None:
 
 
 def test_right_token_works_on_every_method(
-    server: ServerThread, channel: grpc.Channel, reference: np.ndarray
+    server: ServerThread, channel: grpc.Channel, small_rows: np.ndarray
 ) -> None:
     stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
-    want = reference[IDS]
-
-    reply = call_embed(stub, GOOD_METADATA)
-    got = np.frombuffer(reply.hidden_states.data, dtype="<f4").reshape(1, 3, SMALL_D)
-    np.testing.assert_array_equal(got, want)
-
-    info = call_info(stub, GOOD_METADATA)
-    assert (info.name, info.vocab_size, info.d_model) == ("small", SMALL_V, SMALL_D)
-
-    answers = call_stream(stub, GOOD_METADATA)
-    assert [a.WhichOneof("result") for a in answers] == ["response", "response"]
-    for answer in answers:
-        data = answer.response.hidden_states.data
-        np.testing.assert_array_equal(np.frombuffer(data, "<f4").reshape(want.shape), want)
-
-    chunks = call_chunked(stub, GOOD_METADATA)
-    assert chunks[0].HasField("header")
-    assert list(chunks[0].header.hidden_states.shape) == [1, 3, SMALL_D]
-    data = b"".join(chunk.data for chunk in chunks[1:])
-    np.testing.assert_array_equal(np.frombuffer(data, "<f4").reshape(want.shape), want)
-
+    for method, call in CALLS.items():
+        assert_exact(method, call(stub, GOOD_METADATA), small_rows)
     rejected = server.metric("tokembed_rejections_total", {"reason": "unauthenticated"})
     assert rejected == 0
 

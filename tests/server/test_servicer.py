@@ -24,7 +24,6 @@ from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import SMALL_D
 from support.server import ServerThread
 
 TIMEOUT_S = 10
@@ -62,10 +61,12 @@ def stub(
         yield embedding_pb2_grpc.EmbeddingServiceStub(channel)
 
 
+IDS = np.array([[1, 2, 3]], dtype="<i8")
+
+
 def request(output_dtype: int) -> pb.EmbedRequest:
-    ids = np.array([[1, 2, 3]], dtype="<i8")
     return pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 3], data=ids.tobytes()),
+        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 3], data=IDS.tobytes()),
         output_dtype=output_dtype,  # type: ignore[arg-type]
     )
 
@@ -76,26 +77,39 @@ def assert_internal(error: grpc.RpcError) -> None:
     assert (REASON_METADATA_KEY, "internal") in tuple(error.trailing_metadata() or ())
 
 
-def test_unexpected_failure_is_internal_on_embed(stub: Any) -> None:
+def float32_array(tensor: pb.Tensor, data: bytes | None = None) -> np.ndarray:
+    assert tensor.dtype == pb.DTYPE_FLOAT32
+    raw = tensor.data if data is None else data
+    return np.frombuffer(raw, "<f4").reshape(list(tensor.shape))
+
+
+def test_unexpected_failure_is_internal_on_embed(stub: Any, small_rows: np.ndarray) -> None:
     with pytest.raises(grpc.RpcError) as error:
         stub.Embed(request(pb.DTYPE_FLOAT16), timeout=TIMEOUT_S)
     assert_internal(error.value)
     reply = stub.Embed(request(pb.DTYPE_FLOAT32), timeout=TIMEOUT_S)
-    assert list(reply.hidden_states.shape) == [1, 3, SMALL_D]
+    np.testing.assert_array_equal(float32_array(reply.hidden_states), small_rows[IDS])
 
 
-def test_unexpected_failure_is_internal_on_embed_chunked(stub: Any) -> None:
+def test_unexpected_failure_is_internal_on_embed_chunked(stub: Any, small_rows: np.ndarray) -> None:
     with pytest.raises(grpc.RpcError) as error:
         list(stub.EmbedChunked(request(pb.DTYPE_FLOAT16), timeout=TIMEOUT_S))
     assert_internal(error.value)
     chunks = list(stub.EmbedChunked(request(pb.DTYPE_FLOAT32), timeout=TIMEOUT_S))
-    assert list(chunks[0].header.hidden_states.shape) == [1, 3, SMALL_D]
-    assert sum(len(chunk.data) for chunk in chunks[1:]) == 3 * SMALL_D * 4
+    data = b"".join(chunk.data for chunk in chunks[1:])
+    got = float32_array(chunks[0].header.hidden_states, data)
+    np.testing.assert_array_equal(got, small_rows[IDS])
 
 
-def test_unexpected_failure_is_an_internal_answer_inside_embed_stream(stub: Any) -> None:
+def test_unexpected_failure_is_an_internal_answer_inside_embed_stream(
+    stub: Any, small_rows: np.ndarray
+) -> None:
     requests = [request(pb.DTYPE_FLOAT32), request(pb.DTYPE_FLOAT16), request(pb.DTYPE_FLOAT32)]
     answers = list(stub.EmbedStream(iter(requests), timeout=TIMEOUT_S))
     assert [a.WhichOneof("result") for a in answers] == ["response", "error", "response"]
     assert answers[1].error.code == grpc.StatusCode.INTERNAL.value[0]
     assert "cast exploded" in answers[1].error.message
+    assert answers[1].error.reason == "internal"
+    for answer in (answers[0], answers[2]):  # before the failure and after it
+        got = float32_array(answer.response.hidden_states)
+        np.testing.assert_array_equal(got, small_rows[IDS])

@@ -4,6 +4,7 @@ providers and the CPU arena (server/backends/sessions.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,16 +101,68 @@ def test_float16_cast_rounds_exactly_as_numpy_does() -> None:
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-def test_thread_counts_are_accepted_and_every_row_is_the_model_s(
+def test_thread_counts_reach_the_session_and_every_row_is_the_model_s(
     small_model_dir: Path, reference: np.ndarray
 ) -> None:
     runtime = ModelSession(
         load_model_dir(small_model_dir),
-        SessionOptions(device="cpu", intra_op_threads=1, inter_op_threads=1),
+        SessionOptions(device="cpu", intra_op_threads=3, inter_op_threads=2),
     )
+    # onnxruntime's own account of the options the session was made with.
+    options = runtime.session.get_session_options()
+    assert (options.intra_op_num_threads, options.inter_op_num_threads) == (3, 2)
     np.testing.assert_array_equal(runtime.run(np.array([9], dtype=np.int64)), reference[[9]])
     # In chunks smaller than the vocabulary (7 rows each), as the table backend loads it.
     np.testing.assert_array_equal(runtime.every_row(chunk_bytes=7 * SMALL_D * 4), reference)
+
+
+# Run in a fresh interpreter: nothing else starts threads there, so the threads a load
+# adds are its onnxruntime sessions' (an intra-op pool of n threads is the caller and
+# n - 1 threads of its own, made with the session).
+_THREADS_SCRIPT = """
+import os
+import sys
+from pathlib import Path
+from tokembed.server.loading import load_model
+from tokembed.server.settings import Settings
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+directory, *counts = sys.argv[1:]
+loaded = []  # kept, so that their sessions (and threads) live on
+for count in counts:
+    settings = Settings.from_cli(
+        ["--model-dir", directory, "--intra-op-threads", count, "--float32-table-max-bytes", "0"]
+    )
+    before = threads()
+    loaded.append(load_model(Path(directory), settings))
+    assert loaded[-1].backend.kind == "onnxruntime", loaded[-1].backend.kind
+    print(threads() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
+def test_intra_op_threads_flag_sizes_the_loaded_backend_s_thread_pools(
+    small_model_dir: Path,
+) -> None:
+    """--intra-op-threads, parsed as ``tokembed serve`` parses it and loaded as the server
+    loads a model, decides how many threads onnxruntime computes with: each session of
+    the onnxruntime backend gets n - 1 threads of its own (none at 1).
+
+    --inter-op-threads reaches the session's options (the test above) but no test can see
+    it change what runs: onnxruntime only uses an inter-op pool in its parallel execution
+    mode, and the sessions run sequentially."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TOKEMBED_")}
+    result = subprocess.run(
+        [sys.executable, "-c", _THREADS_SCRIPT, str(small_model_dir), "1", "2", "4", "1"],
+        capture_output=True, text=True, timeout=120, check=False, env=environ,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two, four, one_again = (int(line) for line in result.stdout.split())
+    assert one == 0 and one_again == 0, result.stdout
+    assert two >= 1, result.stdout  # at least the look-up's session: one thread each
+    assert four == 3 * two, result.stdout  # every session: three threads each
 
 
 def test_cuda_without_cuda_is_a_clear_config_error(

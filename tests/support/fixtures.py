@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from support.models import build_default_model_dir, export_model_dir, reference_rows
 from support.server import ServerThread
@@ -21,6 +23,16 @@ EVERY_BACKEND = pytest.mark.parametrize(
     "backend", [{}, {"float32_table_max_bytes": 0}], ids=["table", "onnxruntime"]
 )
 DEFAULT_V, DEFAULT_D, DEFAULT_SEED = 32000, 512, 0
+
+# Every Hypothesis test here checks correctness, not speed: an example that merely ran slowly
+# (a busy core, as in CI or on the shared development machine) is no failure. So no example
+# has a deadline (the default, 200 ms, failed loaded runs) and generating them slowly is no
+# failed health check either. Loaded here, at import of the plugin every test run loads
+# (addopts), so it holds in every run, CI's included.
+hypothesis_settings.register_profile(
+    "tokembed", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("tokembed")
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,13 @@
 Building an ``EmbedResponse`` message and serialising it copies the tensor twice (into
 the message, then into the wire bytes). Writing the few header bytes ourselves and
 joining them with the answer's pieces (views of the looked-up rows) copies each byte
-once, straight into the response. The bytes are standard protobuf wire format: any
-protobuf client parses them (tests/server/test_responses.py proves it against the
-generated classes, byte for byte).
+once, straight into the response. The bytes are standard protobuf wire format, and for
+the answers a server makes (a tensor never empty; timings, which are durations, never
+negative) the very bytes protobuf itself writes: tests/server/test_responses.py compares
+``EmbedResponse`` (unary), ``EmbedStreamResponse`` (a stream's answer) and each
+``EmbedChunk`` (the header, the data slices) with the generated classes' serialisation,
+byte for byte, at every varint width, and parses them back field by field. Stream errors
+and the model descriptions are built with the generated classes.
 """
 
 from __future__ import annotations
