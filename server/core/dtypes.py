@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass(frozen=True)
+# eq=False: a row is its own identity (the rows below are the only ones), so tables keyed by
+# a DType hash it as any object, with no code of this module run per look-up.
+@dataclass(frozen=True, eq=False)
 class DType:
     name: str  # as requests, manifests, metrics and logs name it
     numpy: np.dtype  # little-endian: the wire's byte order

@@ -33,31 +33,28 @@ class ServedModel:
     backend: Backend
     limits: Limits
     batch: BatchLimits
-    # Read per request: the kind's id inputs with their bounds, the primary one first.
+    # What requests read, taken from the model directory once (plain attributes: no code
+    # runs per request to read them).
+    name: str = field(init=False)
+    version: str = field(init=False)
+    kind: ModelKind = field(init=False)
+    vocab_size: int = field(init=False)
+    d_model: int = field(init=False)
+    # The kind's id inputs with their bounds, the primary one (input_ids) first.
     inputs: tuple[IdInput, ...] = field(init=False)
     bounds: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        inputs = self.model.kind.inputs(self.model.manifest)
-        object.__setattr__(self, "inputs", inputs)
-        object.__setattr__(self, "bounds", tuple(i.bound(self.model.manifest) for i in inputs))
-
-    @property
-    def name(self) -> str:
-        return self.model.manifest.name
-
-    @property
-    def version(self) -> str:
-        return self.model.manifest.version
-
-    @property
-    def kind(self) -> ModelKind:
-        return self.model.kind
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.manifest.vocab_size
-
-    @property
-    def d_model(self) -> int:
-        return self.model.manifest.d_model
+        manifest = self.model.manifest
+        inputs = self.model.kind.inputs(manifest)
+        derived = {
+            "name": manifest.name,
+            "version": manifest.version,
+            "kind": self.model.kind,
+            "vocab_size": manifest.vocab_size,
+            "d_model": manifest.d_model,
+            "inputs": inputs,
+            "bounds": tuple(i.bound(manifest) for i in inputs),
+        }
+        for key, value in derived.items():
+            object.__setattr__(self, key, value)
