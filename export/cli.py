@@ -185,14 +185,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _builtin(args: argparse.Namespace) -> int:
     """``--builtin``: the server's own default model, built as ``tokembed serve`` builds it."""
+    from tokembed.export.builtin import DEFAULT, build_builtin_model
+
     others = [flag for flag, given in (
         ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
         ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
         ("--force", args.force or None),
     ) if given is not None]  # fmt: skip
+    # Flags with a default: refused when they ask for another model than the built-in one
+    # (its seed 0, float32, sqrt(D), version 1), not silently ignored.
+    others += [flag for flag, differs in (
+        ("--seed", args.seed != DEFAULT.seed), ("--dtype", args.dtype != "float32"),
+        ("--scale", args.scale != "sqrt"), ("--model-version", args.model_version != DEFAULT.version),
+    ) if differs]  # fmt: skip
     if others:
         raise ExportError(f"--builtin takes no {', '.join(others)}: its model is fixed")
-    from tokembed.export.builtin import build_builtin_model
 
     check_out_dir(args.out, args.force)
     build_builtin_model(args.out)

@@ -62,7 +62,14 @@ class Settings:
     intra_op_threads: int = _setting(
         1, "onnxruntime intra-op threads (0: one per core, onnxruntime's default)"
     )
-    inter_op_threads: int = _setting(0, "onnxruntime inter-op threads (0: onnxruntime's default)")
+    # Measured (tests/server/test_sessions.py): onnxruntime runs tokembed's graphs in its
+    # sequential execution mode, which has no inter-op pool; the value reaches the session
+    # and changes nothing. Kept so that configurations setting it keep starting.
+    inter_op_threads: int = _setting(
+        0,
+        "onnxruntime inter-op threads (0: onnxruntime's default); no effect on today's "
+        "models, whose graphs onnxruntime runs sequentially",
+    )
     # --- batching
     max_batch_tokens: int = _setting(16384, "a batch closes when it holds this many tokens")
     max_delay_ms: float = _setting(

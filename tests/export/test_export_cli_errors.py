@@ -157,3 +157,17 @@ def test_without_torch_the_command_says_what_to_install(tmp_path, user_error):
     user_error(proc, "tokembed export needs torch, which is not installed", "tokembed[export]")
     assert proc.returncode == 2
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flag", [["--seed", "3"], ["--dtype", "float16"], ["--scale", "none"], ["--model-version", "2"]]
+)
+def test_builtin_refuses_what_would_ask_for_another_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: list[str]
+) -> None:
+    from tokembed.cli.main import main
+
+    assert main(["export", "--builtin", "--out", str(tmp_path / "m"), *flag]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith(f"--builtin takes no {flag[0]}: its model is fixed"), error
+    assert not (tmp_path / "m").exists()
