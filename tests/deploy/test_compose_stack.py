@@ -52,6 +52,8 @@ from deploy_files import (
     server_metric_families,
 )
 
+from support.metrics import matching, samples, scrape, total
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WRAPPER = ROOT / "deploy" / "docker-compose"
@@ -394,8 +396,8 @@ def test_metrics_port_exports_every_metric_the_dashboard_queries(stack: Stack) -
         client.embed([[1, 2, 3]])
     finally:
         client.close()
-    text = _http_get(f"http://127.0.0.1:{stack.metrics_port}/metrics")
-    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    text = scrape(stack.metrics_port)
+    scraped = {name for name, _ in samples(text)}
     dashboard = DASHBOARD.read_text()
     wanted = {
         name
@@ -403,12 +405,11 @@ def test_metrics_port_exports_every_metric_the_dashboard_queries(stack: Stack) -
         if name.startswith("tokembed_") and f"{name}{{" in dashboard
     }
     assert wanted, "the dashboard queries no tokembed metric?"
-    assert wanted <= samples, f"missing from a real scrape: {sorted(wanted - samples)}"
-    info = [line for line in text.splitlines() if line.startswith("tokembed_model_info{")]
-    assert len(info) == 1
-    for label in (f'name="{MODEL_NAME}"', f'vocab_size="{VOCAB_SIZE}"', f'd_model="{D_MODEL}"',
-                  'execution_provider="CPUExecutionProvider"'):  # fmt: skip
-        assert label in info[0], info[0]
+    assert wanted <= scraped, f"missing from a real scrape: {sorted(wanted - scraped)}"
+    (info,) = matching(text, "tokembed_model_info")
+    want = {"name": MODEL_NAME, "vocab_size": str(VOCAB_SIZE), "d_model": str(D_MODEL),
+            "execution_provider": "CPUExecutionProvider"}  # fmt: skip
+    assert want.items() <= info.labels.items(), info.labels
 
 
 def test_prometheus_scrapes_the_server(stack: Stack) -> None:
@@ -429,12 +430,7 @@ def test_prometheus_scrapes_the_server(stack: Stack) -> None:
             client.embed([[1, 2]])
     finally:
         client.close()
-    metrics = _http_get(f"http://127.0.0.1:{stack.metrics_port}/metrics")
-    served = sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("tokembed_requests_total{") and 'method="Embed"' in line
-    )
+    served = total(scrape(stack.metrics_port), "tokembed_requests_total", {"method": "Embed"})
     assert served >= 5
 
     def scraped_all() -> bool:

@@ -201,17 +201,8 @@ class Scraped:
         return self.prometheus.query(expr, at=self.at)
 
     def server_total(self, name: str) -> float:
-        return _registry_total(self.server, name)
-
-
-def _registry_total(server: ServerThread, name: str) -> float:
-    """The sum of every sample ``name`` in the server's own registry."""
-    return sum(
-        sample.value
-        for family in server.registry.collect()
-        for sample in family.samples
-        if sample.name == name
-    )
+        """The sum of every sample ``name`` in the server's own registry."""
+        return self.server.metric(name)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +226,7 @@ def scraped(small_model_dir: Path) -> Iterator[Scraped]:
                 # moment after its caller has the answer): all the traffic, which the
                 # server's own registry holds too from then on.
                 prometheus.wait_until(requests, lambda v: v == REQUESTS)
-                assert _registry_total(server, "tokembed_requests_total") == REQUESTS
+                assert server.metric("tokembed_requests_total") == REQUESTS
                 recent = prometheus.query(f'tokembed_requests_total{{job="{JOB}"}}[1m]')
                 at = max(float(series["values"][-1][0]) for series in recent)
                 window_s = math.ceil(at - prometheus.started_at) + 60

@@ -25,6 +25,7 @@ from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import DEFAULT_V, SMALL_D, SMALL_V
 from support.gates import GatedLoader
+from support.metrics import scrape, total
 from support.models import default_rows
 from support.no_torch import env_without_torch
 from support.server import ServerProcess, serve_args, wait_for
@@ -128,34 +129,19 @@ def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
         server.kill()
 
 
-def _scrape(server: ServerProcess) -> dict[str, float]:
-    import urllib.request
-
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line and not line.startswith("#")
-    }
-
-
 def _inflight(server: ServerProcess) -> float:
-    return _scrape(server).get("tokembed_inflight_requests", 0.0)
+    return total(scrape(server.metrics_port, timeout_s=5), "tokembed_inflight_requests")
 
 
 def _accepted(server: ServerProcess) -> float:
-    """Embeds answered or in flight (the client sends answers this large as EmbedChunked)."""
-    samples = _scrape(server)
+    """Embeds answered or in flight (the client sends answers this large as EmbedChunked),
+    read from one scrape."""
+    text = scrape(server.metrics_port, timeout_s=5)
     done = sum(
-        value
-        for key, value in samples.items()
-        if key.startswith("tokembed_requests_total{")
-        and 'code="OK"' in key
-        and any(f'method="{method}"' in key for method in ("Embed", "EmbedChunked"))
+        total(text, "tokembed_requests_total", {"method": method, "code": "OK"})
+        for method in ("Embed", "EmbedChunked")
     )
-    return done + samples.get("tokembed_inflight_requests", 0.0)
+    return done + total(text, "tokembed_inflight_requests")
 
 
 def test_serve_refuses_an_invalid_model_directory(small_model_dir: Path, tmp_path: Path) -> None:

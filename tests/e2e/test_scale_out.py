@@ -6,15 +6,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.client import EmbeddingClient
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.metrics import scrape, total
 from support.models import reference_rows
 from support.server import ServerProcess, serve_args
 
@@ -24,16 +23,8 @@ ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 def _served(server: ServerProcess) -> float:
     """Embed calls ``server`` answered OK, as its scrape shows them (parsed by
     prometheus_client, whatever the labels' order or number)."""
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    ok = {"method": "Embed", "code": "OK", "model": "small"}.items()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "tokembed_requests_total" and ok <= sample.labels.items()
-    )
+    ok = {"method": "Embed", "code": "OK", "model": "small"}
+    return total(scrape(server.metrics_port, timeout_s=5), "tokembed_requests_total", ok)
 
 
 def test_round_robin_spreads_over_three_servers_and_survives_losing_one(

@@ -6,15 +6,14 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.client import EmbeddingClient
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.metrics import scrape, total
 from support.models import reference_rows
 from support.server import wait_for
 
@@ -43,24 +42,9 @@ def _free_ports(count: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def _sample(metrics_port: int, name: str, labels: dict[str, str] | None = None) -> float:
-    """The sum of the samples ``name`` whose labels include ``labels``, as a scrape shows
-    them (parsed by prometheus_client, whatever the labels' order or number)."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    wanted = (labels or {}).items()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and wanted <= sample.labels.items()
-    )
-
-
 def _served_by(metrics_port: int) -> float:
     ok = {"method": "Embed", "code": "OK", "model": "small"}
-    return _sample(metrics_port, "tokembed_requests_total", ok)
+    return total(scrape(metrics_port, timeout_s=5), "tokembed_requests_total", ok)
 
 
 def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> None:
@@ -76,7 +60,7 @@ def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> Non
 
         def both_ready() -> bool:
             try:
-                return all(_sample(metrics_base + i, "tokembed_ready") == 1 for i in range(2))
+                return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(2))
             except OSError:
                 return False
 

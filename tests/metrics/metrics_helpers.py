@@ -1,6 +1,5 @@
-"""Helpers of the metrics tests: requests through the plain generated stubs, a valve that
-holds the backend's look-ups so a test can fill the queue behind a batch, and a reader
-for the Prometheus text format.
+"""Helpers of the metrics tests: requests through the plain generated stubs, and a valve that
+holds the backend's look-ups so a test can fill the queue behind a batch.
 
 The tests talk to the server with the raw stubs any gRPC client has, so what they count
 is what arrives on the wire, independent of our client library.
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +16,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.core.dtypes import DType
@@ -58,23 +55,6 @@ def error_reason(error: grpc.RpcError) -> str:
         if key == "tokembed-error-reason":
             return str(value)
     return ""
-
-
-def scrape(metrics_port: int) -> str:
-    """GET /metrics as Prometheus would."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200
-        return str(response.read().decode("utf-8"))
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
-    return out
 
 
 class Valve:

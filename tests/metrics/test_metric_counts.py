@@ -21,8 +21,6 @@ from metrics_helpers import (
     embed_request,
     error_reason,
     ids_of,
-    samples,
-    scrape,
     stub_for,
 )
 
@@ -31,6 +29,7 @@ from tokembed.server.metrics import REJECTION_REASONS
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D
+from support.metrics import matching, samples, scrape
 from support.server import ServerThread, wait_for
 
 ROW_BYTES = SMALL_D * 4  # one float32 row of the small model
@@ -45,13 +44,13 @@ REACH_QUEUE_S = 3.0
 
 
 def requests_by_code(server: ServerThread, method: str) -> dict[str, float]:
-    """{code: count} of tokembed_requests_total for one method, as a scrape shows it."""
-    found = samples(scrape(server.metrics_port))
-    return {
-        dict(labels)["code"]: value
-        for (name, labels), value in found.items()
-        if name == "tokembed_requests_total" and dict(labels)["method"] == method and value
-    }
+    """{code: count} of tokembed_requests_total for one method (over every model label),
+    as a scrape shows it; codes counted 0 left out."""
+    text = scrape(server.metrics_port)
+    counts: dict[str, float] = {}
+    for sample in matching(text, "tokembed_requests_total", {"method": method}):
+        counts[sample.labels["code"]] = counts.get(sample.labels["code"], 0) + sample.value
+    return {code: count for code, count in counts.items() if count}
 
 
 def rejections(server: ServerThread) -> dict[str, float]:
@@ -65,9 +64,9 @@ def rejections(server: ServerThread) -> dict[str, float]:
 def assert_each_failure_counted_once(server: ServerThread) -> None:
     """Every failed RPC is one rejection, and every rejection one failed RPC."""
     failed = sum(
-        value
-        for (name, labels), value in samples(scrape(server.metrics_port)).items()
-        if name == "tokembed_requests_total" and dict(labels)["code"] != "OK"
+        sample.value
+        for sample in matching(scrape(server.metrics_port), "tokembed_requests_total")
+        if sample.labels["code"] != "OK"
     )
     assert sum(rejections(server).values()) == failed
 
@@ -196,9 +195,9 @@ def test_every_method_is_counted_under_its_name(
     assert requests_by_code(server, "GetModelInfo") == {"OK": 1}
     assert requests_by_code(server, "ListModels") == {"OK": 1}
     counted = {
-        dict(labels)["method"]
-        for (name, labels), value in samples(scrape(server.metrics_port)).items()
-        if name == "tokembed_requests_total" and value
+        sample.labels["method"]
+        for sample in matching(scrape(server.metrics_port), "tokembed_requests_total")
+        if sample.value
     }
     assert counted == set(FRONT_END.methods)
     assert rejections(server) == {"invalid_input": 1}

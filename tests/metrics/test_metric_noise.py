@@ -4,33 +4,23 @@ server, parsed with prometheus_client's own parser."""
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.client import EmbeddingClient, ModelNotFoundError
 
+from support.metrics import matching, scrape
 from support.server import ServerThread
-
-
-def _scrape(server: ServerThread) -> str:
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return str(response.read().decode("utf-8"))
 
 
 def _requests_series(text: str) -> dict[tuple[str, str, str], float]:
     """tokembed_requests_total by (method, code, model)."""
-    series: dict[tuple[str, str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "tokembed_requests_total":
-                labels = sample.labels
-                series[(labels["method"], labels["code"], labels["model"])] = sample.value
-    return series
+    return {
+        (s.labels["method"], s.labels["code"], s.labels["model"]): s.value
+        for s in matching(text, "tokembed_requests_total")
+    }
 
 
 @pytest.fixture
@@ -42,13 +32,13 @@ def server(small_model_dir: Path, start_server: Any) -> ServerThread:
 def test_no_created_series(server: ServerThread) -> None:
     with EmbeddingClient(server.target) as client:
         client.embed([[1, 2, 3]])
-    text = _scrape(server)
+    text = scrape(server.metrics_port)
     assert "tokembed_requests_total" in text
     assert [line for line in text.splitlines() if "_created" in line] == []
 
 
 def test_only_series_that_can_move_start_at_zero(server: ServerThread) -> None:
-    series = _requests_series(_scrape(server))
+    series = _requests_series(scrape(server.metrics_port))
     # A served call always names its model; a listing never does; a model's info is
     # answered or refused before a model is found.
     assert ("Embed", "OK", "") not in series
@@ -69,6 +59,6 @@ def test_an_embed_naming_an_unknown_model_is_counted_as_the_embed_it_was(
 ) -> None:
     with EmbeddingClient(server.target) as client, pytest.raises(ModelNotFoundError):
         client.embed([[1, 2, 3]], model="nope")
-    series = _requests_series(_scrape(server))
+    series = _requests_series(scrape(server.metrics_port))
     assert series[("Embed", "NOT_FOUND", "")] == 1
     assert series[("GetModelInfo", "NOT_FOUND", "")] == 0

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
-from metrics_helpers import embed_request, ids_of, scrape, stub_for
+from metrics_helpers import embed_request, ids_of, stub_for
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokembed.server.edge.status_codes import STATUS_BY_ERROR
 from tokembed.server.edge.v1.servicer import FRONT_END
 from tokembed.server.metrics import REJECTION_REASONS, Metrics, ModelLabels
 from tokembed.v1 import embedding_pb2 as pb
 
+from support.metrics import families, matching, scrape
 from support.server import ServerThread
 
 LATENCY_HISTOGRAMS = (
@@ -57,10 +57,6 @@ EXPECTED = {
 ISSUE_REASONS = {"overloaded", "invalid_input", "too_large", "deadline_exceeded", "cancelled"}
 
 
-def _families(text: str) -> dict[str, prometheus_client.Metric]:
-    return {family.name: family for family in text_string_to_metric_families(text)}
-
-
 def _label_names(family: prometheus_client.Metric) -> set[str]:
     names: set[str] = set()
     for sample in family.samples:
@@ -75,19 +71,19 @@ def test_a_live_scrape_has_every_metric_with_its_type_and_labels(
     with stub_for(server.target) as stub:
         stub.Embed(embed_request(ids_of(8)), timeout=10)
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-    families = _families(scrape(server.metrics_port))
+    found = families(scrape(server.metrics_port))
 
     for name, (kind, labels) in EXPECTED.items():
-        assert name in families, f"{name} missing from the scrape"
-        assert families[name].type == kind, name
-        assert _label_names(families[name]) == labels, name
-    for name, family in families.items():
+        assert name in found, f"{name} missing from the scrape"
+        assert found[name].type == kind, name
+        assert _label_names(found[name]) == labels, name
+    for name, family in found.items():
         if not name.startswith(("process_", "python_")):
             assert name.startswith("tokembed_"), name
         assert family.documentation.strip(), f"{name} has no help text"
 
     # Model info: one series, value 1, labelled with what GetModelInfo reports.
-    (model,) = families["tokembed_model_info"].samples
+    (model,) = found["tokembed_model_info"].samples
     assert model.value == 1
     assert model.labels == {
         "name": info.name,
@@ -103,7 +99,7 @@ def test_a_live_scrape_has_every_metric_with_its_type_and_labels(
     assert model.labels["execution_provider"] == "CPUExecutionProvider"
 
     # The process collectors measure this process (the server runs in the test's process).
-    values = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+    values = {s.name: s.value for f in found.values() for s in f.samples if not s.labels}
     assert values["process_cpu_seconds_total"] > 0
     assert values["process_resident_memory_bytes"] > 10 * 2**20
     assert 0 < values["process_open_fds"] <= values["process_max_fds"]
@@ -123,13 +119,7 @@ def test_latency_histograms_resolve_below_a_millisecond() -> None:
     registry = CollectorRegistry()
     _with_a_model(registry)
     for name in LATENCY_HISTOGRAMS:
-        bounds = sorted(
-            float(sample.labels["le"])
-            for family in registry.collect()
-            if family.name == name
-            for sample in family.samples
-            if sample.name == f"{name}_bucket" and "le" in sample.labels
-        )
+        bounds = sorted(float(s.labels["le"]) for s in matching(registry, f"{name}_bucket"))
         assert bounds, name
         assert bounds[0] <= 0.0001, f"{name}: first bucket {bounds[0]} s"
         assert len([b for b in bounds if b < 0.001]) >= 3, f"{name}: {bounds}"
@@ -178,13 +168,11 @@ def test_reasons_methods_and_codes_exist_at_zero_before_any_request() -> None:
         for code in codes["model" if model else ""]
     }
     got = {}
-    for family in registry.collect():
-        for sample in family.samples:
-            if sample.name == "tokembed_requests_total":
-                labels = sample.labels
-                assert labels["protocol"] == "tokembed.v1", labels
-                assert labels["operation"] == FRONT_END.methods[labels["method"]], labels
-                got[(labels["method"], labels["code"], labels["model"])] = sample.value
+    for sample in matching(registry, "tokembed_requests_total"):
+        labels = sample.labels
+        assert labels["protocol"] == "tokembed.v1", labels
+        assert labels["operation"] == FRONT_END.methods[labels["method"]], labels
+        got[(labels["method"], labels["code"], labels["model"])] = sample.value
     assert set(got) == want
     assert set(got.values()) == {0}
     for method, model in {(method, model) for method, _, model in want}:
@@ -232,8 +220,6 @@ def test_the_docs_describe_every_metric_with_its_type_and_labels(document: str) 
         (row,) = [row for row in rows if f"`{name}`" in row[0]] or [None]
         assert row is not None, f"{document} does not describe {name}"
         assert row[1] == family.type, f"{name}: documented as {row[1]}"
-        labels = set()
-        for sample in family.samples:
-            labels |= set(sample.labels) - {"le"}
+        labels = _label_names(family)
         documented = set(re.findall(r"`([a-z_]+)`", row[2]))
         assert labels <= documented, f"{name}: labels {labels} documented as {documented}"

@@ -13,7 +13,6 @@ import asyncio
 import random
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from tokembed.bench.plan import DEPLOYMENT_ENV
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import DEFAULT_D, DEFAULT_V
+from support.metrics import matching, scrape, total, value
 from support.models import default_rows
 from support.server import ServerProcess, serve_args, wait_for
 
@@ -253,37 +253,23 @@ async def _slow_stream_caller(
 
 
 def _sampler(pid: int, metrics_port: int, stop: threading.Event, tally: FloodTally) -> None:
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
     while not stop.wait(0.05):
         tally.rss_samples.append(rss(pid))
-        with urllib.request.urlopen(url, timeout=5) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("tokembed_inflight_output_bytes "):
-                    tally.inflight_samples.append(float(line.split()[1]))
-                elif line.startswith("tokembed_queued_tokens{"):  # one model's
-                    tally.queued_samples.append(float(line.split()[1]))
+        text = scrape(metrics_port, timeout_s=5)
+        tally.inflight_samples.append(value(text, "tokembed_inflight_output_bytes"))
+        # Each model's (one is served).
+        tally.queued_samples += [s.value for s in matching(text, "tokembed_queued_tokens")]
 
 
 def _unsent_bytes(metrics_port: int) -> float:
     """Output bytes the server holds room for (answers admitted and not yet sent)."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    name = "tokembed_inflight_output_bytes "
-    (value,) = [float(line.split()[1]) for line in lines if line.startswith(name)]
-    return value
+    return value(scrape(metrics_port, timeout_s=5), "tokembed_inflight_output_bytes")
 
 
 def _stream_outcomes(metrics_port: int) -> float:
     """EmbedStream requests the server has answered or refused so far."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line.startswith("tokembed_requests_total{") and 'method="EmbedStream"' in line
-    )
+    text = scrape(metrics_port, timeout_s=5)
+    return total(text, "tokembed_requests_total", {"method": "EmbedStream"})
 
 
 async def _when_streams_are_in(metrics_port: int, before: float, streams_in: asyncio.Event) -> None:

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from reliability_support import (
 
 from tokembed.v1 import embedding_pb2 as pb
 
+from support.metrics import scrape, total
 from support.server import ServerProcess, serve_args
 
 SEED = int(os.environ.get("TOKEMBED_FUZZ_SEED", "20260701"))
@@ -208,16 +208,6 @@ async def _fuzz(target: str, cases: list[BadCase]) -> Tally:
     return tally
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line and not line.startswith("#")
-    }
-
-
 def test_fuzzed_bad_requests_fail_alone_while_good_ones_stay_exact(
     fuzzed_server: ServerProcess,
 ) -> None:
@@ -243,8 +233,7 @@ def test_fuzzed_bad_requests_fail_alone_while_good_ones_stay_exact(
     assert tally.good_ok >= 50  # the good stream really ran alongside
 
     # The server's own count agrees: each bad request went through its status table.
-    samples = _scrape(fuzzed_server.metrics_port)
-    rejected = sum(v for k, v in samples.items() if k.startswith("tokembed_rejections_total{"))
+    rejected = total(scrape(fuzzed_server.metrics_port), "tokembed_rejections_total")
     assert rejected == len(cases)
     assert "Traceback" not in fuzzed_server.output  # no unexpected failure was logged
 

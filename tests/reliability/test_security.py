@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +30,7 @@ from reliability_support import EMBED, SMALL_ROWS, encode
 
 from tokembed.client import AuthenticationError, EmbeddingClient, UnavailableError
 
+from support.metrics import scrape, value
 from support.server import ServerProcess, ServerThread, serve_args
 
 TOKEN = "tok-3f9a0c1e-embeddings"
@@ -301,17 +301,12 @@ def _can_connect(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _scrape(host: str, port: int) -> str:
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
-        return str(response.read().decode())
-
-
 def test_both_ports_bind_to_loopback_by_default(small_model_dir: Path) -> None:
     server = ServerProcess(serve_args(small_model_dir)).start()
     try:
         assert "listening on 127.0.0.1:" in server.output
         assert "metrics on http://127.0.0.1:" in server.output
-        assert "tokembed_ready 1.0" in _scrape("127.0.0.1", server.metrics_port)
+        assert value(scrape(server.metrics_port), "tokembed_ready") == 1
         # Bound to 127.0.0.1 alone, not to every address: another loopback address of
         # this machine finds nothing listening on either port.
         assert not _can_connect("127.0.0.2", server.metrics_port)
@@ -326,9 +321,9 @@ def test_metrics_and_grpc_bind_where_told(small_model_dir: Path) -> None:
     server = ServerProcess(args).start()
     try:
         assert "metrics on http://127.0.0.2:" in server.output
-        assert "tokembed_ready 1.0" in _scrape("127.0.0.2", server.metrics_port)
+        assert value(scrape(server.metrics_port, host="127.0.0.2"), "tokembed_ready") == 1
         with pytest.raises(urllib.error.URLError):
-            _scrape("127.0.0.1", server.metrics_port)
+            scrape(server.metrics_port, host="127.0.0.1")
         with EmbeddingClient(f"127.0.0.3:{server.port}", retries=0, timeout_s=10) as client:
             np.testing.assert_array_equal(client.embed(IDS), SMALL_ROWS[IDS])
         assert not _can_connect("127.0.0.1", server.port)

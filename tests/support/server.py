@@ -22,6 +22,8 @@ from tokembed.server.app import TokembedServer
 from tokembed.server.loading import ModelLoader, load_model
 from tokembed.server.settings import Settings
 
+from support.metrics import total
+
 T = TypeVar("T")
 
 
@@ -71,16 +73,9 @@ class ServerThread:
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         """The sum of the samples ``name`` whose labels include ``labels`` (so, with
-        several models served, over every model unless ``model`` is given)."""
-        wanted = (labels or {}).items()
-        return float(
-            sum(
-                sample.value
-                for family in self.registry.collect()
-                for sample in family.samples
-                if sample.name == name and wanted <= sample.labels.items()
-            )
-        )
+        several models served, over every model unless ``model`` is given), read from the
+        server's registry (``support.metrics.total``)."""
+        return total(self.registry, name, labels)
 
     def stop(self, grace_s: float = 5) -> None:
         if self.server is not None and self._thread.is_alive():
