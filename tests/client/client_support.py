@@ -7,7 +7,6 @@ request), so a test reads there which calls the client made, instead of a fake's
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -65,13 +64,6 @@ def requests_of(
 def rejections(server: ServerThread, reason: str) -> int:
     """Requests the server refused for ``reason`` (the bearer-token check included)."""
     return int(server.metric("tokembed_rejections_total", {"reason": reason}))
-
-
-def free_port() -> int:
-    """A loopback port with nothing listening (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def padded(table: np.ndarray, seqs: Sequence[Sequence[int]], pad_row: np.ndarray) -> np.ndarray:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from client_support import SMALL_NAME, LoadingServer, free_port, rejections, requests_of
+from client_support import SMALL_NAME, LoadingServer, rejections, requests_of
 
 from tokembed.cli.main import main
 from tokembed.client import InvalidInputError
 from tokembed.client.cli import parse_ids
 
 from support.fixtures import SMALL_D, SMALL_V
+from support.ports import free_port
 from support.server import ServerThread
 
 VERSION = "1"  # what support.models exports every model as

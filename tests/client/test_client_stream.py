@@ -13,7 +13,6 @@ import pytest
 from client_support import (
     HeldServer,
     client_for,
-    free_port,
     padded,
     requests_of,
 )
@@ -28,6 +27,7 @@ from tokembed.client import (
 )
 
 from support.fixtures import SMALL_PAD, SMALL_V
+from support.ports import free_port
 from support.server import ServerThread
 
 SC = grpc.StatusCode

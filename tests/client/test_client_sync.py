@@ -28,7 +28,6 @@ from client_support import (
     HeldServer,
     LoadingServer,
     client_for,
-    free_port,
     padded,
     rejections,
     requests_of,
@@ -49,6 +48,7 @@ from tokembed.client import (
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
 from support.gates import GatedLoader
+from support.ports import free_port
 from support.server import ServerThread, wait_for
 
 SC = grpc.StatusCode

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +51,7 @@ from deploy_files import (
 )
 
 from support.metrics import matching, samples, scrape, total
+from support.ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -64,27 +63,6 @@ SERVICES = ("tokembed", "prometheus")  # no grafana: its image cannot be had her
 # Small, so that export and image build stay quick; the values are still checked exactly.
 VOCAB_SIZE, D_MODEL, SEED = 4096, 64, 7
 MODEL_NAME = "deploy-test"
-
-
-def _free_ports(count: int) -> list[int]:
-    """Free ports below the kernel's ephemeral range: the stack binds them only after the
-    image build (minutes), and a port the kernel hands out on its own (port 0, outgoing
-    connections) could be taken by then; one below the range only by an explicit bind."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    top = min(low, 32768)
-    span = range(max(1024, top - 12000), top)
-    candidates = random.sample(span, min(200, len(span)))
-    ports: list[int] = []
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == count:
-            return ports
-    raise RuntimeError("no free ports below the ephemeral range")
 
 
 def _wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 0.5) -> Any:
@@ -239,7 +217,8 @@ def stack() -> Iterator[Stack]:
     models_existed = model_dir.parent.exists()
     targets = work / "targets"
     targets.mkdir()
-    ports = _free_ports(3)
+    # Bound only after the image build (minutes): below the ephemeral range (support.ports).
+    ports = free_ports(3, below_ephemeral=True)
     project = f"tokembedtest{os.getpid()}"
     env = {
         **base_env,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,31 +14,8 @@ from tokembed.client import EmbeddingClient
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.metrics import scrape, total
 from support.models import reference_rows
+from support.ports import free_ports
 from support.server import wait_for
-
-
-def _free_ports(count: int) -> int:
-    """A base port with ``count`` consecutive free ports above it (re-checked by the OS
-    when the server binds; a clash fails the test loudly rather than silently)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for offset in range(count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def _served_by(metrics_port: int) -> float:
@@ -48,8 +24,8 @@ def _served_by(metrics_port: int) -> float:
 
 
 def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> None:
-    port = _free_ports(3)  # one run, so the gRPC port cannot be one of the metrics ports
-    metrics_base = port + 1
+    # One run: the gRPC port, then the workers' metrics ports (--metrics-port and up).
+    port, metrics_base, _ = free_ports(3, consecutive=True)
     process = subprocess.Popen(
         [sys.executable, "-m", "tokembed.cli", "serve", "--model-dir", str(small_model_dir),
          "--port", str(port), "--metrics-port", str(metrics_base), "--workers", "2"],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -38,12 +39,6 @@ def binary(name: str) -> str:
     if path is None:
         pytest.skip(f"{name} is not installed (CI installs Debian's prometheus package)")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _get_json(url: str) -> Any:
@@ -85,7 +80,7 @@ class Prometheus:
     """One Prometheus process on a free loopback port, its storage under ``workdir``."""
 
     def __init__(self, config: Path, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "prometheus.log"
         self.started_at = time.time()
