@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,21 +82,6 @@ def loading(
     server = LoadingServer(start_server, (small_model_dir, decoder_model_dir))
     yield server
     server.close()
-
-
-@pytest.fixture(scope="session")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """A throw-away CA, a server certificate for 127.0.0.1 and localhost, and a client
-    certificate, made with the ``cryptography`` package (no openssl command needed)."""
-    from reliability.certs import Authority
-
-    directory = tmp_path_factory.mktemp("pki")
-    ca = Authority(directory, "tokembed-test-ca")
-    return SimpleNamespace(
-        ca=ca.cert,
-        server=ca.server("server", dns=["localhost"], ips=["127.0.0.1"]),
-        client=ca.client("client"),
-    )
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from certs import Authority, self_signed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_support import EMBED, SMALL_ROWS, encode
 
@@ -35,21 +34,6 @@ from support.server import ServerProcess, ServerThread, serve_args
 
 TOKEN = "tok-3f9a0c1e-embeddings"
 IDS = np.array([[3, 1, 4, 1, 5]])
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    directory = tmp_path_factory.mktemp("pki")
-    ca = Authority(directory, "tokembed-test-ca")
-    other = Authority(directory, "some-other-ca")
-    return SimpleNamespace(
-        ca=ca.cert,
-        other_ca=other.cert,
-        server=ca.server("server", dns=["localhost"], ips=["127.0.0.1"]),
-        client=ca.client("client"),
-        foreign_client=other.client("foreign-client"),
-        self_signed_client=self_signed(directory, "self-signed-client"),
-    )
 
 
 def _started(args: list[str]) -> Iterator[ServerProcess]:

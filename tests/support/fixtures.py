@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -81,6 +82,27 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in default: V=32000, D=512, seed 0 (the design document's figures), built
     as ``tokembed serve`` builds it; ``support.models.default_rows`` holds its answers."""
     return build_default_model_dir(tmp_path_factory.mktemp("default-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """Throw-away certificates (``support.certs``), as PEM files: ``ca`` and the ``server``
+    (127.0.0.1 and localhost) and ``client`` certificates it signed; ``other_ca`` and the
+    ``foreign_client`` it signed; a ``self_signed_client``. Each issued one has ``cert``
+    and ``key``."""
+    from support.certs import Authority, self_signed
+
+    directory = tmp_path_factory.mktemp("pki")
+    ca = Authority(directory, "tokembed-test-ca")
+    other = Authority(directory, "some-other-ca")
+    return SimpleNamespace(
+        ca=ca.cert,
+        other_ca=other.cert,
+        server=ca.server("server", dns=["localhost"], ips=["127.0.0.1"]),
+        client=ca.client("client"),
+        foreign_client=other.client("foreign-client"),
+        self_signed_client=self_signed(directory, "self-signed-client"),
+    )
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Throw-away certificates for the TLS tests, made with the ``cryptography`` package.
 
 EC P-256 keys (fast to make), valid for two days: a CA, a server certificate for given
-names, client certificates signed by a CA, and self-signed ones.
+names, client certificates signed by a CA, and self-signed ones. The session fixture ``pki``
+(support.fixtures) holds one set of each.
 """
 
 from __future__ import annotations
