@@ -16,7 +16,7 @@ import numpy as np
 
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
 
-from support.gates import GatedLoader
+from support.backends import HOLDABLE, HookedLoader
 from support.server import ServerThread, wait_for
 
 SENTENCE = [[5, 6, 7, 8, 9, 10, 11, 12]]  # "The keys on the table are lost."
@@ -85,7 +85,7 @@ class HeldServer:
     ``MAX_QUEUED - QUEUED`` tokens is refused RESOURCE_EXHAUSTED/overloaded, at once, and
     any smaller one waits for the gate. Look-ups run off the event loop (a held look-up on
     the loop would hold the whole server) and through onnxruntime, whose batcher keeps the
-    queue (tests/support/gates.py).
+    queue (tests/support/backends.py).
     """
 
     MAX_QUEUED = 10
@@ -98,13 +98,12 @@ class HeldServer:
         table: np.ndarray,
         **settings: Any,
     ) -> None:
-        self.loader = GatedLoader(open_look_ups=False)
+        self.loader = HookedLoader(open_look_ups=False)
         self.table = table
         self.server = start_server(
             model_dir,
             loader=self.loader,
-            inline_compute_max_tokens=0,
-            float32_table_max_bytes=0,
+            **HOLDABLE,
             max_queued_tokens=self.MAX_QUEUED,
             **settings,
         )
@@ -126,12 +125,12 @@ class HeldServer:
 
     def release(self) -> None:
         """Open the gate; the held requests get their exact rows."""
-        self.loader.look_up_gate.set()
+        self.loader.look_up_gate.open()
         for ids, future in self._held:
             np.testing.assert_array_equal(future.result(60), self.table[ids])
 
     def close(self) -> None:
-        self.loader.look_up_gate.set()  # never leave a look-up (and the server's stop) hanging
+        self.loader.look_up_gate.open()  # never leave a look-up (and the server's stop) hanging
         self._pool.shutdown(wait=True)
         self._client.close()
 
@@ -146,13 +145,13 @@ class LoadingServer:
     def __init__(
         self, start_server: Callable[..., ServerThread], model_dirs: tuple[Path, ...]
     ) -> None:
-        self.loader = GatedLoader(open_loading=False)
+        self.loader = HookedLoader(open_loading=False)
         self.server = start_server(model_dirs, loader=self.loader, wait_ready=False)
 
     def finish_loading(self) -> None:
-        self.loader.loading_gate.set()
+        self.loader.loading_gate.open()
         assert self.server.server is not None
         self.server.call(self.server.server.wait_ready())
 
     def close(self) -> None:
-        self.loader.loading_gate.set()  # the server's stop waits for loading to end
+        self.loader.loading_gate.open()  # the server's stop waits for loading to end

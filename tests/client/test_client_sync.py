@@ -46,8 +46,8 @@ from tokembed.client import (
     UnavailableError,
 )
 
+from support.backends import HOLDABLE, HookedLoader
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
-from support.gates import GatedLoader
 from support.ports import free_port
 from support.server import ServerThread, wait_for
 
@@ -226,10 +226,8 @@ def test_server_errors_are_typed_and_not_retried(
         held.fill_queue()
         server = held.server
     elif reason == "internal":
-        loader = GatedLoader()
-        server = start_server(
-            small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
-        )
+        loader = HookedLoader()
+        server = start_server(small_model_dir, loader=loader, **HOLDABLE)
         assert loader.backend is not None
         loader.backend.fail_next = True
     else:

@@ -1,7 +1,7 @@
 """End to end: --max-concurrent-batches is how many batches compute at the same time.
 
 The real server and client, the onnxruntime backend (whose requests batch) held at the
-gate of tests/support/gates.py: while the gate is closed, every batch that started
+gate of tests/support/backends.py: while the gate is closed, every batch that started
 computing waits there, so the look-ups at the gate are the batches computing at once.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from tokembed.client import AsyncEmbeddingClient
 
-from support.gates import GatedLoader
+from support.backends import HOLDABLE, HookedLoader
 from support.server import wait_for_async
 
 REQUESTS = 6
@@ -26,12 +26,11 @@ REQUESTS = 6
 def test_max_concurrent_batches_is_how_many_batches_compute_at_once(
     small_model_dir: Path, start_server: Any, small_rows: np.ndarray, concurrent: int
 ) -> None:
-    loader = GatedLoader(open_look_ups=False)
+    loader = HookedLoader(open_look_ups=False)
     server = start_server(
         small_model_dir,
         loader=loader,
-        inline_compute_max_tokens=0,  # every batch off the event loop, to the gate
-        float32_table_max_bytes=0,  # the onnxruntime backend: requests batch
+        **HOLDABLE,  # every batch off the event loop, to the gate; onnxruntime: requests batch
         max_batch_tokens=1,  # one one-token request a batch
         max_concurrent_batches=concurrent,
     )
@@ -58,7 +57,7 @@ def test_max_concurrent_batches_is_how_many_batches_compute_at_once(
                 assert await client.health() == "SERVING"
                 held = len(backend.calls), queued()
             finally:
-                loader.look_up_gate.set()
+                loader.look_up_gate.open()
             return *held, list(await asyncio.gather(*calls))
 
     at_gate, still_queued, results = asyncio.run(scenario())
@@ -66,5 +65,7 @@ def test_max_concurrent_batches_is_how_many_batches_compute_at_once(
     for one, got in zip(ids, results, strict=True):
         np.testing.assert_array_equal(got, small_rows[one])
     # Every request its own batch, each computed once.
-    assert sorted(call.tolist() for call in backend.calls) == [[100 + i] for i in range(REQUESTS)]
+    assert sorted(call.ids.tolist() for call in backend.calls) == [
+        [100 + i] for i in range(REQUESTS)
+    ]
     assert server.metric("tokembed_batches_total") == REQUESTS

@@ -26,7 +26,7 @@ from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.gates import GatedLoader
+from support.backends import HOLDABLE, HookedLoader
 from support.server import ServerThread, wait_for, wait_for_async
 
 
@@ -127,10 +127,8 @@ def test_client_raises_typed_errors(
 def test_a_bad_request_among_good_ones_fails_alone(
     small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
-    loader = GatedLoader(open_look_ups=False)
-    server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
-    )
+    loader = HookedLoader(open_look_ups=False)
+    server = start_server(small_model_dir, loader=loader, **HOLDABLE)
     good = [np.array([[i, i + 1, i + 2]]) for i in range(0, 60, 3)]
     backend = loader.backend
     assert backend is not None
@@ -148,7 +146,7 @@ def test_a_bad_request_among_good_ones_fails_alone(
                 await bad  # refused while the good ones wait in the queue
             except InvalidInputError as exc:
                 error = exc
-            loader.look_up_gate.set()  # now the queued good requests compute together
+            loader.look_up_gate.open()  # now the queued good requests compute together
             return await blocker, await asyncio.gather(*tasks), error
 
     first, results, error = asyncio.run(scenario())
@@ -158,16 +156,14 @@ def test_a_bad_request_among_good_ones_fails_alone(
         np.testing.assert_array_equal(got, small_rows[ids])
     # One batch after the blocker held all twenty good requests, and never the bad one.
     assert len(backend.calls) == 2
-    assert sorted(backend.calls[1].tolist()) == list(range(60))
+    assert sorted(backend.calls[1].ids.tolist()) == list(range(60))
 
 
 def test_cancelled_and_expired_requests_disturb_nobody(
     small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
-    loader = GatedLoader(open_look_ups=False)
-    server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
-    )
+    loader = HookedLoader(open_look_ups=False)
+    server = start_server(small_model_dir, loader=loader, **HOLDABLE)
 
     backend = loader.backend
     assert backend is not None
@@ -189,7 +185,7 @@ def test_cancelled_and_expired_requests_disturb_nobody(
             assert await wait_for_async(
                 lambda: server.metric("tokembed_inflight_requests") == 11, 10
             )
-            loader.look_up_gate.set()
+            loader.look_up_gate.open()
             with pytest.raises(asyncio.CancelledError):
                 await cancelled
             return [await blocker, *[await task for task in others]]
@@ -198,7 +194,7 @@ def test_cancelled_and_expired_requests_disturb_nobody(
     for index, got in enumerate(results):
         np.testing.assert_array_equal(got, small_rows[[[1 if index == 0 else index + 1]]])
     assert loader.backend is not None
-    computed = np.concatenate([call.ravel() for call in loader.backend.calls])
+    computed = np.concatenate([call.ids for call in loader.backend.calls])
     assert 888 not in computed and 777 not in computed  # dropped before compute
     assert wait_for(
         lambda: server.metric("tokembed_batcher_dropped_total", {"reason": "cancelled"}) == 1, 5
@@ -209,13 +205,12 @@ def test_cancelled_and_expired_requests_disturb_nobody(
 def test_a_full_queue_answers_resource_exhausted_at_once(
     small_model_dir: Path, start_server: Any
 ) -> None:
-    loader = GatedLoader(open_look_ups=False)
+    loader = HookedLoader(open_look_ups=False)
     server = start_server(
         small_model_dir,
         loader=loader,
-        inline_compute_max_tokens=0,
+        **HOLDABLE,
         max_queued_tokens=10,
-        float32_table_max_bytes=0,
     )
 
     backend = loader.backend
@@ -231,7 +226,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
             with pytest.raises(OverloadedError):
                 await client.embed([list(range(5))])  # 8 + 5 > 10
             elapsed = time.monotonic() - started
-            loader.look_up_gate.set()
+            loader.look_up_gate.open()
             await first
             await queued
             return elapsed
@@ -243,10 +238,8 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
 def test_a_look_up_failure_fails_its_batch_with_internal_and_the_server_goes_on(
     small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
-    loader = GatedLoader()
-    server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
-    )
+    loader = HookedLoader()
+    server = start_server(small_model_dir, loader=loader, **HOLDABLE)
     assert loader.backend is not None
     loader.backend.fail_next = True
     with EmbeddingClient(server.target, retries=0) as client:
@@ -284,10 +277,8 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
     small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     """A chunked answer computed in a batch with others is correct and independent."""
-    loader = GatedLoader(open_look_ups=False)
-    server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
-    )
+    loader = HookedLoader(open_look_ups=False)
+    server = start_server(small_model_dir, loader=loader, **HOLDABLE)
     backend = loader.backend
     assert backend is not None
 
@@ -298,7 +289,7 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
             assert await wait_for_async(backend.entered.is_set, 10)
             batched = [asyncio.ensure_future(client.embed([[i, i + 1]])) for i in range(2, 8)]
             assert await wait_for_async(lambda: queued_tokens(server) == 12, 10)
-            loader.look_up_gate.set()
+            loader.look_up_gate.open()
             return [await first, *[await task for task in batched]]
 
     results = asyncio.run(scenario())
@@ -306,4 +297,4 @@ def test_chunked_answer_from_a_shared_batch_owns_its_rows(
     for i, got in zip(range(2, 8), results[1:], strict=True):
         np.testing.assert_array_equal(got, small_rows[[[i, i + 1]]])
     assert server.metric("tokembed_requests_total", {"method": "EmbedChunked", "code": "OK"}) == 7
-    assert [len(call) for call in backend.calls] == [1, 12]  # the six shared one batch
+    assert [len(call.ids) for call in backend.calls] == [1, 12]  # the six shared one batch

@@ -23,8 +23,8 @@ from tokembed.client import EmbeddingClient, UnavailableError
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
+from support.backends import HOLDABLE, HookedLoader
 from support.fixtures import DEFAULT_V, SMALL_D, SMALL_V
-from support.gates import GatedLoader
 from support.metrics import scrape, total
 from support.models import default_rows
 from support.no_torch import env_without_torch
@@ -43,23 +43,22 @@ def _health(target: str) -> int:
 def test_health_walks_not_serving_serving_not_serving_while_draining(
     small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
-    loader = GatedLoader(open_loading=False)
+    loader = HookedLoader(open_loading=False)
     server = start_server(
         small_model_dir,
         loader=loader,
         wait_ready=False,
-        inline_compute_max_tokens=0,
-        float32_table_max_bytes=0,
+        **HOLDABLE,
     )
     assert _health(server.target) == NOT_SERVING  # bound, model still loading
     with EmbeddingClient(server.target, retries=0) as client, pytest.raises(UnavailableError):
         client.embed([[1]])
-    loader.loading_gate.set()
+    loader.loading_gate.open()
     assert wait_for(lambda: _health(server.target) == SERVING, 30)
 
     # Hold one request in flight, then drain: health turns NOT_SERVING at once, new
     # requests get UNAVAILABLE, and the held request still completes.
-    loader.look_up_gate.clear()
+    loader.look_up_gate.close()
     results: list[Any] = []
     with EmbeddingClient(server.target, retries=0) as client:
         held = threading.Thread(target=lambda: results.append(client.embed([[3, 4]])))
@@ -69,7 +68,7 @@ def test_health_walks_not_serving_serving_not_serving_while_draining(
         assert wait_for(lambda: _health(server.target) == NOT_SERVING, 5)
         with pytest.raises(UnavailableError):
             client.embed([[5]])
-        loader.look_up_gate.set()
+        loader.look_up_gate.open()
         held.join(10)
         stopping.result(15)
     assert len(results) == 1

@@ -228,9 +228,9 @@ def test_the_models_share_one_output_budget(
 ) -> None:
     """Admission bounds the process's memory: one model's answers in flight count against
     a request to the other."""
-    from support.gates import GatedLoader
+    from support.backends import HookedLoader
 
-    loader = GatedLoader(open_look_ups=False)
+    loader = HookedLoader(open_look_ups=False)
     one_answer = 512 * SMALL_D * 4
     server = start_server(
         (small_model_dir, decoder_model_dir), loader=loader, inline_compute_max_tokens=0,
@@ -246,7 +246,7 @@ def test_the_models_share_one_output_budget(
 
             with pytest.raises(OverloadedError, match="output bytes in flight"):
                 await client.embed(np.zeros((1, 8), np.int64), model="decoder")
-            loader.look_up_gate.set()
+            loader.look_up_gate.open()
             await held
             # The held answer's bytes are given back once gRPC has sent it (a done
             # callback, which may run just after the client has the answer).

@@ -21,8 +21,8 @@ import pytest
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, ModelNotFoundError
 from tokembed.server.core.repository import ModelState
 
+from support.backends import Gate, HookedLoader
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.gates import GatedLoader
 from support.models import export_model_dir, reference_rows
 from support.server import ServerThread, wait_for
 
@@ -138,18 +138,17 @@ def test_the_old_version_is_unloaded_only_when_its_last_request_is_answered(
 ) -> None:
     """A request admitted on version 1 (held at its look-up) finishes on version 1 after
     the swap; the unload waits for it, and new requests meanwhile go to version 2."""
-    loader = GatedLoader()
+    loader = HookedLoader()
     server: ServerThread = start_server(small_model_dir, loader=loader, inline_compute_max_tokens=0)
     app = server.server
     assert app is not None
     v1 = loader.backends["small"]
-    v1.gate.clear()  # version 1's next look-up waits
+    loader.look_up_gate.close()  # version 1's next look-up waits
     v1.entered.clear()
     with EmbeddingClient(server.target, timeout_s=30) as held_client:
         held = server.submit(_embed_in_thread(server, held_client, [[11, 12]]))
         assert v1.entered.wait(10), "the request never reached version 1's look-up"
-        loader.look_up_gate = threading.Event()
-        loader.look_up_gate.set()  # version 2's look-ups pass
+        v1_gate, loader.look_up_gate = loader.look_up_gate, Gate()  # version 2's look-ups pass
         server.call(app.load(version_2_dir))
         unload = server.submit(app.unload("small", "1"))
         with EmbeddingClient(server.target, timeout_s=30) as client:
@@ -160,7 +159,7 @@ def test_the_old_version_is_unloaded_only_when_its_last_request_is_answered(
         assert not unload.done(), "version 1 was unloaded with a request still on it"
         (version_1,) = [h for h in app.repository if h.version == "1"]
         assert version_1.state is ModelState.DRAINING and version_1.leases == 1
-        v1.gate.set()
+        v1_gate.open()
         version, hidden = held.result(30)
         assert version == "1"
         _check(np.array([[11, 12]]), hidden, "1")

@@ -17,7 +17,6 @@ import grpc
 import numpy as np
 import pytest
 from metrics_helpers import (
-    Valve,
     embed_request,
     error_reason,
     ids_of,
@@ -28,6 +27,7 @@ from tokembed.server.edge.v1.servicer import FRONT_END
 from tokembed.server.metrics import REJECTION_REASONS
 from tokembed.v1 import embedding_pb2 as pb
 
+from support.backends import Gate
 from support.fixtures import SMALL_D
 from support.metrics import matching, samples, scrape
 from support.server import ServerThread, wait_for
@@ -114,7 +114,7 @@ def test_known_traffic_gives_exact_counts(
 
 
 def test_one_batch_of_n_requests_is_one_batch_and_n_requests(
-    start_valved: Callable[..., ServerThread], valve: Valve
+    start_valved: Callable[..., ServerThread], valve: Gate
 ) -> None:
     n = 5
     server = start_valved()
@@ -279,7 +279,7 @@ def test_float16_answers_count_as_requests_and_batches_as_float32_ones_do(
 
 
 def test_overloaded_is_counted_once_per_refusal(
-    start_valved: Callable[..., ServerThread], valve: Valve
+    start_valved: Callable[..., ServerThread], valve: Gate
 ) -> None:
     server = start_valved(max_queued_tokens=16)
     m = server.metric
@@ -311,7 +311,7 @@ def test_overloaded_is_counted_once_per_refusal(
 
 
 def test_deadline_exceeded_while_queued_is_counted_once(
-    start_valved: Callable[..., ServerThread], valve: Valve
+    start_valved: Callable[..., ServerThread], valve: Gate
 ) -> None:
     server = start_valved()
     m = server.metric
@@ -346,7 +346,7 @@ def test_deadline_exceeded_while_queued_is_counted_once(
 
 
 def test_cancelled_while_queued_is_counted_once(
-    start_valved: Callable[..., ServerThread], valve: Valve
+    start_valved: Callable[..., ServerThread], valve: Gate
 ) -> None:
     server = start_valved()
     m = server.metric

@@ -25,7 +25,6 @@ import grpc
 import numpy as np
 import pytest
 from h2_relay import H2Relay
-from poison import PoisonLoader
 from reliability_support import (
     EMBED,
     EMBED_CHUNKED,
@@ -37,6 +36,7 @@ from reliability_support import (
     reason_of,
 )
 
+from support.backends import HOLDABLE, HookedLoader, poisoned_by
 from support.fixtures import DEFAULT_V
 from support.models import default_rows
 from support.server import ServerProcess, ServerThread, serve_args, wait_for
@@ -358,21 +358,18 @@ def test_a_stream_left_with_more_requests_than_its_window_leaves_nothing_behind(
 def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_succeeds(
     small_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> None:
-    loader = PoisonLoader()
-    server = start_server(
-        small_model_dir, loader=loader, inline_compute_max_tokens=0, float32_table_max_bytes=0
-    )
+    poison = 999
+    loader = HookedLoader(fail_when=poisoned_by(poison))
+    server = start_server(small_model_dir, loader=loader, **HOLDABLE)
     backend = loader.backend
     assert backend is not None
-    poison = 999
-    backend.poison = poison
     mates = [np.array([[10 + i, 20 + i]]) for i in range(5)]
     mates[2] = np.array([[12, poison]])  # one caller's ids make the look-up fail
 
     async def scenario() -> tuple[Any, list[Any], list[Any]]:
         async with grpc.aio.insecure_channel(server.target) as channel:
             embed = channel.unary_unary(EMBED)
-            loader.gate.clear()
+            loader.look_up_gate.close()
             backend.entered.clear()
             blocker = asyncio.ensure_future(embed(encode(np.array([[1]])), timeout=30))
             await asyncio.get_running_loop().run_in_executor(None, backend.entered.wait, 10)
@@ -388,7 +385,7 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
                     lambda tokens=2 * queued: server.metric("tokembed_queued_tokens") == tokens,
                     10,
                 )
-            loader.gate.set()
+            loader.look_up_gate.open()
             first = await blocker
             failed = await asyncio.gather(*batch, return_exceptions=True)
             after = [
@@ -403,7 +400,7 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
     assert [e.code() for e in failed] == [grpc.StatusCode.INTERNAL] * 5
     assert all(reason_of(e) == "internal" for e in failed)
     # They really were one batch: one look-up of all ten ids, in arrival order.
-    computed = [call.tolist() for call in backend.calls]
+    computed = [call.ids.tolist() for call in backend.calls]
     assert computed[1] == np.concatenate([ids.ravel() for ids in mates]).tolist()
     for ids, raw in zip(AFTER, after, strict=True):
         np.testing.assert_array_equal(decode_response(raw), SMALL_ROWS[np.array(ids)])

@@ -24,7 +24,6 @@ The scheduler's own behaviour (placement, batching, reports) is test_scheduler.p
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.backends.base import Backend
 from tokembed.server.core.admission import OutputBudget
 from tokembed.server.core.calls import Call, Calls, FrontEnd
 from tokembed.server.core.dataplane import (
@@ -46,7 +45,6 @@ from tokembed.server.core.dataplane import (
     Sink,
     StreamSink,
 )
-from tokembed.server.core.dtypes import DType
 from tokembed.server.core.errors import (
     EmbedError,
     Internal,
@@ -64,8 +62,8 @@ from tokembed.server.core.types import Answer
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
+from support.backends import Gate, HookedBackend, entered, failing
 from support.fixtures import SMALL_V
-from support.gates import GatedBackend
 
 T = TypeVar("T")
 
@@ -78,32 +76,6 @@ FRONT_END = FrontEnd(
 
 
 # --- what the data plane is given, and what it tells
-
-
-class Spy(Backend):
-    """The real backend, every compute recorded; it can be made to fail."""
-
-    def __init__(self, inner: Backend, *, fail: bool = False) -> None:
-        self._inner = inner
-        self._fail = fail
-        self.kind = inner.kind
-        self.execution_provider = inner.execution_provider
-        self.d_model = inner.d_model
-        self.batches = inner.batches
-        self.calls: list[list[int]] = []  # the token count of each request computed
-
-    def look_up(self, request: LookUp) -> Rows:
-        (rows,) = self.look_up_batch([request])
-        return rows
-
-    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
-        self.calls.append([request.ids.count for request in requests])
-        if self._fail:
-            raise RuntimeError("injected look-up failure")
-        return self._inner.look_up_batch(requests)
-
-    def pad_row(self, dtype: DType) -> bytes:
-        return self._inner.pad_row(dtype)
 
 
 @dataclass
@@ -265,10 +237,6 @@ def run(body: Coroutine[Any, Any, T], plane: Plane) -> T:
     return asyncio.run(main())
 
 
-async def entered(gated: GatedBackend) -> None:
-    assert await asyncio.to_thread(gated.entered.wait, 30), "no look-up reached the gate"
-
-
 async def serve(plane: Plane, incoming: Request[EmbedInput] | Refused, sink: Sink[bytes]) -> None:
     await plane.dataplane.serve(FRONT_END, "Embed", EMBED, incoming, None, sink)
 
@@ -340,7 +308,7 @@ def test_a_refused_request_holds_no_room_reaches_no_backend_and_is_counted_once(
     bad: str,
 ) -> None:
     request, error, message, model = BAD_REQUESTS[bad]
-    spy = Spy(small_loaded.backend if kind == "table" else ort_loaded.backend)
+    spy = HookedBackend(small_loaded.backend if kind == "table" else ort_loaded.backend)
     plane = make_plane(small=spy)
     sink = RecordingSink()
     with pytest.raises(error, match=message):
@@ -355,7 +323,7 @@ def test_a_refused_request_holds_no_room_reaches_no_backend_and_is_counted_once(
 def test_a_model_nobody_serves_is_not_found_counted_without_a_model(
     make_plane: Callable[..., Plane], small_loaded: LoadedModel
 ) -> None:
-    spy = Spy(small_loaded.backend)
+    spy = HookedBackend(small_loaded.backend)
     plane = make_plane(small=spy)
     with pytest.raises(ModelNotFound, match="'nope' is not served here"):
         run(serve(plane, embed(tiny(), "nope"), RecordingSink()), plane)
@@ -372,7 +340,7 @@ def test_a_failure_gives_the_room_and_the_lease_back_and_is_internal(
     where: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    spy = Spy(small_loaded.backend, fail=where == "compute")
+    spy = HookedBackend(small_loaded.backend, fail_when=failing() if where == "compute" else None)
     plane = make_plane(small=spy)
     sink = RecordingSink(fail_frame=where == "frame")
     message = "injected look-up failure" if where == "compute" else "the frame broke"
@@ -397,7 +365,7 @@ def test_a_caller_that_leaves_gives_the_room_back_and_is_counted_by_why(
     """The transport cancels the handler when its caller goes away or its deadline
     passes; the time left tells which (``errors.ran_out_of_time``: within its slack of
     the deadline, the cancel is the deadline's)."""
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     plane = make_plane(small=gated)
 
     async def body() -> None:
@@ -420,7 +388,7 @@ def test_a_caller_that_leaves_gives_the_room_back_and_is_counted_by_why(
             # Its room and lease are back at once, while the first still computes.
             assert plane.leases() == 1 and plane.calls.active == 1
         finally:
-            gated.gate.set()
+            gated.gate.open()
         await held
 
     run(body(), plane)
@@ -465,7 +433,7 @@ def test_a_stream_answers_in_order_frames_failures_and_frees_each_answer_once_se
 ) -> None:
     """The first request is held computing on one model while the later ones, on another,
     are answered at once: they are sent after it all the same, in request order."""
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     plane = make_plane(slow=gated, fast=small_loaded.backend)
     first = large()
     quick = [tiny(seed) for seed in range(3)]
@@ -492,7 +460,7 @@ def test_a_stream_answers_in_order_frames_failures_and_frees_each_answer_once_se
                 await asyncio.sleep(0)
             assert sink.sent == []
         finally:
-            gated.gate.set()
+            gated.gate.open()
         await stream
 
     run(body(), plane)
@@ -522,7 +490,7 @@ def test_a_stream_answers_in_order_frames_failures_and_frees_each_answer_once_se
 def test_a_stream_reads_no_further_ahead_than_its_window_while_an_answer_is_held(
     make_plane: Callable[..., Plane], ort_loaded: LoadedModel
 ) -> None:
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     plane = make_plane(small=gated)
     total = 3 * STREAM_WINDOW
     items = [embed(large())] + [embed(tiny(n)) for n in range(total - 1)]
@@ -545,7 +513,7 @@ def test_a_stream_reads_no_further_ahead_than_its_window_while_an_answer_is_held
             assert plane.calls.active == ahead
             assert sink.sent == []
         finally:
-            gated.gate.set()
+            gated.gate.open()
         await stream
 
     run(body(), plane)

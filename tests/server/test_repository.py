@@ -37,9 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.core.admission import OutputBudget
-from tokembed.server.core.dtypes import DType
 from tokembed.server.core.errors import ModelNotFound, ServerConfigError, Unavailable
 from tokembed.server.core.policy import Policy
 from tokembed.server.core.repository import ModelHandle, ModelState, Repository
@@ -47,27 +45,7 @@ from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.loading import LoadedModel
 
-
-class Closed(Backend):
-    """The real backend, with ``close`` recorded (and not passed on: the small model's
-    backend is shared by the whole session)."""
-
-    def __init__(self, inner: Backend) -> None:
-        self._inner = inner
-        self.kind = inner.kind
-        self.execution_provider = inner.execution_provider
-        self.d_model = inner.d_model
-        self.batches = inner.batches
-        self.closed = 0
-
-    def look_up(self, request: LookUp) -> Rows:
-        return self._inner.look_up(request)
-
-    def pad_row(self, dtype: DType) -> bytes:
-        return self._inner.pad_row(dtype)
-
-    def close(self) -> None:
-        self.closed += 1
+from support.backends import HookedBackend
 
 
 @dataclass
@@ -103,7 +81,7 @@ def scheduler(small_loaded: LoadedModel, workers: ThreadPoolExecutor) -> Make:
         )
         served = ServedModel(
             directory,
-            Closed(small_loaded.backend),
+            HookedBackend(small_loaded.backend),  # counts close(), does not pass it on
             Limits(max_tokens_per_request=65536, max_output_bytes_per_request=1 << 30),
             BatchLimits(16384, 0.002, 1, 1 << 20),
         )
@@ -132,7 +110,7 @@ def repository_of(
 
 def closed(handle: ModelHandle) -> int:
     backend = handle.served.backend
-    assert isinstance(backend, Closed)
+    assert isinstance(backend, HookedBackend)
     return backend.closed
 
 

@@ -27,7 +27,7 @@ Proved here:
 What the data plane adds around it (routing, validation's refusals, the room held until
 the answer is sent and given back on failure) is tests/server/test_dataplane.py's.
 
-Computes are held at a gate (``support.gates.GatedBackend``) wherever a test needs
+Computes are held at a gate (``support.backends``) wherever a test needs
 requests to queue: nothing here waits on time.
 """
 
@@ -45,9 +45,9 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.backends.base import Backend
 from tokembed.server.core.admission import OutputBudget, Ticket
-from tokembed.server.core.dtypes import INT64, OUTPUT_DTYPES, DType
+from tokembed.server.core.dtypes import OUTPUT_DTYPES
 from tokembed.server.core.errors import (
     DeadlineExceeded,
     Internal,
@@ -58,12 +58,12 @@ from tokembed.server.core.operations.embed import EMBED, FLAT, PADDED, EmbedInpu
 from tokembed.server.core.policy import INLINE_MAX_BYTES, Policy
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
-from tokembed.server.core.types import Answer, TokenIds
+from tokembed.server.core.types import Answer
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
+from support.backends import Gate, HookedBackend, entered, failing
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
-from support.gates import GatedBackend
 
 T = TypeVar("T")
 
@@ -77,44 +77,6 @@ ALWAYS_INLINE = {"inline_max_tokens": 1 << 30, "inline_max_bytes": 1 << 40}
 
 
 # --- what the scheduler is given, and what it reports
-
-
-class Spy(Backend):
-    """The real backend, every compute recorded with the thread it ran on; it can be made
-    to fail, or to lose the last row of each request (a backend bug)."""
-
-    def __init__(self, inner: Backend, *, fail: bool = False, lose_a_row: bool = False) -> None:
-        self._inner = inner
-        self._fail = fail
-        self._lose_a_row = lose_a_row
-        self.kind = inner.kind
-        self.execution_provider = inner.execution_provider
-        self.d_model = inner.d_model
-        self.batches = inner.batches
-        # (thread name, token count of each request computed)
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def look_up(self, request: LookUp) -> Rows:
-        (rows,) = self.look_up_batch([request])
-        return rows
-
-    def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
-        counts = [request.ids.count for request in requests]
-        self.calls.append((threading.current_thread().name, counts))
-        if self._fail:
-            raise RuntimeError("injected look-up failure")
-        return self._inner.look_up_batch([self._cut(request) for request in requests])
-
-    def pad_row(self, dtype: DType) -> bytes:
-        return self._inner.pad_row(dtype)
-
-    # close() is not passed on: the real backends are shared by every test of the module.
-
-    def _cut(self, request: LookUp) -> LookUp:
-        if not self._lose_a_row:
-            return request
-        kept = request.ids.array()[:-1]
-        return LookUp(TokenIds(kept.astype("<i8").tobytes(), INT64, len(kept)), request.dtype)
 
 
 class Reports:
@@ -384,11 +346,6 @@ async def until(condition: Callable[[], bool], waiting: Sequence[asyncio.Future[
     raise AssertionError("the condition never held")
 
 
-async def entered(gated: GatedBackend) -> None:
-    """Wait until a compute is held at the gate."""
-    assert await asyncio.to_thread(gated.entered.wait, 30), "no look-up reached the gate"
-
-
 def thread_kind(name: str) -> str:
     if name == threading.current_thread().name:
         return "loop"
@@ -436,7 +393,7 @@ def test_every_placement_gives_the_reference_bytes(
         assert_large(request)  # with the server's own policy, it must leave the loop
     want = reference(request, small_rows)
     for placement, (kind, policy, compute_on, frame_on) in PLACEMENTS[size].items():
-        spy, frame, budget = Spy(backends[kind]), Frame(), OutputBudget(1 << 30)
+        spy, frame, budget = HookedBackend(backends[kind]), Frame(), OutputBudget(1 << 30)
         scheduler = make_scheduler(spy, budget=budget, **policy)
         served = run(embed(scheduler, request, None, frame), scheduler)
         where = f"{form} {size} {placement}"
@@ -452,7 +409,9 @@ def test_every_placement_gives_the_reference_bytes(
         assert (answer.model_name, answer.model_version) == ("small", "1"), where
         assert (answer.timings.batch_requests, answer.timings.batch_tokens) == (1, answer.tokens)
         # ...and it ran where this placement runs, with one compute.
-        assert [(thread_kind(t), c) for t, c in spy.calls] == [(compute_on, [answer.tokens])], where
+        assert [(thread_kind(c.thread), c.counts) for c in spy.calls] == [
+            (compute_on, [answer.tokens])
+        ], where
         assert [thread_kind(t) for t in frame.threads] == [frame_on], where
         # Served, not yet sent: the room is held until the ticket is released.
         assert budget.inflight_bytes == answer.nbytes, where
@@ -468,7 +427,7 @@ def test_an_inline_request_completes_without_suspending_on_the_calling_thread(
     kind: str,
 ) -> None:
     request = request_of("padded-int32-float32", "tiny")
-    spy, frame = Spy(backends[kind]), Frame()
+    spy, frame = HookedBackend(backends[kind]), Frame()
     scheduler = make_scheduler(spy)
     job = validated(scheduler, request)
     ticket = scheduler.admit(job)
@@ -481,7 +440,7 @@ def test_an_inline_request_completes_without_suspending_on_the_calling_thread(
     assert framed.payload == reference(request, small_rows)
     here = threading.current_thread().name
     assert frame.threads == [here]
-    assert [thread for thread, _ in spy.calls] == [here]
+    assert [c.thread for c in spy.calls] == [here]
     ticket.release()
     asyncio.run(scheduler.close())
 
@@ -520,7 +479,7 @@ def test_a_small_request_beside_a_busy_batcher_joins_the_next_batch(
     """The policy's idle rule followed: while a batch computes, small requests that would
     have computed inline alone queue instead, and go together as one batch, small enough
     to be computed (and framed) on the loop."""
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     reports = Reports()
     # Only the first, large request leaves the loop (held at the gate there).
     scheduler = make_scheduler(gated, observer=reports)
@@ -539,7 +498,7 @@ def test_a_small_request_beside_a_busy_batcher_joins_the_next_batch(
             await until(lambda: scheduler.queued_tokens() == 6, [first, *tasks])
             assert len(gated.calls) == 1  # none of them computed beside the busy batch
         finally:
-            gated.gate.set()
+            gated.gate.open()
         served = await asyncio.gather(*tasks)
         (await first).ticket.release()
         here = threading.current_thread().name
@@ -547,7 +506,7 @@ def test_a_small_request_beside_a_busy_batcher_joins_the_next_batch(
         return served
 
     served = run(body(), scheduler)
-    assert [len(ids) for ids in gated.calls] == [8192, 6]
+    assert [len(c.ids) for c in gated.calls] == [8192, 6]
     assert reports.batches == [("small", 1, 8192), ("small", 3, 6)]
     for request, each in zip(small, served, strict=True):
         assert each.payload == reference(request, small_rows)
@@ -558,7 +517,7 @@ def test_a_small_request_beside_a_busy_batcher_joins_the_next_batch(
 def test_a_token_s_vector_is_the_same_alone_or_in_a_large_mixed_batch(
     make_scheduler: Callable[..., Scheduler], ort_loaded: LoadedModel, small_rows: np.ndarray
 ) -> None:
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     reports, budget = Reports(), OutputBudget(1 << 30)
     # No compute on the loop (one held at the gate would hold the loop); answers framed
     # where the server's byte bound says.
@@ -581,7 +540,7 @@ def test_a_token_s_vector_is_the_same_alone_or_in_a_large_mixed_batch(
             tasks = [asyncio.ensure_future(embed(scheduler, r)) for r in mixed]
             await until(lambda: scheduler.queued_tokens() == total, [first, *tasks])
         finally:
-            gated.gate.set()
+            gated.gate.open()
         together = await asyncio.gather(*tasks)
         (await first).ticket.release()
         alone = [await embed(scheduler, r) for r in mixed]
@@ -596,7 +555,7 @@ def test_a_token_s_vector_is_the_same_alone_or_in_a_large_mixed_batch(
         assert in_batch.answer.shape == by_itself.answer.shape
         assert in_batch.answer.dtype == by_itself.answer.dtype
     # One onnxruntime run for the whole mixed batch; one report per batch.
-    assert [len(ids) for ids in gated.calls] == [8, total] + [a.answer.tokens for a in alone]
+    assert [len(c.ids) for c in gated.calls] == [8, total] + [a.answer.tokens for a in alone]
     assert reports.batches == [("small", 1, 8), ("small", len(mixed), total)] + [
         ("small", 1, a.answer.tokens) for a in alone
     ]
@@ -631,7 +590,7 @@ def test_onnxruntime_reports_one_batch_per_run_whatever_the_placement(
     make_scheduler: Callable[..., Scheduler], backends: dict[str, Backend]
 ) -> None:
     reports = Reports()
-    spy = Spy(backends["onnxruntime"])
+    spy = HookedBackend(backends["onnxruntime"])
     scheduler = make_scheduler(spy, observer=reports)
 
     async def body() -> None:
@@ -642,8 +601,8 @@ def test_onnxruntime_reports_one_batch_per_run_whatever_the_placement(
     run(body(), scheduler)
     # One report per run, telling what that run computed.
     assert [(r, t) for _, r, t in reports.batches] == [(1, 8), (1, 8192)] * 3
-    assert [(len(c), sum(c)) for _, c in spy.calls] == [(1, 8), (1, 8192)] * 3
-    assert [thread_kind(t) for t, _ in spy.calls] == ["loop", "batch"] * 3
+    assert [(len(c.counts), sum(c.counts)) for c in spy.calls] == [(1, 8), (1, 8192)] * 3
+    assert [thread_kind(c.thread) for c in spy.calls] == ["loop", "batch"] * 3
 
 
 # --- admission
@@ -676,7 +635,7 @@ def test_a_ticket_holds_its_room_until_released(
 def test_overloaded_past_the_queue_bound_while_a_batch_computes(
     make_scheduler: Callable[..., Scheduler], ort_loaded: LoadedModel
 ) -> None:
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     reports, budget = Reports(), OutputBudget(1 << 30)
     scheduler = make_scheduler(
         gated, observer=reports, budget=budget, max_queued_tokens=100, **NEVER_INLINE
@@ -699,7 +658,7 @@ def test_overloaded_past_the_queue_bound_while_a_batch_computes(
             queued.append(asyncio.ensure_future(embed(scheduler, tokens(20))))
             await until(lambda: scheduler.queued_tokens() == 100, [first, *queued])
         finally:
-            gated.gate.set()
+            gated.gate.open()
         return [await first, *await asyncio.gather(*queued)]
 
     served = run(body(), scheduler)
@@ -719,7 +678,7 @@ def test_overloaded_past_the_output_budget_shared_by_two_schedulers(
     one_more = rectangular(np.array([[5]], "<i8"), "float16")  # 128 bytes
     # Room for both large answers, to the byte: one budget for the process, not per model.
     budget = OutputBudget(table_bytes + ort_bytes)
-    table_spy, ort_spy = Spy(backends["table"]), Spy(backends["onnxruntime"])
+    table_spy, ort_spy = HookedBackend(backends["table"]), HookedBackend(backends["onnxruntime"])
     table = make_scheduler(table_spy, budget=budget)
     ort = make_scheduler(ort_spy, budget=budget)
 
@@ -763,7 +722,7 @@ def test_a_compute_that_raises_is_internal_and_reported_as_no_batch(
     make_scheduler: Callable[..., Scheduler], backends: dict[str, Backend], placement: str
 ) -> None:
     kind, size = EVERYWHERE[placement]
-    spy, reports = Spy(backends[kind], fail=True), Reports()
+    spy, reports = HookedBackend(backends[kind], fail_when=failing()), Reports()
     budget = OutputBudget(1 << 30)
     scheduler = make_scheduler(spy, observer=reports, budget=budget)
     frame = Frame()
@@ -781,7 +740,7 @@ def test_a_backend_that_loses_rows_is_internal_naming_the_counts(
     make_scheduler: Callable[..., Scheduler], backends: dict[str, Backend], placement: str
 ) -> None:
     kind, size = EVERYWHERE[placement]
-    spy, budget = Spy(backends[kind], lose_a_row=True), OutputBudget(1 << 30)
+    spy, budget = HookedBackend(backends[kind], lose_last_row=True), OutputBudget(1 << 30)
     scheduler = make_scheduler(spy, budget=budget)
     request = request_of("flat-int32-float16", size)
     tokens = SIZES[size][0]
@@ -798,7 +757,7 @@ def test_a_passed_deadline_fails_before_any_compute(
     make_scheduler: Callable[..., Scheduler], backends: dict[str, Backend], placement: str
 ) -> None:
     kind, size = EVERYWHERE[placement]
-    spy, reports, budget = Spy(backends[kind]), Reports(), OutputBudget(1 << 30)
+    spy, reports, budget = HookedBackend(backends[kind]), Reports(), OutputBudget(1 << 30)
     scheduler = make_scheduler(spy, observer=reports, budget=budget)
     request, frame = request_of("rect-int64-float32", size), Frame()
     with pytest.raises(DeadlineExceeded):
@@ -833,7 +792,7 @@ def test_a_failing_report_does_not_fail_the_request(
 def test_close_fails_what_is_queued_and_lets_the_computing_batch_finish(
     make_scheduler: Callable[..., Scheduler], ort_loaded: LoadedModel, small_rows: np.ndarray
 ) -> None:
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     budget = OutputBudget(1 << 30)
     scheduler = make_scheduler(gated, budget=budget, **NEVER_INLINE)
     computing = request_of("rect-int64-float32", "tiny")
@@ -854,7 +813,7 @@ def test_close_fails_what_is_queued_and_lets_the_computing_batch_finish(
             assert not first.done() and not closing.done()
             assert budget.inflight_bytes == 8 * SMALL_D * 4  # only the computing one's room
         finally:
-            gated.gate.set()
+            gated.gate.open()
         await closing
         served = await first
         assert served.payload == reference(computing, small_rows)
@@ -863,7 +822,7 @@ def test_close_fails_what_is_queued_and_lets_the_computing_batch_finish(
         with pytest.raises(Unavailable):
             await embed(scheduler, computing)
         assert budget.inflight_bytes == 0
-        assert [len(ids) for ids in gated.calls] == [8]  # the queued ones never ran
+        assert [len(c.ids) for c in gated.calls] == [8]  # the queued ones never ran
 
     run(body())
 
@@ -878,7 +837,7 @@ def test_a_failing_drop_report_leaves_no_queued_request_waiting(
             super().dropped(model, reason)
             raise RuntimeError("the metrics broke")
 
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
+    gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     reports = FailingDrops()
     scheduler = make_scheduler(gated, observer=reports, **NEVER_INLINE)
     live = request_of("rect-int64-float32", "tiny")
@@ -893,7 +852,7 @@ def test_a_failing_drop_report_leaves_no_queued_request_waiting(
             waiting = asyncio.ensure_future(embed(scheduler, live))
             await until(lambda: scheduler.queued_tokens() == 16, [first, expired, waiting])
         finally:
-            gated.gate.set()
+            gated.gate.open()
         (await first).ticket.release()
         with pytest.raises(DeadlineExceeded):
             await expired
@@ -931,8 +890,7 @@ def test_a_batch_over_the_inline_byte_bound_leaves_the_loop(
     # (256 bytes a row) stays under it up to 63 tokens: the same cut as a model at D=1024
     # and 1 MiB makes at 255. The batch is made by holding the batcher busy first (a
     # request beside an idle batcher would be placed alone, by the same bounds).
-    gated = GatedBackend(ort_loaded.backend, threading.Event())
-    spy = Spy(gated)
+    spy = gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     scheduler = make_scheduler(spy, inline_max_tokens=INLINE_TOKENS, inline_max_bytes=16 << 10)
     busy = request_of("rect-int64-float32", "large")
     request = rectangular(token_ids(tokens, "<i8").reshape(1, -1), output)
@@ -945,14 +903,17 @@ def test_a_batch_over_the_inline_byte_bound_leaves_the_loop(
             task = asyncio.ensure_future(embed(scheduler, request, None, frame))
             await until(lambda: scheduler.queued_tokens() == tokens, [first, task])
         finally:
-            gated.gate.set()
+            gated.gate.open()
         (await first).ticket.release()
         return await task
 
     served = run(body(), scheduler)
     assert served.payload == reference(request, small_rows)
     served.ticket.release()
-    assert [(thread_kind(t), c) for t, c in spy.calls] == [("batch", [8192]), (on, [tokens])]
+    assert [(thread_kind(c.thread), c.counts) for c in spy.calls] == [
+        ("batch", [8192]),
+        (on, [tokens]),
+    ]
     # The frame follows the answer's own bytes.
     frames_inline = served.answer.nbytes < 16 << 10
     assert [thread_kind(t) for t in frame.threads] == ["loop" if frames_inline else "workers"]

@@ -7,7 +7,6 @@ float16 requests hit a failure that is not a domain error while float32 ones sti
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,47 +15,28 @@ import grpc
 import numpy as np
 import pytest
 
-from tokembed.server.backends.base import Backend, LookUp, Rows
-from tokembed.server.core.dtypes import FLOAT16, DType
+from tokembed.server.backends.base import LookUp
+from tokembed.server.core.dtypes import FLOAT16
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
-from tokembed.server.loading import LoadedModel, load_model
-from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
+from support.backends import HookedLoader
 from support.server import ServerThread
 
 TIMEOUT_S = 10
 
 
-class BrokenFloat16Backend(Backend):
-    """The real backend, except that its float16 look-ups raise a non-domain error."""
-
-    def __init__(self, inner: Backend) -> None:
-        self._inner = inner
-        self.kind = inner.kind
-        self.execution_provider = inner.execution_provider
-        self.d_model = inner.d_model
-
-    def look_up(self, request: LookUp) -> Rows:
-        if request.dtype is FLOAT16:
-            raise RuntimeError("cast exploded")
-        return self._inner.look_up(request)
-
-    def pad_row(self, dtype: DType) -> bytes:
-        return self._inner.pad_row(dtype)
-
-
-def broken_cast_loader(directory: Path, settings: Settings) -> LoadedModel:
-    loaded = load_model(directory, settings)
-    return dataclasses.replace(loaded, backend=BrokenFloat16Backend(loaded.backend))
+def broken_float16(request: LookUp) -> str | None:
+    """Float16 look-ups fail with an error that is no domain error; float32 ones work."""
+    return "cast exploded" if request.dtype is FLOAT16 else None
 
 
 @pytest.fixture
 def stub(
     small_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> Iterator[embedding_pb2_grpc.EmbeddingServiceStub]:
-    server = start_server(small_model_dir, loader=broken_cast_loader)
+    server = start_server(small_model_dir, loader=HookedLoader(fail_when=broken_float16))
     with grpc.insecure_channel(server.target) as channel:
         yield embedding_pb2_grpc.EmbeddingServiceStub(channel)
 
