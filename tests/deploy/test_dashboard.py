@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import yaml
 from deploy_files import (
@@ -43,6 +42,7 @@ from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.prometheus import JOB, Prometheus, binary, running_prometheus
+from support.requests import embed_request
 from support.server import ServerThread
 
 INSTANCE_FILTER = 'instance=~"$instance"'
@@ -162,26 +162,20 @@ REQUESTS = VALID_EMBEDS + INVALID_EMBEDS + STREAM_MESSAGES + 1 + 1
 CALLED_METHODS = {"Embed", "EmbedStream", "EmbedChunked", "GetModelInfo"}
 
 
-def _request(ids: list[list[int]]) -> pb.EmbedRequest:
-    array = np.asarray(ids, dtype=np.int64)
-    tensor = pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(array.shape), data=array.tobytes())
-    return pb.EmbedRequest(input_ids=tensor)
-
-
 def _send_known_traffic(target: str) -> None:
     """Every method of the service, and failures, so that every panel has something."""
     with grpc.insecure_channel(target) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
         for k in range(VALID_EMBEDS):
-            stub.Embed(_request([[(k + j) % 1000 for j in range(EMBED_TOKENS)]]), timeout=10)
+            stub.Embed(embed_request([[(k + j) % 1000 for j in range(EMBED_TOKENS)]]), timeout=10)
         for bad in ([[1000]], [[-1, 2]], [[3, 4, 5000]]):
             with pytest.raises(grpc.RpcError) as error:
-                stub.Embed(_request(bad), timeout=10)
+                stub.Embed(embed_request(bad), timeout=10)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        stream = iter([_request([[1, 2, 3, 4]])] * STREAM_MESSAGES)
+        stream = iter([embed_request([[1, 2, 3, 4]])] * STREAM_MESSAGES)
         answers = list(stub.EmbedStream(stream, timeout=10))
         assert len(answers) == STREAM_MESSAGES and all(a.HasField("response") for a in answers)
-        assert list(stub.EmbedChunked(_request([[5, 6, 7, 8], [9, 10, 11, 12]]), timeout=10))
+        assert list(stub.EmbedChunked(embed_request([[5, 6, 7, 8], [9, 10, 11, 12]]), timeout=10))
         stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
 
 

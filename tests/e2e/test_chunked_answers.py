@@ -15,11 +15,11 @@ import pytest
 
 from tokembed.client import EmbeddingClient
 from tokembed.server.core.policy import INLINE_MAX_BYTES
-from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
+from support.requests import embed_request
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # looked up off the loop, both dtypes
 CHUNKED_ABOVE = 64 * 1024  # the client takes EmbedChunked for every answer here
@@ -67,12 +67,6 @@ def test_answers_side_by_side_never_mix(
         np.testing.assert_array_equal(answer, expected[ids])
 
 
-def _chunked_request(ids: np.ndarray) -> pb.EmbedRequest:
-    return pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(ids.shape), data=ids.tobytes())
-    )
-
-
 @EVERY_BACKEND
 def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
     small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
@@ -85,7 +79,7 @@ def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
     paused_ids = rng.integers(0, SMALL_V, (1, TOKENS))
     with grpc.insecure_channel(server.target) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
-        paused = stub.EmbedChunked(_chunked_request(paused_ids), timeout=30)
+        paused = stub.EmbedChunked(embed_request(paused_ids), timeout=30)
         received = [next(paused), next(paused)]
         assert received[0].HasField("header") and len(received[1].data) > 0
         with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
@@ -97,7 +91,7 @@ def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
         got = np.frombuffer(data, dtype=np.float32).reshape(1, TOKENS, SMALL_D)
         np.testing.assert_array_equal(got, expected[paused_ids])
         # And a stream cancelled halfway harms nothing after it.
-        cancelled = stub.EmbedChunked(_chunked_request(paused_ids), timeout=30)
+        cancelled = stub.EmbedChunked(embed_request(paused_ids), timeout=30)
         assert next(cancelled).HasField("header") and len(next(cancelled).data) > 0
         cancelled.cancel()
     with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:

@@ -27,6 +27,7 @@ from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.backends import HOLDABLE, HookedLoader
+from support.requests import embed_request
 from support.server import ServerThread, wait_for, wait_for_async
 
 
@@ -34,37 +35,30 @@ def queued_tokens(server: ServerThread) -> float:
     return server.metric("tokembed_queued_tokens")
 
 
-def _tensor(ids: np.ndarray, dtype: int = pb.DTYPE_INT64, shape: Any = None) -> pb.Tensor:
-    return pb.Tensor(
-        dtype=dtype, shape=list(ids.shape if shape is None else shape), data=ids.tobytes()
-    )
-
-
 BAD_REQUESTS = [
-    ("id -1", pb.EmbedRequest(input_ids=_tensor(np.array([[1, -1]]))),
+    ("id -1", embed_request([[1, -1]]),
      grpc.StatusCode.INVALID_ARGUMENT, "input_ids[0,1] = -1 is outside the vocabulary [0, 1000)"),
-    ("id V", pb.EmbedRequest(input_ids=_tensor(np.array([[1000]]))),
+    ("id V", embed_request([[1000]]),
      grpc.StatusCode.INVALID_ARGUMENT, "input_ids[0,0] = 1000 is outside"),
-    ("float ids", pb.EmbedRequest(input_ids=_tensor(np.array([[1.0]]), pb.DTYPE_FLOAT32)),
+    ("float ids", embed_request([[1.0]], ids_dtype=pb.DTYPE_FLOAT32),
      grpc.StatusCode.INVALID_ARGUMENT, "dtype DTYPE_FLOAT32 is not supported"),
-    ("unknown dtype", pb.EmbedRequest(input_ids=_tensor(np.array([[1]]), 77)),
+    ("unknown dtype", embed_request([[1]], ids_dtype=77),
      grpc.StatusCode.INVALID_ARGUMENT, "77"),
-    ("length vs shape", pb.EmbedRequest(input_ids=_tensor(np.array([[1, 2]]), shape=[1, 3])),
+    ("length vs shape", embed_request([[1, 2]], shape=[1, 3]),
      grpc.StatusCode.INVALID_ARGUMENT, "16 bytes, but shape [1, 3]"),
-    ("huge shape", pb.EmbedRequest(input_ids=_tensor(np.array([[1]]), shape=[2**40, 2**40])),
+    ("huge shape", embed_request([[1]], shape=[2**40, 2**40]),
      grpc.StatusCode.INVALID_ARGUMENT, "needs"),
-    ("ragged sum", pb.EmbedRequest(input_ids=_tensor(np.array([1, 2, 3])), lengths=[2, 2]),
+    ("ragged sum", embed_request([1, 2, 3], lengths=[2, 2]),
      grpc.StatusCode.INVALID_ARGUMENT, "lengths sum to 4"),
-    ("zero length", pb.EmbedRequest(input_ids=_tensor(np.array([1, 2])), lengths=[2, 0]),
+    ("zero length", embed_request([1, 2], lengths=[2, 0]),
      grpc.StatusCode.INVALID_ARGUMENT, "lengths[1] = 0"),
-    ("empty", pb.EmbedRequest(input_ids=_tensor(np.zeros((1, 0), np.int64))),
+    ("empty", embed_request(np.zeros((1, 0), np.int64)),
      grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    ("bad output dtype",
-     pb.EmbedRequest(input_ids=_tensor(np.array([[1]])), output_dtype=pb.DTYPE_INT32),
+    ("bad output dtype", embed_request([[1]], output_dtype=pb.DTYPE_INT32),
      grpc.StatusCode.INVALID_ARGUMENT, "output_dtype DTYPE_INT32"),
-    ("unknown model", pb.EmbedRequest(input_ids=_tensor(np.array([[1]])), model_name="bert"),
+    ("unknown model", embed_request([[1]], model_name="bert"),
      grpc.StatusCode.NOT_FOUND, "model 'bert' is not served here"),
-    ("too many tokens", pb.EmbedRequest(input_ids=_tensor(np.zeros((1, 5001), np.int64))),
+    ("too many tokens", embed_request(np.zeros((1, 5001), np.int64)),
      grpc.StatusCode.RESOURCE_EXHAUSTED, "5001 tokens, over the limit of 5000"),
 ]  # fmt: skip
 
@@ -93,7 +87,7 @@ def test_each_bad_input_gets_its_code_and_message(
         assert caught.value.code() == code
         assert message in caught.value.details()
         # ... and the server answers exactly afterwards.
-        ok = stub.Embed(pb.EmbedRequest(input_ids=_tensor(np.array([[7, 999]]))), timeout=10)
+        ok = stub.Embed(embed_request([[7, 999]]), timeout=10)
         assert ok.hidden_states.dtype == pb.DTYPE_FLOAT32
         got = np.frombuffer(ok.hidden_states.data, "<f4").reshape(list(ok.hidden_states.shape))
         np.testing.assert_array_equal(got, small_rows[[[7, 999]]])

@@ -21,6 +21,7 @@ from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
+from support.requests import embed_request
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # off the loop for both dtypes
 WIRE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
@@ -38,11 +39,7 @@ def test_large_answers_parse_with_plain_protobuf_and_are_exact(
 ) -> None:
     server = start_server(small_model_dir, **backend)
     ids = np.random.default_rng(7).integers(0, SMALL_V, (4, TOKENS // 4), dtype=np.int64)
-    request = pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(ids.shape), data=ids.tobytes()),
-        output_dtype=WIRE[dtype],  # type: ignore[arg-type]
-        request_id="large-1",
-    )
+    request = embed_request(ids, output_dtype=WIRE[dtype], request_id="large-1")
     options = [("grpc.max_receive_message_length", 64 << 20)]
     with grpc.insecure_channel(server.target, options=options) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)

@@ -28,6 +28,7 @@ from support.fixtures import DEFAULT_V, SMALL_D, SMALL_V
 from support.metrics import scrape, total
 from support.models import default_rows
 from support.no_torch import env_without_torch
+from support.requests import embed_request
 from support.server import ServerProcess, serve_args, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -92,9 +93,7 @@ def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
             except BaseException as exc:
                 errors.append(exc)
 
-        request = pb.EmbedRequest(
-            input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=ids.shape, data=ids.tobytes())
-        )
+        request = embed_request(ids)
         with grpc.insecure_channel(server.target) as channel:
             # One call held in flight until the signal has landed: an EmbedChunked answer
             # read only afterwards. Flow control stops the server sending once this

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
+from support.requests import embed_request
 from support.server import ServerThread, wait_for
 
 INTERVAL_S = 0.5
@@ -23,11 +23,7 @@ CALLS_LOGGER = "tokembed.server.servicer"
 
 def _bad_request(index: int) -> pb.EmbedRequest:
     """Ids out of range (V is 1000): INVALID_ARGUMENT, reason invalid_input."""
-    ids = np.array([[1000 + index]], dtype=np.int64)
-    return pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 1], data=ids.tobytes()),
-        request_id=f"bad-{index}",
-    )
+    return embed_request([[1000 + index]], request_id=f"bad-{index}")
 
 
 def _refuse(server: ServerThread, count: int) -> None:

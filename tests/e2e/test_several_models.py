@@ -43,6 +43,7 @@ from support.fixtures import (
     SMALL_V,
 )
 from support.models import reference_rows
+from support.requests import embed_request
 from support.server import ServerProcess, ServerThread, serve_args, wait_for_async
 
 ENCODER_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
@@ -174,11 +175,7 @@ def test_an_empty_name_is_the_first_model_unless_another_is_the_default(
 def test_an_unknown_model_is_not_found_naming_the_models_served(both: ServerThread) -> None:
     with grpc.insecure_channel(both.target) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
-        ids = np.array([[1]], dtype="<i8")
-        request = pb.EmbedRequest(
-            input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 1], data=ids.tobytes()),
-            model_name="encoder",
-        )
+        request = embed_request([[1]], model_name="encoder")
         for call in (
             lambda: stub.Embed(request, timeout=10),
             lambda: list(stub.EmbedChunked(request, timeout=10)),

@@ -12,6 +12,7 @@ from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.models import default_rows
+from support.requests import embed_request
 
 
 def test_design_example_with_generated_stubs(default_model_dir: Path, start_server: Any) -> None:
@@ -19,12 +20,7 @@ def test_design_example_with_generated_stubs(default_model_dir: Path, start_serv
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], dtype=np.int64)
     with grpc.insecure_channel(server.target) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
-        reply = stub.Embed(
-            pb.EmbedRequest(
-                input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 8], data=ids.tobytes())
-            ),
-            timeout=10,
-        )
+        reply = stub.Embed(embed_request(ids), timeout=10)
     assert list(reply.hidden_states.shape) == [1, 8, 512]
     assert reply.hidden_states.dtype == pb.DTYPE_FLOAT32
     got = np.frombuffer(reply.hidden_states.data, dtype="<f4").reshape(1, 8, 512)

@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 import pytest
 
-from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
+from support.requests import embed_request, reason_of
 from support.server import ServerThread
 
 
@@ -152,9 +152,7 @@ def test_a_request_over_the_message_limit_is_too_large_and_counted(
     server: ServerThread = start_server(small_model_dir, max_tokens_per_request=4096)
     limit = server.settings.max_request_bytes
     ids = np.zeros((1, 200_000), dtype="<i8")  # 1.6 MB: over 4096 x 18 + 1 MiB
-    request = pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(ids.shape), data=ids.tobytes())
-    )
+    request = embed_request(ids)
     options = [("grpc.max_send_message_length", 64 << 20)]
     with grpc.insecure_channel(server.target, options=options) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
@@ -163,7 +161,7 @@ def test_a_request_over_the_message_limit_is_too_large_and_counted(
         (answer,) = list(stub.EmbedStream(iter([request]), timeout=30))
     error: Any = caught.value
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert ("tokembed-error-reason", "too_large") in tuple(error.trailing_metadata())
+    assert reason_of(error) == "too_large"
     assert f"over the limit of {limit} bytes" in error.details()
     assert "max_tokens_per_request=4096" in error.details()
     assert "--max-tokens-per-request" in error.details()

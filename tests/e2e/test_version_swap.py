@@ -24,6 +24,7 @@ from tokembed.server.core.repository import ModelState
 from support.backends import Gate, HookedLoader
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import export_model_dir, reference_rows
+from support.requests import embed_request
 from support.server import ServerThread, wait_for
 
 V2_SEED = SMALL_SEED + 10
@@ -117,15 +118,9 @@ def _ask_for_version(server: ServerThread, version: str) -> None:
     import grpc
 
     from tokembed.client.errors import from_rpc_error
-    from tokembed.v1 import embedding_pb2 as pb
     from tokembed.v1 import embedding_pb2_grpc
 
-    ids = np.array([[5]], dtype=np.int64)
-    request = pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 1], data=ids.tobytes()),
-        model_name="small",
-        model_version=version,
-    )
+    request = embed_request([[5]], model_name="small", model_version=version)
     with grpc.insecure_channel(server.target) as channel:
         try:
             embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(request, timeout=10)

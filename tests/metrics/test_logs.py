@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from metrics_helpers import embed_request, ids_of, stub_for
 
+from support.requests import embed_request, ids_of, stub_for
 from support.server import ServerProcess, ServerThread, serve_args, wait_for
 
 SERVICER_LOGGER = "tokembed.server.servicer"

@@ -16,12 +16,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from metrics_helpers import (
-    embed_request,
-    error_reason,
-    ids_of,
-    stub_for,
-)
 
 from tokembed.server.edge.v1.servicer import FRONT_END
 from tokembed.server.metrics import REJECTION_REASONS
@@ -30,6 +24,7 @@ from tokembed.v1 import embedding_pb2 as pb
 from support.backends import Gate
 from support.fixtures import SMALL_D
 from support.metrics import matching, samples, scrape
+from support.requests import embed_request, ids_of, reason_of, stub_for
 from support.server import ServerThread, wait_for
 
 ROW_BYTES = SMALL_D * 4  # one float32 row of the small model
@@ -81,7 +76,7 @@ def test_known_traffic_gives_exact_counts(
         embed_request([[1, 2, 1000]]),  # id == V
         embed_request([[5, -1, 6]]),  # negative id
         # shape [1, 4] but the bytes of 3 ids
-        pb.EmbedRequest(input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 4], data=bytes(24))),
+        embed_request(shape=[1, 4], data=bytes(24)),
     ]
     with stub_for(server.target) as stub:
         replies = [stub.Embed(embed_request(ids_of(8, start=i)), timeout=10) for i in range(37)]
@@ -89,7 +84,7 @@ def test_known_traffic_gives_exact_counts(
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Embed(request, timeout=10)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert error_reason(caught.value) == "invalid_input"
+            assert reason_of(caught.value) == "invalid_input"
 
     assert requests_by_code(server, "Embed") == {"OK": 37, "INVALID_ARGUMENT": 3}
     assert rejections(server) == {"invalid_input": 3}
@@ -238,7 +233,7 @@ def test_too_large_is_counted_apart_from_overloaded(
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Embed(request, timeout=10)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert error_reason(caught.value) == "too_large"
+            assert reason_of(caught.value) == "too_large"
         at_limit = stub.Embed(embed_request(ids_of(32)), timeout=10)
         half = stub.Embed(embed_request(ids_of(40), output_dtype=pb.DTYPE_FLOAT16), timeout=10)
 
@@ -294,7 +289,7 @@ def test_overloaded_is_counted_once_per_refusal(
             stub.Embed(embed_request(ids_of(8, start=3)), timeout=30)
         refused_after = time.monotonic() - started
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert error_reason(caught.value) == "overloaded"
+        assert reason_of(caught.value) == "overloaded"
         assert refused_after < 5, "an overloaded server refuses at once, it does not queue"
         assert rejections(server) == {"overloaded": 1}
         assert m("tokembed_queued_tokens") == 16

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
-from metrics_helpers import embed_request, ids_of, stub_for
 from prometheus_client import CollectorRegistry
 
 from tokembed.server.edge.status_codes import STATUS_BY_ERROR
@@ -18,6 +17,7 @@ from tokembed.server.metrics import REJECTION_REASONS, Metrics, ModelLabels
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.metrics import families, matching, scrape
+from support.requests import embed_request, ids_of, stub_for
 from support.server import ServerThread
 
 LATENCY_HISTOGRAMS = (

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from metrics_helpers import embed_request, ids_of, stub_for
 
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.metrics import scrape
 from support.prometheus import JOB, REPO_CONFIG, Prometheus, binary, running_prometheus
+from support.requests import embed_request, ids_of, stub_for
 from support.server import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]

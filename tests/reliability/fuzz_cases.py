@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from reliability_support import encode, unknown_field, varint
+from reliability_support import unknown_field, varint
 
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_V
+from support.requests import encode
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -128,7 +129,7 @@ def wrong_dtype(rng: random.Random) -> BadCase:
             pb.DTYPE_FLOAT32: ids.astype("<f4").tobytes(),
             pb.DTYPE_FLOAT16: ids.astype("<f2").tobytes(),
         }[dtype]
-        raw = encode(ids, dtype=dtype, data=data)
+        raw = encode(ids, ids_dtype=dtype, data=data)
     else:  # an output dtype that is an integer type
         raw = encode(ids, output_dtype=rng.choice([pb.DTYPE_INT64, pb.DTYPE_INT32]))
     return BadCase("wrong_dtype", _maybe_unknown(rng, raw), INVALID, "invalid_input")
@@ -151,9 +152,9 @@ def disagreeing_shape(rng: random.Random) -> BadCase:
         raw = encode(ids, shape=shape)
     elif choice == 2:  # int32 data declared int64 (half the bytes), or the reverse
         if rng.random() < 0.5:
-            raw = encode(ids, dtype=pb.DTYPE_INT64, data=ids.astype("<i4").tobytes())
+            raw = encode(ids, ids_dtype=pb.DTYPE_INT64, data=ids.astype("<i4").tobytes())
         else:
-            raw = encode(ids, dtype=pb.DTYPE_INT32, data=ids.tobytes())
+            raw = encode(ids, ids_dtype=pb.DTYPE_INT32, data=ids.tobytes())
     elif choice == 3:  # not [B, S] and no lengths
         shape = rng.choice([[ids.size], [1, batch, seq], [batch, seq, 1]])
         raw = encode(ids, shape=shape)
@@ -182,17 +183,17 @@ def huge_shape(rng: random.Random) -> BadCase:
     choice = rng.randrange(4)
     if choice == 0:
         shape = [rng.choice(HUGE_DIMS), rng.choice(HUGE_DIMS)]
-        raw = encode(dtype=pb.DTYPE_INT64, shape=shape, data=data)
+        raw = encode(ids_dtype=pb.DTYPE_INT64, shape=shape, data=data)
     elif choice == 1:
         shape = rng.choice([[1, rng.choice(HUGE_DIMS)], [rng.choice(HUGE_DIMS), 1]])
-        raw = encode(dtype=rng.choice([pb.DTYPE_INT64, pb.DTYPE_INT32]), shape=shape, data=data)
+        raw = encode(ids_dtype=rng.choice([pb.DTYPE_INT64, pb.DTYPE_INT32]), shape=shape, data=data)
     elif choice == 2:  # negative dimensions
         shape = [rng.choice([-1, -(2**31), INT64_MIN]), rng.randint(1, 4)]
         rng.shuffle(shape)
-        raw = encode(dtype=pb.DTYPE_INT64, shape=shape, data=data)
+        raw = encode(ids_dtype=pb.DTYPE_INT64, shape=shape, data=data)
     else:  # ragged: lengths that agree with a huge shape, but 1-4 ids of data
         half = rng.choice(HUGE_DIMS[:-1]) // 2
-        raw = encode(dtype=pb.DTYPE_INT64, shape=[2 * half], lengths=[half, half], data=data)
+        raw = encode(ids_dtype=pb.DTYPE_INT64, shape=[2 * half], lengths=[half, half], data=data)
     return BadCase("huge_shape", _maybe_unknown(rng, raw), INVALID, "invalid_input")
 
 
@@ -221,7 +222,7 @@ def bad_ids(rng: random.Random) -> BadCase:
     for _ in range(rng.randint(1, 3)):
         flat_view[rng.randrange(flat_view.size)] = rng.choice(outside)
     dtype = pb.DTYPE_INT32 if int32 else pb.DTYPE_INT64
-    raw = encode(ids.astype("<i4" if int32 else "<i8"), dtype=dtype, lengths=lengths)
+    raw = encode(ids.astype("<i4" if int32 else "<i8"), ids_dtype=dtype, lengths=lengths)
     return BadCase("bad_ids", _maybe_unknown(rng, raw), INVALID, "invalid_input")
 
 
@@ -232,15 +233,15 @@ def empty(rng: random.Random) -> BadCase:
     choice = rng.randrange(5)
     if choice == 0:
         shape = rng.choice([[0, rng.randint(1, 9)], [rng.randint(1, 9), 0], [0, 0]])
-        raw = encode(dtype=pb.DTYPE_INT64, shape=shape, data=b"")
+        raw = encode(ids_dtype=pb.DTYPE_INT64, shape=shape, data=b"")
     elif choice == 1:  # a tensor with no shape and no data
-        raw = encode(dtype=rng.choice([pb.DTYPE_INT64, pb.DTYPE_INT32]), shape=[], data=b"")
+        raw = encode(ids_dtype=rng.choice([pb.DTYPE_INT64, pb.DTYPE_INT32]), shape=[], data=b"")
     elif choice == 2:  # no tensor at all
         raw = encode(output_dtype=rng.choice([pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT16]))
     elif choice == 3:  # the empty message
         raw = b""
     else:  # ragged with nothing in it
-        raw = encode(dtype=pb.DTYPE_INT64, shape=[0], data=b"", lengths=[0])
+        raw = encode(ids_dtype=pb.DTYPE_INT64, shape=[0], data=b"", lengths=[0])
     return BadCase("empty", _maybe_unknown(rng, raw), INVALID, "invalid_input")
 
 
@@ -264,7 +265,7 @@ def bad_enum(rng: random.Random) -> BadCase:
     choice = rng.randrange(3)
     if choice == 0:
         ids = _ids(rng)
-        raw = encode(ids, dtype=_bad_enum(rng, range(0, 5)))
+        raw = encode(ids, ids_dtype=_bad_enum(rng, range(0, 5)))
     elif choice == 1:
         raw = encode(_ids(rng), output_dtype=_bad_enum(rng, range(0, 5)))
     else:  # the layout is only read for ragged input

@@ -1,7 +1,9 @@
-"""Helpers for the reliability tests: raw requests, exact expected answers, process memory.
+"""Helpers for the reliability tests: raw answers decoded, good requests with their exact
+answers, process memory.
 
 Requests travel as raw bytes on the method paths (``channel.unary_unary(path)`` with no
-serializer), so a test can send anything at all, including bytes that are not protobuf.
+serializer, ``support.requests.encode``), so a test can send anything at all, including
+bytes that are not protobuf.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from tokembed.server.edge.v1 import responses
@@ -20,13 +21,13 @@ from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import reference_rows
+from support.requests import encode
 
 SERVICE = "/tokembed.v1.EmbeddingService/"
 EMBED = SERVICE + "Embed"
 EMBED_CHUNKED = SERVICE + "EmbedChunked"
 EMBED_STREAM = SERVICE + "EmbedStream"
 MiB = 1024 * 1024
-REASON_KEY = "tokembed-error-reason"
 
 
 def channel_options(max_message_bytes: int = 256 * MiB) -> list[tuple[str, int]]:
@@ -34,33 +35,6 @@ def channel_options(max_message_bytes: int = 256 * MiB) -> list[tuple[str, int]]
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
-
-
-def encode(
-    ids: np.ndarray | None = None,
-    *,
-    dtype: int = pb.DTYPE_INT64,
-    shape: Sequence[int] | None = None,
-    data: bytes | None = None,
-    lengths: Sequence[int] = (),
-    output_dtype: int = pb.DTYPE_UNSPECIFIED,
-    layout: int = pb.RAGGED_LAYOUT_UNSPECIFIED,
-    model_name: str = "",
-    request_id: str = "",
-) -> bytes:
-    """An ``EmbedRequest`` as wire bytes; any field may be given a value that is wrong."""
-    request = pb.EmbedRequest(
-        lengths=list(lengths),
-        output_dtype=output_dtype,  # type: ignore[arg-type]
-        ragged_layout=layout,  # type: ignore[arg-type]
-        model_name=model_name,
-        request_id=request_id,
-    )
-    if ids is not None or data is not None or shape is not None:
-        request.input_ids.dtype = dtype  # type: ignore[assignment]
-        request.input_ids.shape.extend(list(ids.shape if shape is None else shape))  # type: ignore[union-attr]
-        request.input_ids.data = ids.tobytes() if data is None else data  # type: ignore[union-attr]
-    return request.SerializeToString()
 
 
 def decode_response(raw: bytes) -> np.ndarray:
@@ -71,13 +45,6 @@ def decode_response(raw: bytes) -> np.ndarray:
 def tensor_array(tensor: pb.Tensor) -> np.ndarray:
     dtype = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2"}[tensor.dtype]
     return np.frombuffer(tensor.data, dtype=dtype).reshape(list(tensor.shape))
-
-
-def reason_of(error: grpc.aio.AioRpcError | grpc.RpcError) -> str | None:
-    for key, value in error.trailing_metadata() or ():  # type: ignore[union-attr]
-        if key == REASON_KEY:
-            return str(value)
-    return None
 
 
 # --- good requests with their exact answers (the small model: V=1000, D=64, padding 0)
@@ -107,7 +74,7 @@ def good_case(
         ids = np_rng.integers(0, vocab, size=(batch, seq)).astype(np_dtype)
         raw = encode(
             ids,
-            dtype=id_dtype,
+            ids_dtype=id_dtype,
             output_dtype=out_dtype,
             model_name=rng.choice(["", "small"]),
             request_id=f"good-{rng.random()}",
@@ -120,7 +87,7 @@ def good_case(
             [pb.RAGGED_LAYOUT_UNSPECIFIED, pb.RAGGED_LAYOUT_PADDED, pb.RAGGED_LAYOUT_FLAT]
         )
         raw = encode(
-            flat_ids, dtype=id_dtype, lengths=lengths, output_dtype=out_dtype, layout=layout
+            flat_ids, ids_dtype=id_dtype, lengths=lengths, output_dtype=out_dtype, layout=layout
         )
         flat = rows[flat_ids.astype(np.int64)]
         if layout == pb.RAGGED_LAYOUT_FLAT:

@@ -32,13 +32,12 @@ from reliability_support import (
     SMALL_ROWS,
     channel_options,
     decode_response,
-    encode,
-    reason_of,
 )
 
 from support.backends import HOLDABLE, HookedLoader, poisoned_by
 from support.fixtures import DEFAULT_V
 from support.models import default_rows
+from support.requests import encode, reason_of
 from support.server import ServerProcess, ServerThread, serve_args, wait_for
 
 # --- SIGTERM during load

@@ -28,10 +28,8 @@ from reliability_support import (
     channel_options,
     decode_response,
     describe,
-    encode,
     peak_rss,
     percentile,
-    reason_of,
     rss,
     tensor_array,
     varint,
@@ -43,6 +41,7 @@ from tokembed.v1 import embedding_pb2 as pb
 from support.fixtures import DEFAULT_D, DEFAULT_V
 from support.metrics import matching, scrape, total, value
 from support.models import default_rows
+from support.requests import encode, reason_of
 from support.server import ServerProcess, serve_args, wait_for
 
 MAX_TOKENS = 16384

@@ -32,13 +32,13 @@ from reliability_support import (
     decode_response,
     describe,
     good_case,
-    reason_of,
     tensor_array,
 )
 
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.metrics import scrape, total
+from support.requests import reason_of
 from support.server import ServerProcess, serve_args
 
 SEED = int(os.environ.get("TOKEMBED_FUZZ_SEED", "20260701"))

@@ -25,11 +25,12 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reliability_support import EMBED, SMALL_ROWS, encode
+from reliability_support import EMBED, SMALL_ROWS
 
 from tokembed.client import AuthenticationError, EmbeddingClient, UnavailableError
 
 from support.metrics import scrape, value
+from support.requests import encode
 from support.server import ServerProcess, ServerThread, serve_args
 
 TOKEN = "tok-3f9a0c1e-embeddings"

@@ -32,7 +32,6 @@ from reliability_support import (
     channel_options,
     decode_response,
     describe,
-    encode,
     rss,
     tensor_array,
 )
@@ -41,6 +40,7 @@ from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import DEFAULT_D, DEFAULT_V
 from support.models import default_rows
+from support.requests import encode
 from support.server import ServerProcess, serve_args
 
 CI_SOAK_S = 30.0
@@ -106,7 +106,7 @@ def _mixed(rng: random.Random, rows: np.ndarray) -> Mixed:
         int32 = rng.random() < 0.3
         raw = encode(
             ids.astype(np.int32) if int32 else ids,
-            dtype=pb.DTYPE_INT32 if int32 else pb.DTYPE_INT64,
+            ids_dtype=pb.DTYPE_INT32 if int32 else pb.DTYPE_INT64,
             output_dtype=output,
         )
         want = rows[ids]

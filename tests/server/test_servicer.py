@@ -17,11 +17,11 @@ import pytest
 
 from tokembed.server.backends.base import LookUp
 from tokembed.server.core.dtypes import FLOAT16
-from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.backends import HookedLoader
+from support.requests import embed_request, reason_of
 from support.server import ServerThread
 
 TIMEOUT_S = 10
@@ -45,16 +45,13 @@ IDS = np.array([[1, 2, 3]], dtype="<i8")
 
 
 def request(output_dtype: int) -> pb.EmbedRequest:
-    return pb.EmbedRequest(
-        input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 3], data=IDS.tobytes()),
-        output_dtype=output_dtype,  # type: ignore[arg-type]
-    )
+    return embed_request(IDS, output_dtype=output_dtype)
 
 
 def assert_internal(error: grpc.RpcError) -> None:
     assert error.code() == grpc.StatusCode.INTERNAL, (error.code(), error.details())
     assert "cast exploded" in error.details()
-    assert (REASON_METADATA_KEY, "internal") in tuple(error.trailing_metadata() or ())
+    assert reason_of(error) == "internal"
 
 
 def float32_array(tensor: pb.Tensor, data: bytes | None = None) -> np.ndarray:

@@ -25,6 +25,7 @@ from tokembed.server.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_V
+from support.requests import encode
 
 
 class Context:
@@ -45,10 +46,7 @@ class Context:
 
 
 def request(ids: np.ndarray, output_dtype: int = pb.DTYPE_FLOAT32) -> Any:
-    dtype = pb.DTYPE_INT32 if ids.dtype == np.int32 else pb.DTYPE_INT64
-    tensor = pb.Tensor(dtype=dtype, shape=ids.shape, data=ids.tobytes())
-    message = pb.EmbedRequest(input_ids=tensor, output_dtype=output_dtype)  # type: ignore[arg-type]
-    return parse_embed(message.SerializeToString())
+    return parse_embed(encode(ids, output_dtype=output_dtype))
 
 
 @pytest.mark.parametrize("dtype", ["<i8", "<i4"])
