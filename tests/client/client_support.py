@@ -7,7 +7,7 @@ request), so a test reads there which calls the client made, instead of a fake's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,17 +64,6 @@ def requests_of(
 def rejections(server: ServerThread, reason: str) -> int:
     """Requests the server refused for ``reason`` (the bearer-token check included)."""
     return int(server.metric("tokembed_rejections_total", {"reason": reason}))
-
-
-def padded(table: np.ndarray, seqs: Sequence[Sequence[int]], pad_row: np.ndarray) -> np.ndarray:
-    """The expected ``[B, S_max, D]`` answer to ragged ``seqs``: each sequence's rows, then
-    ``pad_row`` (the proto: the padding id's row, or zeros for a model without one)."""
-    longest = max(len(s) for s in seqs)
-    out = np.empty((len(seqs), longest, table.shape[1]), table.dtype)
-    for b, seq in enumerate(seqs):
-        out[b, : len(seq)] = table[list(seq)]
-        out[b, len(seq) :] = pad_row
-    return out
 
 
 class HeldServer:

@@ -16,7 +16,6 @@ import pytest
 from client_fakes import FakeServer, start_fake_server
 from client_support import PAD_D, PAD_ID, PAD_SEED, PAD_V, HeldServer, LoadingServer
 
-from support.fixtures import DECODER_D, DECODER_SEED, DECODER_V
 from support.models import reference_rows
 from support.server import ServerThread
 
@@ -34,12 +33,6 @@ def two_models(
 ) -> ServerThread:
     """The real server serving "small" (the default, D=64) and "decoder" (D=24)."""
     return start_server((small_model_dir, decoder_model_dir))
-
-
-@pytest.fixture(scope="session")
-def decoder_rows() -> np.ndarray:
-    """The decoder model's answer for each id (E[id] * sqrt(D), computed independently)."""
-    return reference_rows(DECODER_V, DECODER_D, DECODER_SEED)
 
 
 @pytest.fixture(scope="session")

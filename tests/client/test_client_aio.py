@@ -20,7 +20,6 @@ from client_support import (
     HeldServer,
     LoadingServer,
     async_client_for,
-    padded,
     rejections,
     requests_of,
 )
@@ -37,6 +36,7 @@ from tokembed.client import (
 )
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
+from support.models import padded
 from support.ports import free_port
 from support.server import ServerThread, wait_for, wait_for_async
 

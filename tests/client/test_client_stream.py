@@ -13,7 +13,6 @@ import pytest
 from client_support import (
     HeldServer,
     client_for,
-    padded,
     requests_of,
 )
 
@@ -27,6 +26,7 @@ from tokembed.client import (
 )
 
 from support.fixtures import SMALL_PAD, SMALL_V
+from support.models import padded
 from support.ports import free_port
 from support.server import ServerThread
 

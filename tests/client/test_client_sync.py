@@ -28,7 +28,6 @@ from client_support import (
     HeldServer,
     LoadingServer,
     client_for,
-    padded,
     rejections,
     requests_of,
 )
@@ -48,6 +47,7 @@ from tokembed.client import (
 
 from support.backends import HOLDABLE, HookedLoader
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
+from support.models import padded
 from support.ports import free_port
 from support.server import ServerThread, wait_for
 

@@ -17,43 +17,37 @@ from tokembed.client import EmbeddingClient
 from tokembed.server.core.policy import INLINE_MAX_BYTES
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_V
 from support.requests import embed_request
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # looked up off the loop, both dtypes
 CHUNKED_ABOVE = 64 * 1024  # the client takes EmbedChunked for every answer here
 
 
-@pytest.fixture(scope="module")
-def expected() -> np.ndarray:
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
-
-
 @EVERY_BACKEND
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_answers_one_after_the_other_stay_exact(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str, backend: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, dtype: str, backend: Any
 ) -> None:
     server = start_server(small_model_dir, **backend)
     rng = np.random.default_rng(11)
     with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
         for _ in range(6):
             ids = rng.integers(0, SMALL_V, (2, TOKENS // 2))
-            np.testing.assert_array_equal(client.embed(ids, dtype), expected[ids].astype(dtype))
+            np.testing.assert_array_equal(client.embed(ids, dtype), small_rows[ids].astype(dtype))
         # Ragged, padded: the pad rows are written too, not left from an earlier answer.
         rows = [rng.integers(0, SMALL_V, n) for n in (TOKENS // 2, 40)]
         padded = client.embed(rows, dtype)
-        np.testing.assert_array_equal(padded[0], expected[rows[0]].astype(dtype))
-        np.testing.assert_array_equal(padded[1, :40], expected[rows[1]].astype(dtype))
+        np.testing.assert_array_equal(padded[0], small_rows[rows[0]].astype(dtype))
+        np.testing.assert_array_equal(padded[1, :40], small_rows[rows[1]].astype(dtype))
         np.testing.assert_array_equal(
-            padded[1, 40:], np.repeat(expected[[SMALL_PAD]], TOKENS // 2 - 40, 0).astype(dtype)
+            padded[1, 40:], np.repeat(small_rows[[SMALL_PAD]], TOKENS // 2 - 40, 0).astype(dtype)
         )
 
 
 @EVERY_BACKEND
 def test_answers_side_by_side_never_mix(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, backend: Any
 ) -> None:
     server = start_server(small_model_dir, **backend)
     rng = np.random.default_rng(12)
@@ -64,12 +58,12 @@ def test_answers_side_by_side_never_mix(
     ):
         answers = list(pool.map(client.embed, batches))
     for ids, answer in zip(batches, answers, strict=True):
-        np.testing.assert_array_equal(answer, expected[ids])
+        np.testing.assert_array_equal(answer, small_rows[ids])
 
 
 @EVERY_BACKEND
 def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, backend: Any
 ) -> None:
     # Small chunks: a reader that stops reading leaves most of its answer unsent (gRPC's
     # flow control holds the server's stream at a yield, the answer's rows still cut
@@ -85,11 +79,11 @@ def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
         with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
             for _ in range(4):
                 ids = rng.integers(0, SMALL_V, (1, TOKENS))
-                np.testing.assert_array_equal(client.embed(ids), expected[ids])
+                np.testing.assert_array_equal(client.embed(ids), small_rows[ids])
         received.extend(paused)  # the rest of the paused answer, read only now
         data = b"".join(chunk.data for chunk in received[1:])
         got = np.frombuffer(data, dtype=np.float32).reshape(1, TOKENS, SMALL_D)
-        np.testing.assert_array_equal(got, expected[paused_ids])
+        np.testing.assert_array_equal(got, small_rows[paused_ids])
         # And a stream cancelled halfway harms nothing after it.
         cancelled = stub.EmbedChunked(embed_request(paused_ids), timeout=30)
         assert next(cancelled).HasField("header") and len(next(cancelled).data) > 0
@@ -97,4 +91,4 @@ def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
     with EmbeddingClient(server.target, chunked_threshold_bytes=CHUNKED_ABOVE) as client:
         for _ in range(2):
             ids = rng.integers(0, SMALL_V, (1, TOKENS))
-            np.testing.assert_array_equal(client.embed(ids), expected[ids])
+            np.testing.assert_array_equal(client.embed(ids), small_rows[ids])

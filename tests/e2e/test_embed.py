@@ -17,22 +17,21 @@ from support.fixtures import (
     DEFAULT_V,
     SMALL_D,
     SMALL_PAD,
-    SMALL_SEED,
     SMALL_V,
 )  # fmt: skip
-from support.models import default_rows, reference_rows
-
-SMALL_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+from support.models import padded
 
 
-def test_the_keys_on_the_table_are_lost(default_model_dir: Path, start_server: Any) -> None:
+def test_the_keys_on_the_table_are_lost(
+    default_model_dir: Path, start_server: Any, default_rows: np.ndarray
+) -> None:
     """README example: "The keys on the table are lost." as ids 5..12 -> [1,8,512]."""
     server = start_server(default_model_dir)
     with EmbeddingClient(server.target) as client:
         hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
     assert hidden.shape == (1, 8, 512)
     assert hidden.dtype == np.float32
-    np.testing.assert_array_equal(hidden[0], default_rows()[5:13])  # E[id] * sqrt(512), exactly
+    np.testing.assert_array_equal(hidden[0], default_rows[5:13])  # E[id] * sqrt(512), exactly
 
 
 def test_model_info_reports_model_provider_and_limits(
@@ -64,19 +63,14 @@ def _random_requests(count: int, seed: int) -> list[Any]:
     return requests
 
 
-def _expected(request: Any) -> np.ndarray:
+def _expected(small_rows: np.ndarray, request: Any) -> np.ndarray:
     if isinstance(request, np.ndarray):
-        return SMALL_ROWS[request]
-    longest = max(len(row) for row in request)
-    out = np.empty((len(request), longest, SMALL_D), dtype=np.float32)
-    for index, row in enumerate(request):
-        out[index, : len(row)] = SMALL_ROWS[row]
-        out[index, len(row) :] = SMALL_ROWS[SMALL_PAD]  # padded with the padding id's row
-    return out
+        return small_rows[request]
+    return padded(small_rows, request, small_rows[SMALL_PAD])  # the padding id's row
 
 
 def test_200_concurrent_requests_each_get_exactly_their_rows(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     # The onnxruntime backend batches; every look-up goes through the batcher's executor
     # path, so concurrent requests queue behind a computing batch and batch together.
@@ -96,7 +90,7 @@ def test_200_concurrent_requests_each_get_exactly_their_rows(
     batches = server.metric("tokembed_batches_total") - batches_before
     for request, single, batched in zip(requests, alone, together, strict=True):
         np.testing.assert_array_equal(batched, single)  # bit-identical, alone or batched
-        np.testing.assert_array_equal(batched, _expected(request))
+        np.testing.assert_array_equal(batched, _expected(small_rows, request))
     # The batcher did form multi-request batches: fewer batches than requests.
     assert 0 < batches < 200, f"{batches} batches for 200 concurrent requests"
     per_batch_max = server.metric("tokembed_batch_requests_sum") / server.metric(
@@ -106,7 +100,7 @@ def test_200_concurrent_requests_each_get_exactly_their_rows(
 
 
 def test_ragged_flat_layout_returns_rows_back_to_back(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     server = start_server(small_model_dir)
     request = [[1, 2, 3], [4], [5, 6]]
@@ -114,7 +108,7 @@ def test_ragged_flat_layout_returns_rows_back_to_back(
         result = client.embed_result(request, layout="flat")
     assert result.hidden_states.shape == (6, SMALL_D)
     assert tuple(result.lengths) == (3, 1, 2)
-    np.testing.assert_array_equal(result.hidden_states, SMALL_ROWS[[1, 2, 3, 4, 5, 6]])
+    np.testing.assert_array_equal(result.hidden_states, small_rows[[1, 2, 3, 4, 5, 6]])
 
 
 def test_float16_output_within_half_an_ulp(small_model_dir: Path, start_server: Any) -> None:
@@ -132,16 +126,18 @@ def test_float16_output_within_half_an_ulp(small_model_dir: Path, start_server: 
     np.testing.assert_array_equal(half, full.astype(np.float16))
 
 
-def test_int32_ids_give_the_same_answer(small_model_dir: Path, start_server: Any) -> None:
+def test_int32_ids_give_the_same_answer(
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
+) -> None:
     server = start_server(small_model_dir)
     ids = np.array([[3, 999, 0, 42]], dtype=np.int32)
     with EmbeddingClient(server.target) as client:
         got = client.embed(ids)
-    np.testing.assert_array_equal(got, SMALL_ROWS[ids.astype(np.int64)])
+    np.testing.assert_array_equal(got, small_rows[ids.astype(np.int64)])
 
 
 def test_a_named_request_gets_the_answer_of_an_unnamed_one(
-    small_model_dir: Path, start_server: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
 ) -> None:
     """Unnamed int64 requests take the server's plain path, named ones the general path
     (EmbeddingService.embed_plain): the same rows, timings and model fields."""
@@ -152,7 +148,7 @@ def test_a_named_request_gets_the_answer_of_an_unnamed_one(
         plain = unnamed.embed_result(ids)
     with EmbeddingClient(server.target, model_name=name) as named:
         general = named.embed_result(ids)
-    np.testing.assert_array_equal(plain.hidden_states, SMALL_ROWS[ids])
+    np.testing.assert_array_equal(plain.hidden_states, small_rows[ids])
     np.testing.assert_array_equal(plain.hidden_states, general.hidden_states)
     for result in (plain, general):
         timings = result.timings
@@ -178,23 +174,25 @@ def test_answered_calls_give_their_room_back(small_model_dir: Path, start_server
     assert server.metric("tokembed_inflight_output_bytes") == 0
 
 
-def test_stream_answers_in_order(small_model_dir: Path, start_server: Any) -> None:
+def test_stream_answers_in_order(
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray
+) -> None:
     server = start_server(small_model_dir)
     inputs = [[[i, i + 1]] for i in range(0, 60, 3)]
     with EmbeddingClient(server.target) as client:
         answers = list(client.embed_stream(inputs))
     assert len(answers) == len(inputs)
     for ids, answer in zip(inputs, answers, strict=True):
-        np.testing.assert_array_equal(answer, SMALL_ROWS[np.asarray(ids)])
+        np.testing.assert_array_equal(answer, small_rows[np.asarray(ids)])
 
 
 def test_a_64_mib_response_works_with_default_settings(
-    default_model_dir: Path, start_server: Any
+    default_model_dir: Path, start_server: Any, default_rows: np.ndarray
 ) -> None:
     server = start_server(default_model_dir)
     tokens = 64 * 2**20 // (DEFAULT_D * 4)  # 32768 tokens -> exactly 64 MiB of float32
     ids = (np.arange(tokens, dtype=np.int64) * 7 % DEFAULT_V).reshape(8, -1)
-    want = default_rows()[ids]
+    want = default_rows[ids]
     with EmbeddingClient(server.target, chunked_threshold_bytes=None) as unary:
         got = unary.embed(ids)
     assert got.nbytes == 64 * 2**20
@@ -205,14 +203,14 @@ def test_a_64_mib_response_works_with_default_settings(
 
 @pytest.mark.parametrize("table_bytes", [0, 512 * 2**20], ids=["cast-per-request", "float16-table"])
 def test_float16_answers_are_the_same_with_and_without_the_float16_table(
-    small_model_dir: Path, start_server: Any, table_bytes: int
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, table_bytes: int
 ) -> None:
     server = start_server(small_model_dir, float16_table_max_bytes=table_bytes)
     ragged = [[1, 2, 3], [999], [0, 5]]
     with EmbeddingClient(server.target) as client:
-        padded = client.embed(ragged, "float16")
+        ragged_half = client.embed(ragged, "float16")
         flat = client.embed(ragged, "float16", layout="flat")
         rect = client.embed(np.arange(SMALL_V).reshape(4, -1), "float16")
-    np.testing.assert_array_equal(padded, _expected(ragged).astype(np.float16))
-    np.testing.assert_array_equal(flat, SMALL_ROWS[[1, 2, 3, 999, 0, 5]].astype(np.float16))
-    np.testing.assert_array_equal(rect, SMALL_ROWS.reshape(4, -1, SMALL_D).astype(np.float16))
+    np.testing.assert_array_equal(ragged_half, _expected(small_rows, ragged).astype(np.float16))
+    np.testing.assert_array_equal(flat, small_rows[[1, 2, 3, 999, 0, 5]].astype(np.float16))
+    np.testing.assert_array_equal(rect, small_rows.reshape(4, -1, SMALL_D).astype(np.float16))

@@ -19,23 +19,17 @@ from tokembed.server.core.policy import INLINE_MAX_BYTES
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_V
 from support.requests import embed_request
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # off the loop for both dtypes
 WIRE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
 
 
-@pytest.fixture(scope="module")
-def expected() -> np.ndarray:
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
-
-
 @EVERY_BACKEND
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_large_answers_parse_with_plain_protobuf_and_are_exact(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, dtype: str, backend: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, dtype: str, backend: Any
 ) -> None:
     server = start_server(small_model_dir, **backend)
     ids = np.random.default_rng(7).integers(0, SMALL_V, (4, TOKENS // 4), dtype=np.int64)
@@ -49,7 +43,7 @@ def test_large_answers_parse_with_plain_protobuf_and_are_exact(
             assert list(reply.hidden_states.shape) == [*ids.shape, SMALL_D]
             assert reply.hidden_states.dtype == WIRE[dtype]
             got = np.frombuffer(reply.hidden_states.data, dtype=dtype).reshape(*ids.shape, SMALL_D)
-            np.testing.assert_array_equal(got, expected[ids].astype(dtype))
+            np.testing.assert_array_equal(got, small_rows[ids].astype(dtype))
             assert reply.request_id == "large-1"
             assert reply.model_name == "small"
             assert reply.timings.compute_seconds > 0 and reply.timings.server_seconds > 0
@@ -58,26 +52,26 @@ def test_large_answers_parse_with_plain_protobuf_and_are_exact(
 
 @EVERY_BACKEND
 def test_large_answers_through_the_client_flat_ragged_and_padded(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, backend: Any
 ) -> None:
     server = start_server(small_model_dir, **backend)
     rng = np.random.default_rng(8)
     rows = [rng.integers(0, SMALL_V, n) for n in (TOKENS - 40, 40)]
     with EmbeddingClient(server.target, chunked_threshold_bytes=None) as client:
         flat = client.embed(rows, layout="flat")  # the rows in order
-        np.testing.assert_array_equal(flat, expected[np.concatenate(rows)])
+        np.testing.assert_array_equal(flat, small_rows[np.concatenate(rows)])
         padded = client.embed(rows)  # rows, then pad rows
-        np.testing.assert_array_equal(padded[1, :40], expected[rows[1]])
+        np.testing.assert_array_equal(padded[1, :40], small_rows[rows[1]])
         np.testing.assert_array_equal(
-            padded[1, 40:], np.repeat(expected[[SMALL_PAD]], TOKENS - 80, 0)
+            padded[1, 40:], np.repeat(small_rows[[SMALL_PAD]], TOKENS - 80, 0)
         )
         # And small answers, between and after, still exact.
-        np.testing.assert_array_equal(client.embed([[1, 2, 3]]), expected[[[1, 2, 3]]])
+        np.testing.assert_array_equal(client.embed([[1, 2, 3]]), small_rows[[[1, 2, 3]]])
 
 
 @EVERY_BACKEND
 def test_large_answers_side_by_side_never_mix(
-    small_model_dir: Path, start_server: Any, expected: np.ndarray, backend: Any
+    small_model_dir: Path, start_server: Any, small_rows: np.ndarray, backend: Any
 ) -> None:
     server = start_server(small_model_dir, **backend)
     rng = np.random.default_rng(9)
@@ -88,7 +82,7 @@ def test_large_answers_side_by_side_never_mix(
     ):
         answers = list(pool.map(client.embed, batches))
     for ids, answer in zip(batches, answers, strict=True):
-        np.testing.assert_array_equal(answer, expected[ids])
+        np.testing.assert_array_equal(answer, small_rows[ids])
 
 
 def test_one_failed_heap_trim_does_not_end_trimming(

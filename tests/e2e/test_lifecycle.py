@@ -26,7 +26,6 @@ from tokembed.v1 import embedding_pb2_grpc
 from support.backends import HOLDABLE, HookedLoader
 from support.fixtures import DEFAULT_V, SMALL_D, SMALL_V
 from support.metrics import scrape, total
-from support.models import default_rows
 from support.no_torch import env_without_torch
 from support.requests import embed_request
 from support.server import ServerProcess, serve_args, wait_for
@@ -77,12 +76,12 @@ def test_health_walks_not_serving_serving_not_serving_while_draining(
 
 
 def test_sigterm_with_requests_in_flight_completes_them_and_exits_0(
-    default_model_dir: Path,
+    default_model_dir: Path, default_rows: np.ndarray
 ) -> None:
     server = ServerProcess(serve_args(default_model_dir, "--grace-s", "20")).start()
     try:
         ids = (np.arange(32 * 512) % DEFAULT_V).reshape(32, 512)  # ~34 MB answers: slow
-        want = default_rows()[ids]
+        want = default_rows[ids]
         results: list[Any] = []
         errors: list[BaseException] = []
 
@@ -158,7 +157,9 @@ def test_serve_refuses_an_invalid_model_directory(small_model_dir: Path, tmp_pat
     assert "Traceback" not in result.stderr
 
 
-def test_serve_without_a_model_creates_the_default_one_without_torch(tmp_path: Path) -> None:
+def test_serve_without_a_model_creates_the_default_one_without_torch(
+    tmp_path: Path, default_rows: np.ndarray
+) -> None:
     """The main job needs only the server's install: here `import torch` fails in the
     server process and in any process it starts."""
     default_dir = tmp_path / "models" / "default"
@@ -171,7 +172,7 @@ def test_serve_without_a_model_creates_the_default_one_without_torch(tmp_path: P
         with EmbeddingClient(server.target) as client:
             hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
             info = client.model_info()
-        np.testing.assert_array_equal(hidden[0], default_rows()[5:13])
+        np.testing.assert_array_equal(hidden[0], default_rows[5:13])
         assert (info.name, info.vocab_size, info.d_model) == ("tokembed-default", 32000, 512)
         assert (default_dir / "manifest.json").is_file()
         assert "building the built-in default model" in server.output

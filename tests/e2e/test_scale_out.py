@@ -12,12 +12,9 @@ import numpy as np
 
 from tokembed.client import EmbeddingClient
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.fixtures import SMALL_V
 from support.metrics import scrape, total
-from support.models import reference_rows
 from support.server import ServerProcess, serve_args
-
-ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 def _served(server: ServerProcess) -> float:
@@ -28,7 +25,7 @@ def _served(server: ServerProcess) -> float:
 
 
 def test_round_robin_spreads_over_three_servers_and_survives_losing_one(
-    small_model_dir: Path,
+    small_model_dir: Path, small_rows: np.ndarray
 ) -> None:
     servers = [ServerProcess(serve_args(small_model_dir)).start() for _ in range(3)]
     try:
@@ -46,7 +43,7 @@ def test_round_robin_spreads_over_three_servers_and_survives_losing_one(
                     token = (offset * 1000 + index) % SMALL_V
                     try:
                         got = client.embed([[token, 1]])
-                        np.testing.assert_array_equal(got, ROWS[[[token, 1]]])
+                        np.testing.assert_array_equal(got, small_rows[[[token, 1]]])
                         with lock:
                             done[0] += 1
                     except BaseException as exc:

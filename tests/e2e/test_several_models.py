@@ -34,21 +34,16 @@ from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import (
     DECODER_D,
-    DECODER_SEED,
     DECODER_V,
     EVERY_BACKEND,
     SMALL_D,
     SMALL_PAD,
-    SMALL_SEED,
     SMALL_V,
 )
-from support.models import reference_rows
+from support.models import padded
 from support.requests import embed_request
 from support.server import ServerProcess, ServerThread, serve_args, wait_for_async
 
-ENCODER_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
-DECODER_ROWS = reference_rows(DECODER_V, DECODER_D, DECODER_SEED)
-ROWS = {"small": ENCODER_ROWS, "decoder": DECODER_ROWS}
 VOCAB = {"small": SMALL_V, "decoder": DECODER_V}
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -59,17 +54,20 @@ def both(small_model_dir: Path, decoder_model_dir: Path, start_server: Any) -> S
     return server
 
 
-def _expected(model: str, request: Any, dtype: str = "float32") -> np.ndarray:
-    rows = ROWS[model].astype(dtype)
+@pytest.fixture(scope="module")
+def rows(small_rows: np.ndarray, decoder_rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {"small": small_rows, "decoder": decoder_rows}
+
+
+def _expected(
+    rows: dict[str, np.ndarray], model: str, request: Any, dtype: str = "float32"
+) -> np.ndarray:
+    table = rows[model].astype(dtype)
     if isinstance(request, np.ndarray):
-        return rows[request]
-    longest = max(len(row) for row in request)
-    out = np.zeros((len(request), longest, rows.shape[1]), dtype=dtype)
-    pad = rows[SMALL_PAD] if model == "small" else np.zeros(rows.shape[1], dtype)
-    for index, row in enumerate(request):
-        out[index, : len(row)] = rows[row]
-        out[index, len(row) :] = pad  # the decoder has no padding id: zeros
-    return out
+        return table[request]
+    # The decoder has no padding id: zeros.
+    pad = table[SMALL_PAD] if model == "small" else np.zeros(table.shape[1], dtype)
+    return padded(table, request, pad)
 
 
 def _mixed_requests(count: int, seed: int) -> list[tuple[str, Any, str]]:
@@ -94,7 +92,11 @@ def _mixed_requests(count: int, seed: int) -> list[tuple[str, Any, str]]:
 
 @EVERY_BACKEND
 def test_concurrent_mixed_traffic_gets_each_model_s_own_rows(
-    small_model_dir: Path, decoder_model_dir: Path, start_server: Any, backend: Any
+    small_model_dir: Path,
+    decoder_model_dir: Path,
+    start_server: Any,
+    rows: dict[str, np.ndarray],
+    backend: Any,
 ) -> None:
     server = start_server((small_model_dir, decoder_model_dir), **backend)
     requests = _mixed_requests(120, seed=21)
@@ -110,7 +112,7 @@ def test_concurrent_mixed_traffic_gets_each_model_s_own_rows(
     answers = asyncio.run(all_at_once())
     for (model, ids, dtype), got in zip(requests, answers, strict=True):
         assert got.dtype == dtype
-        np.testing.assert_array_equal(got, _expected(model, ids, dtype), err_msg=model)
+        np.testing.assert_array_equal(got, _expected(rows, model, ids, dtype), err_msg=model)
     # Chunked answers from threads too, both models at once.
     with (
         EmbeddingClient(server.target, chunked_threshold_bytes=1) as client,
@@ -120,7 +122,7 @@ def test_concurrent_mixed_traffic_gets_each_model_s_own_rows(
             client.info(model=model)  # each model's D known: every call below goes chunked
         chunked = list(pool.map(lambda r: client.embed(r[1], r[2], model=r[0]), requests[:20]))
     for (model, ids, dtype), got in zip(requests[:20], chunked, strict=True):
-        np.testing.assert_array_equal(got, _expected(model, ids, dtype), err_msg=model)
+        np.testing.assert_array_equal(got, _expected(rows, model, ids, dtype), err_msg=model)
     for model in ("small", "decoder"):
         unary = sum(1 for m, _, _ in requests if m == model)
         chunked_n = sum(1 for m, _, _ in requests[:20] if m == model)
@@ -131,16 +133,18 @@ def test_concurrent_mixed_traffic_gets_each_model_s_own_rows(
         )
 
 
-def test_ids_valid_for_one_model_are_refused_only_by_the_other(both: ServerThread) -> None:
+def test_ids_valid_for_one_model_are_refused_only_by_the_other(
+    both: ServerThread, small_rows: np.ndarray, decoder_rows: np.ndarray
+) -> None:
     between = [[SMALL_V - 1, DECODER_V]]  # both < 1000; 400 and 999 are >= the decoder's V
     with EmbeddingClient(both.target) as client:
-        np.testing.assert_array_equal(client.embed(between, model="small"), ENCODER_ROWS[between])
+        np.testing.assert_array_equal(client.embed(between, model="small"), small_rows[between])
         with pytest.raises(InvalidInputError) as refused:
             client.embed(between, model="decoder")
         assert "input_ids[0,0] = 999 is outside the vocabulary [0, 400)" in str(refused.value)
         # The refusal harmed nothing: both models still answer.
         np.testing.assert_array_equal(
-            client.embed([[DECODER_V - 1]], model="decoder"), DECODER_ROWS[[[DECODER_V - 1]]]
+            client.embed([[DECODER_V - 1]], model="decoder"), decoder_rows[[[DECODER_V - 1]]]
         )
         with pytest.raises(InvalidInputError, match=r"\[0, 1000\)"):
             client.embed([[SMALL_V]], model="small")
@@ -256,7 +260,7 @@ def test_the_models_share_one_output_budget(
 
 
 def test_serve_takes_several_model_dirs_from_flags_or_the_environment(
-    small_model_dir: Path, decoder_model_dir: Path
+    small_model_dir: Path, decoder_model_dir: Path, decoder_rows: np.ndarray
 ) -> None:
     for args, env in (
         (serve_args(small_model_dir, "--model-dir", str(decoder_model_dir)), None),
@@ -270,7 +274,7 @@ def test_serve_takes_several_model_dirs_from_flags_or_the_environment(
             with EmbeddingClient(server.target) as client:
                 assert client.models().names == ("small", "decoder")
                 np.testing.assert_array_equal(
-                    client.embed([[5]], model="decoder"), DECODER_ROWS[[[5]]]
+                    client.embed([[5]], model="decoder"), decoder_rows[[[5]]]
                 )
             with grpc.insecure_channel(server.target) as channel:
                 health = health_pb2_grpc.HealthStub(channel)

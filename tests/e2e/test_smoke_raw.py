@@ -11,11 +11,12 @@ import numpy as np
 from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
-from support.models import default_rows
 from support.requests import embed_request
 
 
-def test_design_example_with_generated_stubs(default_model_dir: Path, start_server: Any) -> None:
+def test_design_example_with_generated_stubs(
+    default_model_dir: Path, start_server: Any, default_rows: np.ndarray
+) -> None:
     server = start_server(default_model_dir)
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], dtype=np.int64)
     with grpc.insecure_channel(server.target) as channel:
@@ -24,7 +25,7 @@ def test_design_example_with_generated_stubs(default_model_dir: Path, start_serv
     assert list(reply.hidden_states.shape) == [1, 8, 512]
     assert reply.hidden_states.dtype == pb.DTYPE_FLOAT32
     got = np.frombuffer(reply.hidden_states.data, dtype="<f4").reshape(1, 8, 512)
-    want = default_rows()[ids]
+    want = default_rows[ids]
     np.testing.assert_array_equal(got, want)
     assert reply.model_name == "tokembed-default"
     assert reply.timings.batch_tokens >= 8

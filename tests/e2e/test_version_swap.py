@@ -28,10 +28,6 @@ from support.requests import embed_request
 from support.server import ServerThread, wait_for
 
 V2_SEED = SMALL_SEED + 10
-ROWS = {
-    "1": reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD),
-    "2": reference_rows(SMALL_V, SMALL_D, V2_SEED, SMALL_PAD),
-}
 # The load: this many callers, each sending requests of a few ids until told to stop.
 CALLERS = 16
 LOAD_LIMIT_S = 60.0  # a bound on the whole load, should the swap never finish
@@ -47,13 +43,23 @@ def version_2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-def _check(ids: np.ndarray, hidden: np.ndarray, version: str) -> None:
-    np.testing.assert_array_equal(hidden, ROWS[version][ids])
+@pytest.fixture(scope="module")
+def rows(small_rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Each version's answer for each id, computed independently of its export."""
+    return {"1": small_rows, "2": reference_rows(SMALL_V, SMALL_D, V2_SEED, SMALL_PAD)}
+
+
+def _check(rows: dict[str, np.ndarray], ids: np.ndarray, hidden: np.ndarray, version: str) -> None:
+    np.testing.assert_array_equal(hidden, rows[version][ids])
 
 
 @EVERY_BACKEND
 def test_a_version_swap_under_load_fails_no_request_and_every_answer_is_one_version_s(
-    small_model_dir: Path, version_2_dir: Path, start_server: Any, backend: dict[str, Any]
+    small_model_dir: Path,
+    version_2_dir: Path,
+    start_server: Any,
+    rows: dict[str, np.ndarray],
+    backend: dict[str, Any],
 ) -> None:
     server: ServerThread = start_server(small_model_dir, **backend)
     assert server.server is not None
@@ -70,7 +76,7 @@ def test_a_version_swap_under_load_fails_no_request_and_every_answer_is_one_vers
                 ids = rng.integers(0, SMALL_V, size=(2, 3))
                 try:
                     result = await client.embed_result(ids)
-                    _check(ids, result.hidden_states, result.model_version)
+                    _check(rows, ids, result.hidden_states, result.model_version)
                 except BaseException as exc:  # every failure is the test's business
                     failures.append(exc)
                     return
@@ -107,7 +113,7 @@ def test_a_version_swap_under_load_fails_no_request_and_every_answer_is_one_vers
         assert client.info().version == "2"
         result = client.embed_result([[5, 6, 7]])
         assert result.model_version == "2"
-        _check(np.array([[5, 6, 7]]), result.hidden_states, "2")
+        _check(rows, np.array([[5, 6, 7]]), result.hidden_states, "2")
     with pytest.raises(ModelNotFoundError, match="no version '1'"):
         _ask_for_version(server, "1")
 
@@ -129,7 +135,7 @@ def _ask_for_version(server: ServerThread, version: str) -> None:
 
 
 def test_the_old_version_is_unloaded_only_when_its_last_request_is_answered(
-    small_model_dir: Path, version_2_dir: Path, start_server: Any
+    small_model_dir: Path, version_2_dir: Path, start_server: Any, rows: dict[str, np.ndarray]
 ) -> None:
     """A request admitted on version 1 (held at its look-up) finishes on version 1 after
     the swap; the unload waits for it, and new requests meanwhile go to version 2."""
@@ -149,7 +155,7 @@ def test_the_old_version_is_unloaded_only_when_its_last_request_is_answered(
         with EmbeddingClient(server.target, timeout_s=30) as client:
             result = client.embed_result([[11, 12]])
         assert result.model_version == "2"
-        _check(np.array([[11, 12]]), result.hidden_states, "2")
+        _check(rows, np.array([[11, 12]]), result.hidden_states, "2")
         time.sleep(0.2)  # the unload had every chance to finish early; it must not
         assert not unload.done(), "version 1 was unloaded with a request still on it"
         (version_1,) = [h for h in app.repository if h.version == "1"]
@@ -157,7 +163,7 @@ def test_the_old_version_is_unloaded_only_when_its_last_request_is_answered(
         v1_gate.open()
         version, hidden = held.result(30)
         assert version == "1"
-        _check(np.array([[11, 12]]), hidden, "1")
+        _check(rows, np.array([[11, 12]]), hidden, "1")
         unload.result(30)
         assert version_1.state is ModelState.UNLOADED and version_1.leases == 0
 

@@ -11,9 +11,7 @@ import numpy as np
 
 from tokembed.client import EmbeddingClient
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.metrics import scrape, total
-from support.models import reference_rows
 from support.ports import free_ports
 from support.server import wait_for
 
@@ -23,7 +21,9 @@ def _served_by(metrics_port: int) -> float:
     return total(scrape(metrics_port, timeout_s=5), "tokembed_requests_total", ok)
 
 
-def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> None:
+def test_two_workers_share_the_port_and_both_serve(
+    small_model_dir: Path, small_rows: np.ndarray
+) -> None:
     # One run: the gRPC port, then the workers' metrics ports (--metrics-port and up).
     port, metrics_base, _ = free_ports(3, consecutive=True)
     process = subprocess.Popen(
@@ -31,7 +31,6 @@ def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> Non
          "--port", str(port), "--metrics-port", str(metrics_base), "--workers", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    rows = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
     try:
 
         def both_ready() -> bool:
@@ -45,7 +44,7 @@ def test_two_workers_share_the_port_and_both_serve(small_model_dir: Path) -> Non
         for index in range(40):
             options = (("grpc.use_local_subchannel_pool", 1),)
             with EmbeddingClient(f"127.0.0.1:{port}", channel_options=options) as client:
-                np.testing.assert_array_equal(client.embed([[index]]), rows[[[index]]])
+                np.testing.assert_array_equal(client.embed([[index]]), small_rows[[[index]]])
         served = [_served_by(metrics_base + i) for i in range(2)]
         assert sum(served) == 40
         assert min(served) > 0, f"one worker took every connection: {served}"

@@ -21,7 +21,6 @@ from tokembed.export.builtin import DEFAULT, BuiltinSpec, build_builtin_model, s
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.model_dir import load_model_dir
 
-from support.models import default_rows
 from support.no_torch import env_without_torch
 
 # sha256 of the default model's model.onnx.data (its table, V x D float32 little-endian).
@@ -94,10 +93,12 @@ def test_the_loader_accepts_it_and_the_manifest_records_what_an_export_does(defa
     assert "torch" not in raw["producer"]
 
 
-def test_every_row_is_the_definition_times_sqrt_d(default_dir: Path) -> None:
+def test_every_row_is_the_definition_times_sqrt_d(
+    default_dir: Path, default_rows: np.ndarray
+) -> None:
     ids = np.arange(DEFAULT.vocab_size, dtype=np.int64).reshape(4, -1)
     (got,) = _session(default_dir).run(["hidden_states"], {"input_ids": ids})
-    want = default_rows()[ids]  # computed in the tests from the definition, not the builder
+    want = default_rows[ids]  # computed in the tests from the definition, not the builder
     assert got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 

@@ -19,8 +19,8 @@ import numpy as np
 from tokembed.server.edge.v1 import responses
 from tokembed.v1 import embedding_pb2 as pb
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import SMALL_PAD
+from support.models import padded
 from support.requests import encode
 
 SERVICE = "/tokembed.v1.EmbeddingService/"
@@ -49,8 +49,6 @@ def tensor_array(tensor: pb.Tensor) -> np.ndarray:
 
 # --- good requests with their exact answers (the small model: V=1000, D=64, padding 0)
 
-SMALL_ROWS = reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
-
 
 @dataclass(frozen=True)
 class GoodCase:
@@ -58,11 +56,10 @@ class GoodCase:
     want: np.ndarray
 
 
-def good_case(
-    rng: random.Random, *, max_tokens: int = 256, rows: np.ndarray = SMALL_ROWS
-) -> GoodCase:
-    """A random valid request (rectangular or ragged, int64 or int32, float32 or float16,
-    sometimes with unknown fields) and the exact array the server must answer."""
+def good_case(rng: random.Random, rows: np.ndarray, *, max_tokens: int = 256) -> GoodCase:
+    """A random valid request of the small model (rectangular or ragged, int64 or int32,
+    float32 or float16, sometimes with unknown fields) and the exact array the server must
+    answer; ``rows``: the small model's (the ``small_rows`` fixture)."""
     vocab = rows.shape[0]
     half = rng.random() < 0.3
     out_dtype = pb.DTYPE_FLOAT16 if half else rng.choice([pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT32])
@@ -93,12 +90,11 @@ def good_case(
         if layout == pb.RAGGED_LAYOUT_FLAT:
             want = flat
         else:  # padded positions hold the padding id's row
-            want = np.broadcast_to(rows[SMALL_PAD], (len(lengths), max(lengths), rows.shape[1]))
-            want = want.copy()
-            offset = 0
-            for index, length in enumerate(lengths):
-                want[index, :length] = flat[offset : offset + length]
-                offset += length
+            offsets = np.cumsum([0, *lengths])
+            seqs = [
+                flat_ids[offsets[i] : offsets[i + 1]].astype(np.int64) for i in range(len(lengths))
+            ]
+            want = padded(rows, seqs, rows[SMALL_PAD])
     if rng.random() < 0.2:
         raw += unknown_field(rng)  # unknown fields are skipped by every protobuf parser
     return GoodCase(raw, want.astype(np.float16) if half else want)

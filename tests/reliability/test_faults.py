@@ -29,14 +29,12 @@ from reliability_support import (
     EMBED,
     EMBED_CHUNKED,
     EMBED_STREAM,
-    SMALL_ROWS,
     channel_options,
     decode_response,
 )
 
 from support.backends import HOLDABLE, HookedLoader, poisoned_by
 from support.fixtures import DEFAULT_V
-from support.models import default_rows
 from support.requests import encode, reason_of
 from support.server import ServerProcess, ServerThread, serve_args, wait_for
 
@@ -97,7 +95,9 @@ def _handled(output: str) -> dict[str, str]:
     return handled
 
 
-def test_sigterm_under_load_loses_no_accepted_request_and_exits_0(default_model_dir: Path) -> None:
+def test_sigterm_under_load_loses_no_accepted_request_and_exits_0(
+    default_model_dir: Path, default_rows: np.ndarray
+) -> None:
     """Every call a handler took is answered, whatever the timing: the server's own log
     (each call's request id and how it ended) says which calls it took, and the clients
     say what they got. A call refused or cut short was never taken."""
@@ -106,7 +106,7 @@ def test_sigterm_under_load_loses_no_accepted_request_and_exits_0(default_model_
         serve_args(default_model_dir, "--grace-s", str(grace_s), "--log-level", "debug",
                    "--log-format", "json")
     ).start()  # fmt: skip
-    rows = default_rows()
+    rows = default_rows
     log = LoadLog()
     sigterm_at = exited_at = 0.0
     code: int | None = None
@@ -224,14 +224,14 @@ def test_calls_waiting_inside_grpc_at_the_drain_are_refused_not_cancelled(
 
 
 def test_callers_leaving_mid_batch_disturb_nobody_and_leak_no_room(
-    default_model_dir: Path, start_server: Callable[..., ServerThread]
+    default_model_dir: Path, start_server: Callable[..., ServerThread], default_rows: np.ndarray
 ) -> None:
     """Under real load, callers cancel at random moments (queued, computing, encoding,
     streaming) or set deadlines that expire in flight. Everyone else gets exact answers,
     and afterwards admission holds no bytes and the queue no tokens: every path that
     ends a call early gave its room back."""
     server = start_server(default_model_dir, max_batch_tokens=4096)
-    rows = default_rows()
+    rows = default_rows
     stats: Counter[str] = Counter()
     problems: list[str] = []
 
@@ -355,7 +355,7 @@ def test_a_stream_left_with_more_requests_than_its_window_leaves_nothing_behind(
 
 
 def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_succeeds(
-    small_model_dir: Path, start_server: Callable[..., ServerThread]
+    small_model_dir: Path, start_server: Callable[..., ServerThread], small_rows: np.ndarray
 ) -> None:
     poison = 999
     loader = HookedLoader(fail_when=poisoned_by(poison))
@@ -394,7 +394,7 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
             return first, failed, after
 
     first, failed, after = asyncio.run(scenario())
-    np.testing.assert_array_equal(decode_response(first), SMALL_ROWS[[[1]]])
+    np.testing.assert_array_equal(decode_response(first), small_rows[[[1]]])
     assert all(isinstance(e, grpc.aio.AioRpcError) for e in failed), failed
     assert [e.code() for e in failed] == [grpc.StatusCode.INTERNAL] * 5
     assert all(reason_of(e) == "internal" for e in failed)
@@ -402,7 +402,7 @@ def test_a_failing_batch_fails_all_its_callers_with_internal_and_the_next_batch_
     computed = [call.ids.tolist() for call in backend.calls]
     assert computed[1] == np.concatenate([ids.ravel() for ids in mates]).tolist()
     for ids, raw in zip(AFTER, after, strict=True):
-        np.testing.assert_array_equal(decode_response(raw), SMALL_ROWS[np.array(ids)])
+        np.testing.assert_array_equal(decode_response(raw), small_rows[np.array(ids)])
     assert server.metric("tokembed_requests_total", {"method": "Embed", "code": "INTERNAL"}) == 5
     # Each answer's bytes are given back once gRPC has sent it (a done callback, which may
     # run just after the client has its answer).

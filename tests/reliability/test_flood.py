@@ -40,7 +40,6 @@ from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import DEFAULT_D, DEFAULT_V
 from support.metrics import matching, scrape, total, value
-from support.models import default_rows
 from support.requests import encode, reason_of
 from support.server import ServerProcess, serve_args, wait_for
 
@@ -77,11 +76,6 @@ def flood_server(default_model_dir: Path) -> Iterator[ServerProcess]:
         server.kill()
 
 
-@pytest.fixture(scope="module")
-def rows() -> np.ndarray:
-    return default_rows()
-
-
 def _max_ids(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, DEFAULT_V, size=(1, MAX_TOKENS), dtype=np.int64)
 
@@ -97,7 +91,7 @@ def _call(
 
 
 def test_an_oversized_request_is_refused_before_it_is_decoded(
-    flood_server: ServerProcess, rows: np.ndarray
+    flood_server: ServerProcess, default_rows: np.ndarray
 ) -> None:
     """48 MiB of one-byte ``lengths``: refused by the receive limit, which follows from
     max_tokens_per_request (8 bytes an id, <= 10 a length), not from the output limit.
@@ -122,18 +116,18 @@ def test_an_oversized_request_is_refused_before_it_is_decoded(
         encode(ids.reshape(-1), lengths=[1] * MAX_TOKENS, layout=pb.RAGGED_LAYOUT_FLAT),
     )
     assert error is None and reply is not None
-    np.testing.assert_array_equal(decode_response(reply), rows[ids.reshape(-1)])
+    np.testing.assert_array_equal(decode_response(reply), default_rows[ids.reshape(-1)])
 
 
 def test_per_request_caps_hold_at_the_boundary(
-    flood_server: ServerProcess, rows: np.ndarray
+    flood_server: ServerProcess, default_rows: np.ndarray
 ) -> None:
     target = flood_server.target
     ids = _max_ids(2)
     reply, error = _call(target, encode(ids))  # exactly the caps: 16384 tokens, 32 MiB
     assert error is None and reply is not None
     got = decode_response(reply)
-    np.testing.assert_array_equal(got, rows[ids])
+    np.testing.assert_array_equal(got, default_rows[ids])
 
     over_tokens = np.concatenate([ids, [[7]]], axis=1)
     _, error = _call(target, encode(over_tokens))
@@ -150,7 +144,7 @@ def test_per_request_caps_hold_at_the_boundary(
     # ... while the same ids laid out flat fit.
     reply, error = _call(target, encode(flat, lengths=lengths, layout=pb.RAGGED_LAYOUT_FLAT))
     assert error is None and reply is not None
-    np.testing.assert_array_equal(decode_response(reply), rows[flat])
+    np.testing.assert_array_equal(decode_response(reply), default_rows[flat])
 
 
 @dataclass
@@ -314,20 +308,20 @@ async def _flood(server: ServerProcess, rows: np.ndarray, tally: FloodTally) -> 
 
 @pytest.mark.slow  # a soak of ~10 s each; `scripts/test --fast` leaves both out
 def test_a_flood_of_maximum_size_requests_keeps_rss_bounded_and_is_refused_fast(
-    flood_server: ServerProcess, rows: np.ndarray
+    flood_server: ServerProcess, default_rows: np.ndarray
 ) -> None:
-    flood(flood_server, rows)
+    flood(flood_server, default_rows)
 
 
 @pytest.mark.slow
 def test_the_bound_holds_with_the_deployment_s_allocator_settings_too(
-    default_model_dir: Path, rows: np.ndarray
+    default_model_dir: Path, default_rows: np.ndarray
 ) -> None:
     # As the images and the Kubernetes manifest run it (huge pages for glibc's blocks).
     server = ServerProcess(serve_args(default_model_dir, *FLOOD_ARGS), env=DEPLOYMENT_ENV)
     server.start()
     try:
-        flood(server, rows)
+        flood(server, default_rows)
     finally:
         server.kill()
 

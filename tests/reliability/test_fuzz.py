@@ -106,14 +106,18 @@ async def _send_bad(channel: grpc.aio.Channel, case: BadCase, chunked: bool, tal
 
 
 async def _send_stream(
-    channel: grpc.aio.Channel, cases: list[BadCase], rng: random.Random, tally: Tally
+    channel: grpc.aio.Channel,
+    cases: list[BadCase],
+    rng: random.Random,
+    rows: np.ndarray,
+    tally: Tally,
 ) -> None:
     """One EmbedStream with the bad cases among good ones: every answer checked in order."""
     items: list[BadCase | GoodCase] = []
     for case in cases:
         items.append(case)
         if rng.random() < 0.5:
-            items.append(good_case(rng))
+            items.append(good_case(rng, rows))
     started = time.monotonic()
     call = channel.stream_stream(EMBED_STREAM)(
         iter([item.raw for item in items]), timeout=CALL_TIMEOUT_S
@@ -148,11 +152,11 @@ async def _send_stream(
 
 
 async def _good_traffic(
-    channel: grpc.aio.Channel, seed: int, stop: asyncio.Event, tally: Tally
+    channel: grpc.aio.Channel, seed: int, stop: asyncio.Event, rows: np.ndarray, tally: Tally
 ) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        case = good_case(rng)
+        case = good_case(rng, rows)
         try:
             raw = await channel.unary_unary(EMBED)(case.raw, timeout=CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
@@ -164,7 +168,7 @@ async def _good_traffic(
             tally.good_failed.append("wrong values")
 
 
-async def _fuzz(target: str, cases: list[BadCase]) -> Tally:
+async def _fuzz(target: str, cases: list[BadCase], rows: np.ndarray) -> Tally:
     tally = Tally()
     rng = random.Random(SEED + 1)
     channels = [grpc.aio.insecure_channel(target, options=channel_options()) for _ in range(4)]
@@ -172,7 +176,7 @@ async def _fuzz(target: str, cases: list[BadCase]) -> Tally:
         stop = asyncio.Event()
         good = [
             asyncio.ensure_future(
-                _good_traffic(channels[i % len(channels)], SEED + 10 + i, stop, tally)
+                _good_traffic(channels[i % len(channels)], SEED + 10 + i, stop, rows, tally)
             )
             for i in range(GOOD_WORKERS)
         ]
@@ -182,7 +186,7 @@ async def _fuzz(target: str, cases: list[BadCase]) -> Tally:
             async with gate:
                 channel = channels[index % len(channels)]
                 if kind == "stream":
-                    await _send_stream(channel, job, random.Random(SEED + 100 + index), tally)
+                    await _send_stream(channel, job, random.Random(SEED + 100 + index), rows, tally)
                 else:
                     await _send_bad(channel, job[0], kind == "chunked", tally)
 
@@ -209,13 +213,13 @@ async def _fuzz(target: str, cases: list[BadCase]) -> Tally:
 
 
 def test_fuzzed_bad_requests_fail_alone_while_good_ones_stay_exact(
-    fuzzed_server: ServerProcess,
+    fuzzed_server: ServerProcess, small_rows: np.ndarray
 ) -> None:
     cases = bad_cases(SEED, COUNT)
     assert len(cases) >= 5000
     assert len({case.category for case in cases}) == 9
     started = time.monotonic()
-    tally = asyncio.run(_fuzz(fuzzed_server.target, cases))
+    tally = asyncio.run(_fuzz(fuzzed_server.target, cases, small_rows))
     elapsed = time.monotonic() - started
     print(
         f"\nfuzz seed={SEED}: {len(cases)} bad requests in {elapsed:.1f}s, codes "

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reliability_support import EMBED, SMALL_ROWS
+from reliability_support import EMBED
 
 from tokembed.client import AuthenticationError, EmbeddingClient, UnavailableError
 
@@ -98,15 +98,15 @@ def _plaintext_call(target: str) -> grpc.StatusCode:
 
 
 def test_tls_serves_a_client_that_trusts_its_ca(
-    tls_server: ServerProcess, pki: SimpleNamespace
+    tls_server: ServerProcess, pki: SimpleNamespace, small_rows: np.ndarray
 ) -> None:
     assert "(gRPC, TLS)" in tls_server.output
     np.testing.assert_array_equal(
-        _embed(tls_server.target, root_certificates=pki.ca), SMALL_ROWS[IDS]
+        _embed(tls_server.target, root_certificates=pki.ca), small_rows[IDS]
     )
     # The name checked against the certificate can be set apart from the address.
     got = _embed(tls_server.target, root_certificates=pki.ca, tls_server_name="localhost")
-    np.testing.assert_array_equal(got, SMALL_ROWS[IDS])
+    np.testing.assert_array_equal(got, small_rows[IDS])
     # Health checks go over TLS too.
     credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
     with grpc.secure_channel(tls_server.target, credentials) as channel:
@@ -143,13 +143,13 @@ def test_a_plaintext_call_on_the_tls_port_is_refused(tls_server: ServerProcess) 
 
 
 def test_mutual_tls_serves_a_client_with_a_certificate_from_its_ca(
-    mtls_server: ServerProcess, pki: SimpleNamespace
+    mtls_server: ServerProcess, pki: SimpleNamespace, small_rows: np.ndarray
 ) -> None:
     got = _embed(
         mtls_server.target, root_certificates=pki.ca, client_certificate=pki.client.cert,
         client_key=pki.client.key, token=TOKEN,
     )  # fmt: skip
-    np.testing.assert_array_equal(got, SMALL_ROWS[IDS])
+    np.testing.assert_array_equal(got, small_rows[IDS])
 
 
 @pytest.mark.parametrize(
@@ -301,7 +301,7 @@ def test_both_ports_bind_to_loopback_by_default(small_model_dir: Path) -> None:
         assert server.wait(30) == 0
 
 
-def test_metrics_and_grpc_bind_where_told(small_model_dir: Path) -> None:
+def test_metrics_and_grpc_bind_where_told(small_model_dir: Path, small_rows: np.ndarray) -> None:
     args = serve_args(small_model_dir, "--metrics-host", "127.0.0.2", "--host", "127.0.0.3")
     server = ServerProcess(args).start()
     try:
@@ -310,7 +310,7 @@ def test_metrics_and_grpc_bind_where_told(small_model_dir: Path) -> None:
         with pytest.raises(urllib.error.URLError):
             scrape(server.metrics_port, host="127.0.0.1")
         with EmbeddingClient(f"127.0.0.3:{server.port}", retries=0, timeout_s=10) as client:
-            np.testing.assert_array_equal(client.embed(IDS), SMALL_ROWS[IDS])
+            np.testing.assert_array_equal(client.embed(IDS), small_rows[IDS])
         assert not _can_connect("127.0.0.1", server.port)
     finally:
         server.send_signal(signal.SIGTERM)

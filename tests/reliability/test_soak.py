@@ -39,7 +39,7 @@ from reliability_support import (
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import DEFAULT_D, DEFAULT_V
-from support.models import default_rows
+from support.models import padded
 from support.requests import encode
 from support.server import ServerProcess, serve_args
 
@@ -54,11 +54,6 @@ CONCURRENCY = 64
 WARM_UP_S = 60.0
 MAX_GROWTH = 0.05
 SHAPES = [(1, 8), (1, 64), (4, 16), (8, 128), (2, 512), (16, 64), (1, 2048), (4, 1024)]
-
-
-@pytest.fixture(scope="module")
-def rows() -> np.ndarray:
-    return default_rows()
 
 
 @pytest.fixture
@@ -97,10 +92,9 @@ def _mixed(rng: random.Random, rows: np.ndarray) -> Mixed:
         if flat:
             want = rows[ids]
         else:  # this model has no padding id: padded positions are zeros
-            want = np.zeros((len(lengths), max(lengths), DEFAULT_D), np.float32)
             offsets = np.cumsum([0, *lengths])
-            for index, length in enumerate(lengths):
-                want[index, :length] = rows[ids[offsets[index] : offsets[index + 1]]]
+            seqs = [ids[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
+            want = padded(rows, seqs, np.zeros(DEFAULT_D, np.float32))
     else:
         ids = np_rng.integers(0, DEFAULT_V, size=rng.choice(SHAPES), dtype=np.int64)
         int32 = rng.random() < 0.3
@@ -218,11 +212,11 @@ def soak(server: ServerProcess, seconds: float, rows: np.ndarray) -> None:
 
 
 @pytest.mark.slow  # ~90 s; `scripts/test --fast` leaves it out
-def test_soak_ci(soak_server: ServerProcess, rows: np.ndarray) -> None:
-    soak(soak_server, CI_SOAK_S, rows)
+def test_soak_ci(soak_server: ServerProcess, default_rows: np.ndarray) -> None:
+    soak(soak_server, CI_SOAK_S, default_rows)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LONG_SOAK_S, reason="the long soak is opt-in: TOKEMBED_SOAK_S=180")
-def test_soak_long(soak_server: ServerProcess, rows: np.ndarray) -> None:
-    soak(soak_server, LONG_SOAK_S, rows)
+def test_soak_long(soak_server: ServerProcess, default_rows: np.ndarray) -> None:
+    soak(soak_server, LONG_SOAK_S, default_rows)

@@ -25,15 +25,9 @@ from tokembed.server.backends.sessions import (
 from tokembed.server.core.dtypes import FLOAT16
 from tokembed.server.core.errors import ServerConfigError
 
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
-from support.models import reference_rows
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
 
 HAS_CUDA = CUDA in ort.get_available_providers()
-
-
-@pytest.fixture(scope="module")
-def reference() -> np.ndarray:
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +43,24 @@ def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_rows_are_exactly_the_scaled_table_rows(
-    cpu_runtime: ModelSession, reference: np.ndarray
+    cpu_runtime: ModelSession, small_rows: np.ndarray
 ) -> None:
     rng = np.random.default_rng(0)
     ids = np.concatenate([[0, 1, SMALL_V - 1, SMALL_PAD, 5, 5], rng.integers(0, SMALL_V, 500)])
     rows = cpu_runtime.run(ids.astype(np.int64))
     assert rows.shape == (ids.size, SMALL_D) and rows.dtype == np.float32
-    np.testing.assert_array_equal(rows, reference[ids])
+    np.testing.assert_array_equal(rows, small_rows[ids])
     assert not rows[3].any()  # the padding id's row is zero
     assert cpu_runtime.provider == CPU
     assert cpu_runtime.d_model == SMALL_D
 
 
 def test_a_single_id_and_the_whole_vocabulary(
-    cpu_runtime: ModelSession, reference: np.ndarray
+    cpu_runtime: ModelSession, small_rows: np.ndarray
 ) -> None:
-    np.testing.assert_array_equal(cpu_runtime.run(np.array([7], dtype=np.int64)), reference[[7]])
+    np.testing.assert_array_equal(cpu_runtime.run(np.array([7], dtype=np.int64)), small_rows[[7]])
     everything = np.arange(SMALL_V, dtype=np.int64)
-    np.testing.assert_array_equal(cpu_runtime.run(everything), reference)
+    np.testing.assert_array_equal(cpu_runtime.run(everything), small_rows)
 
 
 def test_each_run_returns_a_fresh_array_the_caller_owns(cpu_runtime: ModelSession) -> None:
@@ -102,7 +96,7 @@ def test_float16_cast_rounds_exactly_as_numpy_does() -> None:
 
 
 def test_thread_counts_reach_the_session_and_every_row_is_the_model_s(
-    small_model_dir: Path, reference: np.ndarray
+    small_model_dir: Path, small_rows: np.ndarray
 ) -> None:
     runtime = ModelSession(
         load_model_dir(small_model_dir),
@@ -111,9 +105,9 @@ def test_thread_counts_reach_the_session_and_every_row_is_the_model_s(
     # onnxruntime's own account of the options the session was made with.
     options = runtime.session.get_session_options()
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (3, 2)
-    np.testing.assert_array_equal(runtime.run(np.array([9], dtype=np.int64)), reference[[9]])
+    np.testing.assert_array_equal(runtime.run(np.array([9], dtype=np.int64)), small_rows[[9]])
     # In chunks smaller than the vocabulary (7 rows each), as the table backend loads it.
-    np.testing.assert_array_equal(runtime.every_row(chunk_bytes=7 * SMALL_D * 4), reference)
+    np.testing.assert_array_equal(runtime.every_row(chunk_bytes=7 * SMALL_D * 4), small_rows)
 
 
 # Run in a fresh interpreter: nothing else starts threads there, so the threads a load
@@ -179,7 +173,7 @@ def test_cuda_without_cuda_is_a_clear_config_error(
 def test_auto_without_cuda_falls_back_to_cpu_with_a_warning(
     small_model_dir: Path,
     without_cuda: None,
-    reference: np.ndarray,
+    small_rows: np.ndarray,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="tokembed.server.backends.sessions"):
@@ -188,7 +182,7 @@ def test_auto_without_cuda_falls_back_to_cpu_with_a_warning(
     assert runtime.session.get_providers()[0] == CPU
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("falling back to CPU" in r.getMessage() for r in warnings), caplog.text
-    np.testing.assert_array_equal(runtime.run(np.array([4, 2], dtype=np.int64)), reference[[4, 2]])
+    np.testing.assert_array_equal(runtime.run(np.array([4, 2], dtype=np.int64)), small_rows[[4, 2]])
 
 
 def test_cpu_device_logs_no_warning(
@@ -207,7 +201,7 @@ def test_unknown_device_is_refused(small_model_dir: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda", "auto"])
 def test_cuda_provider_runs_the_look_up(
-    small_model_dir: Path, reference: np.ndarray, device: str
+    small_model_dir: Path, small_rows: np.ndarray, device: str
 ) -> None:
     if not HAS_CUDA:
         pytest.skip(
@@ -219,7 +213,7 @@ def test_cuda_provider_runs_the_look_up(
     rng = np.random.default_rng(1)
     ids = rng.integers(0, SMALL_V, 4096).astype(np.int64)
     # One Gather and one float32 multiply: exact on the GPU too.
-    np.testing.assert_array_equal(runtime.run(ids), reference[ids])
+    np.testing.assert_array_equal(runtime.run(ids), small_rows[ids])
 
 
 # Run in a fresh interpreter: the CPU arena is process-wide (the first runtime fixes its

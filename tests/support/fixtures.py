@@ -11,7 +11,12 @@ import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
-from support.models import build_default_model_dir, export_model_dir, reference_rows
+from support.models import (
+    build_default_model_dir,
+    default_model_rows,
+    export_model_dir,
+    reference_rows,
+)
 from support.server import ServerThread
 
 SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD = 1000, 64, 1, 0
@@ -71,16 +76,37 @@ def small_loaded(small_model_dir: Path) -> Any:
     return load_model(small_model_dir, Settings())
 
 
+# The reference rows: each model's answer for each id, computed independently of its
+# export (support.models), once a session; read-only, every test shares them.
+
+
 @pytest.fixture(scope="session")
 def small_rows() -> Any:
     """The small model's answer for each id (E[id] * sqrt(D), the reference)."""
-    return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+    return _read_only(reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD))
+
+
+@pytest.fixture(scope="session")
+def decoder_rows() -> Any:
+    """The decoder model's answer for each id (E[id] * sqrt(D), no padding id)."""
+    return _read_only(reference_rows(DECODER_V, DECODER_D, DECODER_SEED))
+
+
+@pytest.fixture(scope="session")
+def default_rows() -> Any:
+    """The built-in default model's answer for each id (``default_model_dir``)."""
+    return default_model_rows()
+
+
+def _read_only(rows: Any) -> Any:
+    rows.setflags(write=False)
+    return rows
 
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in default: V=32000, D=512, seed 0 (the design document's figures), built
-    as ``tokembed serve`` builds it; ``support.models.default_rows`` holds its answers."""
+    as ``tokembed serve`` builds it; the ``default_rows`` fixture holds its answers."""
     return build_default_model_dir(tmp_path_factory.mktemp("default-model") / "model")
 
 

@@ -1,9 +1,11 @@
-"""Small models made by the tests themselves (nothing is ever downloaded)."""
+"""Small models made by the tests themselves (nothing is ever downloaded), and their answers
+computed independently of the exporter (the session fixtures ``small_rows``, ``decoder_rows``
+and ``default_rows`` of support.fixtures hold them)."""
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +43,12 @@ def build_default_model_dir(out_dir: Path) -> Path:
     return out_dir
 
 
-@functools.cache
-def default_rows() -> np.ndarray:
+def default_model_rows() -> np.ndarray:
     """The built-in default model's answer for every id, computed here from its definition,
     independently of the builder: E from PCG64(0)'s raw 64-bit draws, each value from the
     top 24 bits k of one draw as (2k + 1 - 2**24) / 2**24 * sqrt(3), row after row; the
-    answer is E[id] * sqrt(512) in float32. Read-only: every test shares it."""
+    answer is E[id] * sqrt(512) in float32, read-only. Tests take it from the session
+    fixture ``default_rows``, which computes it once."""
     vocab_size, d_model = 32000, 512
     k = np.random.PCG64(0).random_raw(vocab_size * d_model) >> np.uint64(40)
     centred = (k.astype(np.float64) * 2 + 1 - 2**24) / 2**24  # exact: 25-bit integers / 2**24
@@ -67,3 +69,14 @@ def reference_rows(
     if padding_idx is not None:
         table[padding_idx].zero_()
     return (table * math.sqrt(d_model)).numpy()
+
+
+def padded(rows: np.ndarray, seqs: Sequence[Sequence[int]], pad_row: np.ndarray) -> np.ndarray:
+    """The expected ``[B, S_max, D]`` answer to ragged ``seqs``: each sequence's rows, then
+    ``pad_row`` (the proto: the padding id's row, or zeros for a model without one)."""
+    longest = max(len(s) for s in seqs)
+    out = np.empty((len(seqs), longest, rows.shape[1]), rows.dtype)
+    for b, seq in enumerate(seqs):
+        out[b, : len(seq)] = rows[list(seq)]
+        out[b, len(seq) :] = pad_row
+    return out
