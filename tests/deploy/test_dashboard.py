@@ -39,10 +39,9 @@ from deploy_files import (
 )
 
 from tokembed.v1 import embedding_pb2 as pb
-from tokembed.v1 import embedding_pb2_grpc
 
 from support.prometheus import JOB, Prometheus, binary, running_prometheus
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 from support.server import ServerThread
 
 INSTANCE_FILTER = 'instance=~"$instance"'
@@ -164,8 +163,7 @@ CALLED_METHODS = {"Embed", "EmbedStream", "EmbedChunked", "GetModelInfo"}
 
 def _send_known_traffic(target: str) -> None:
     """Every method of the service, and failures, so that every panel has something."""
-    with grpc.insecure_channel(target) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(target) as stub:
         for k in range(VALID_EMBEDS):
             stub.Embed(embed_request([[(k + j) % 1000 for j in range(EMBED_TOKENS)]]), timeout=10)
         for bad in ([[1000]], [[-1, 2]], [[3, 4, 5000]]):

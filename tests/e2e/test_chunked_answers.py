@@ -9,16 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
 from tokembed.client import EmbeddingClient
 from tokembed.server.core.policy import INLINE_MAX_BYTES
-from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_V
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # looked up off the loop, both dtypes
 CHUNKED_ABOVE = 64 * 1024  # the client takes EmbedChunked for every answer here
@@ -71,8 +69,7 @@ def test_an_answer_still_being_sent_stays_exact_whatever_is_answered_meanwhile(
     server = start_server(small_model_dir, stream_chunk_bytes=16 * 1024, **backend)
     rng = np.random.default_rng(13)
     paused_ids = rng.integers(0, SMALL_V, (1, TOKENS))
-    with grpc.insecure_channel(server.target) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target) as stub:
         paused = stub.EmbedChunked(embed_request(paused_ids), timeout=30)
         received = [next(paused), next(paused)]
         assert received[0].HasField("header") and len(received[1].data) > 0

@@ -24,10 +24,9 @@ from tokembed.client import (
 )  # fmt: skip
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
-from tokembed.v1 import embedding_pb2_grpc
 
 from support.backends import HOLDABLE, HookedLoader
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 from support.server import ServerThread, wait_for, wait_for_async
 
 
@@ -80,8 +79,7 @@ def test_each_bad_input_gets_its_code_and_message(
     code: grpc.StatusCode, message: str,
 ) -> None:  # fmt: skip
     server = shared_server
-    with grpc.insecure_channel(server.target) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target) as stub:
         with pytest.raises(grpc.RpcError) as caught:
             stub.Embed(request_, timeout=10)
         assert caught.value.code() == code

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
@@ -17,10 +16,9 @@ from tokembed.client import EmbeddingClient
 from tokembed.server import memory
 from tokembed.server.core.policy import INLINE_MAX_BYTES
 from tokembed.v1 import embedding_pb2 as pb
-from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_V
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 
 TOKENS = INLINE_MAX_BYTES // (SMALL_D * 2) + 256  # off the loop for both dtypes
 WIRE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
@@ -35,8 +33,7 @@ def test_large_answers_parse_with_plain_protobuf_and_are_exact(
     ids = np.random.default_rng(7).integers(0, SMALL_V, (4, TOKENS // 4), dtype=np.int64)
     request = embed_request(ids, output_dtype=WIRE[dtype], request_id="large-1")
     options = [("grpc.max_receive_message_length", 64 << 20)]
-    with grpc.insecure_channel(server.target, options=options) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target, options=options) as stub:
         # Twice: the second answer must not see anything of the first.
         for _ in range(2):
             reply = stub.Embed(request, timeout=30)

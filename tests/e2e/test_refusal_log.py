@@ -12,9 +12,8 @@ import grpc
 import pytest
 
 from tokembed.v1 import embedding_pb2 as pb
-from tokembed.v1 import embedding_pb2_grpc
 
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 from support.server import ServerThread, wait_for
 
 INTERVAL_S = 0.5
@@ -27,8 +26,7 @@ def _bad_request(index: int) -> pb.EmbedRequest:
 
 
 def _refuse(server: ServerThread, count: int) -> None:
-    with grpc.insecure_channel(server.target) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target) as stub:
         for index in range(count):
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Embed(_bad_request(index), timeout=10)

@@ -30,7 +30,6 @@ from tokembed.client import (
     ModelNotFoundError,
 )
 from tokembed.v1 import embedding_pb2 as pb
-from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import (
     DECODER_D,
@@ -41,7 +40,7 @@ from support.fixtures import (
     SMALL_V,
 )
 from support.models import padded
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 from support.server import ServerProcess, ServerThread, serve_args, wait_for_async
 
 VOCAB = {"small": SMALL_V, "decoder": DECODER_V}
@@ -177,8 +176,7 @@ def test_an_empty_name_is_the_first_model_unless_another_is_the_default(
 
 
 def test_an_unknown_model_is_not_found_naming_the_models_served(both: ServerThread) -> None:
-    with grpc.insecure_channel(both.target) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(both.target) as stub:
         request = embed_request([[1]], model_name="encoder")
         for call in (
             lambda: stub.Embed(request, timeout=10),

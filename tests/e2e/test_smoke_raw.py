@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 
 from tokembed.v1 import embedding_pb2 as pb
-from tokembed.v1 import embedding_pb2_grpc
 
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 
 
 def test_design_example_with_generated_stubs(
@@ -19,8 +17,7 @@ def test_design_example_with_generated_stubs(
 ) -> None:
     server = start_server(default_model_dir)
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], dtype=np.int64)
-    with grpc.insecure_channel(server.target) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target) as stub:
         reply = stub.Embed(embed_request(ids), timeout=10)
     assert list(reply.hidden_states.shape) == [1, 8, 512]
     assert reply.hidden_states.dtype == pb.DTYPE_FLOAT32

@@ -17,9 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tokembed.v1 import embedding_pb2_grpc
-
-from support.requests import embed_request, reason_of
+from support.requests import embed_request, reason_of, stub_for
 from support.server import ServerThread
 
 
@@ -154,8 +152,7 @@ def test_a_request_over_the_message_limit_is_too_large_and_counted(
     ids = np.zeros((1, 200_000), dtype="<i8")  # 1.6 MB: over 4096 x 18 + 1 MiB
     request = embed_request(ids)
     options = [("grpc.max_send_message_length", 64 << 20)]
-    with grpc.insecure_channel(server.target, options=options) as channel:
-        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target, options=options) as stub:
         with pytest.raises(grpc.RpcError) as caught:
             stub.Embed(request, timeout=30)
         (answer,) = list(stub.EmbedStream(iter([request]), timeout=30))

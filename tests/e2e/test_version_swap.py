@@ -24,7 +24,7 @@ from tokembed.server.core.repository import ModelState
 from support.backends import Gate, HookedLoader
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
 from support.models import export_model_dir, reference_rows
-from support.requests import embed_request
+from support.requests import embed_request, stub_for
 from support.server import ServerThread, wait_for
 
 V2_SEED = SMALL_SEED + 10
@@ -124,12 +124,11 @@ def _ask_for_version(server: ServerThread, version: str) -> None:
     import grpc
 
     from tokembed.client.errors import from_rpc_error
-    from tokembed.v1 import embedding_pb2_grpc
 
     request = embed_request([[5]], model_name="small", model_version=version)
-    with grpc.insecure_channel(server.target) as channel:
+    with stub_for(server.target) as stub:
         try:
-            embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(request, timeout=10)
+            stub.Embed(request, timeout=10)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
 

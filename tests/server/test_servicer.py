@@ -21,7 +21,7 @@ from tokembed.v1 import embedding_pb2 as pb
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.backends import HookedLoader
-from support.requests import embed_request, reason_of
+from support.requests import embed_request, reason_of, stub_for
 from support.server import ServerThread
 
 TIMEOUT_S = 10
@@ -37,8 +37,8 @@ def stub(
     small_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> Iterator[embedding_pb2_grpc.EmbeddingServiceStub]:
     server = start_server(small_model_dir, loader=HookedLoader(fail_when=broken_float16))
-    with grpc.insecure_channel(server.target) as channel:
-        yield embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    with stub_for(server.target) as stub:
+        yield stub
 
 
 IDS = np.array([[1, 2, 3]], dtype="<i8")

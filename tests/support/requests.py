@@ -81,9 +81,12 @@ def ids_of(n_tokens: int, start: int = 1, batch: int = 1) -> np.ndarray:
 
 
 @contextmanager
-def stub_for(target: str) -> Iterator[embedding_pb2_grpc.EmbeddingServiceStub]:
-    """The plain generated stub on an insecure channel to ``target``."""
-    with grpc.insecure_channel(target) as channel:
+def stub_for(
+    target: str, options: Sequence[tuple[str, Any]] = ()
+) -> Iterator[embedding_pb2_grpc.EmbeddingServiceStub]:
+    """The plain generated stub on an insecure channel to ``target`` (with the channel
+    ``options`` given, such as a larger message limit)."""
+    with grpc.insecure_channel(target, options=list(options)) as channel:
         yield embedding_pb2_grpc.EmbeddingServiceStub(channel)
 
 
