@@ -52,6 +52,20 @@ class TableShape:
 class ModelKind:
     name: str
     operations: tuple[str, ...] = ("embed",)
+    # The manifest's optional sizes (``Manifest.type_vocab_size``, ``factor_dim``) this
+    # kind needs; a manifest must give these, positive, and none of the others.
+    sizes: tuple[str, ...] = ()
+
+    def check(self, manifest: Manifest, where: str) -> None:
+        """``ModelDirError`` naming the field when the manifest's sizes do not fit the kind."""
+        for size in _KIND_SIZES:
+            value = getattr(manifest, size)
+            if size in self.sizes and value is None:
+                raise ModelDirError(f"{where}: a {self.name} model needs field {size!r}")
+            if size in self.sizes and value <= 0:
+                raise ModelDirError(f"{where}: {size} must be positive, got {value}")
+            if size not in self.sizes and value is not None:
+                raise ModelDirError(f"{where}: field {size!r} is not one a {self.name} model has")
 
     def inputs(self, manifest: Manifest) -> tuple[IdInput, ...]:
         """The id inputs, the primary one (``input_ids``) first."""
@@ -63,6 +77,9 @@ class ModelKind:
 
 
 KINDS: dict[str, ModelKind] = {TOKEN: ModelKind(TOKEN)}
+
+# The manifest's optional sizes, each needed by some kind.
+_KIND_SIZES = ("type_vocab_size", "factor_dim")
 
 
 def kind_of(manifest: Manifest, where: str = "manifest") -> ModelKind:

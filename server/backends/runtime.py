@@ -39,13 +39,23 @@ class OnnxRuntimeBackend(Backend):
         }
 
     def look_up(self, request: LookUp) -> Rows:
-        return ArrayRows(self._in_dtype(self._session.run(request.ids.array()), request.dtype))
+        more = {name: ids.array() for name, ids in request.more.items()}
+        rows = self._session.run(request.ids.array(), more)
+        return ArrayRows(self._in_dtype(rows, request.dtype))
 
     def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
-        """One run for every request's ids, the rows sliced back per request."""
+        """One run for every request's ids (and the kind's further ids, joined alike),
+        the rows sliced back per request."""
         if len(requests) == 1:
             return [self.look_up(requests[0])]
-        rows = self._session.run(np.concatenate([request.ids.array() for request in requests]))
+        # Validation gives every request of a model the same further inputs.
+        more = {
+            name: np.concatenate([request.more[name].array() for request in requests])
+            for name in requests[0].more
+        }
+        rows = self._session.run(
+            np.concatenate([request.ids.array() for request in requests]), more
+        )
         answers: list[Rows] = []
         offset = 0
         for request in requests:
