@@ -23,9 +23,16 @@ class OnnxRuntimeBackend(Backend):
     batches = True
 
     def __init__(
-        self, session: ModelSession, *, padding_id: int | None, casts: dict[DType, Cast]
+        self,
+        session: ModelSession,
+        *,
+        padding_id: int | None,
+        casts: dict[DType, Cast],
+        memory: dict[str, int] | None = None,
     ) -> None:
+        """``memory``: what the session holds, by what it is (GetModelInfo, the load log)."""
         self._session = session
+        self._memory = dict(memory or {})
         self._casts = casts
         self.d_model = session.d_model
         self.execution_provider = session.provider
@@ -37,6 +44,10 @@ class OnnxRuntimeBackend(Backend):
         self._pad_rows = {
             dtype: self._in_dtype(pad, dtype).tobytes() for dtype in OUTPUT_DTYPES.values()
         }
+
+    @property
+    def memory_bytes(self) -> dict[str, int]:
+        return self._memory
 
     def look_up(self, request: LookUp) -> Rows:
         more = {name: ids.array() for name, ids in request.more.items()}
