@@ -45,7 +45,9 @@ class SegmentTableBackend(Backend):
         return self._table.memory_bytes
 
     def look_up(self, request: LookUp) -> Rows:
-        ids, types = request.ids, request.more[self._types_input]
+        ids, types = request.ids, request.more.get(self._types_input)
+        if types is None:  # no types (the server's own look-ups): type 0, rows [0, V)
+            return self._table.look_up(LookUp(ids, request.dtype))
         vocab_size = self._vocab_size
         if ids.count >= GATHER_MIN_ROWS:
             rows = ids.array() + types.array() * vocab_size

@@ -21,6 +21,7 @@ on the same ids.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -32,7 +33,7 @@ import pytest
 import torch
 
 from tokembed.cli.main import main
-from tokembed.client import EmbeddingClient, InvalidInputError
+from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, InvalidInputError
 
 from support.fixtures import EVERY_BACKEND
 
@@ -180,6 +181,25 @@ def test_bert_answers_are_the_library_s_word_plus_type_embeddings_bit_for_bit(
     np.testing.assert_array_equal(states[0, :5], want[0, :5])
     np.testing.assert_array_equal(states[1, :9], want[1, :9])
     np.testing.assert_array_equal(states[0, 5:], np.tile(pad, (4, 1)))
+
+
+def test_the_asyncio_client_sends_token_types_too(
+    bert: tuple[Any, Path], start_server: Any
+) -> None:
+    model, model_dir = bert
+    server = start_server(model_dir)
+    ids, types = _ids(5, (2, 7))
+
+    async def embed() -> tuple[np.ndarray, Any]:
+        async with AsyncEmbeddingClient(server.target) as client:
+            hidden = await client.embed(ids, token_types=types)
+            result = await client.embed_result(ids, token_types=types)
+            return hidden, result
+
+    hidden, result = asyncio.run(embed())
+    want = _bert_reference(model, ids, types)
+    assert hidden.tobytes() == want.tobytes()
+    assert result.hidden_states.tobytes() == want.tobytes()
 
 
 @EVERY_BACKEND

@@ -127,6 +127,13 @@ def test_segment_batches_give_each_request_what_it_gets_alone(segment: dict[str,
         )
 
 
+def test_a_segment_look_up_without_types_is_type_zero(segment: dict[str, Any]) -> None:
+    ids = np.array([0, 5, V - 1, PAD])
+    want = _segment_reference(segment["tables"], ids, np.zeros_like(ids))
+    for served in segment["backends"].values():
+        assert _rows(served.look_up(_look_up(ids, None))).tobytes() == want.tobytes()
+
+
 def test_segment_padding_rows_are_the_padding_id_with_type_zero(segment: dict[str, Any]) -> None:
     want = _segment_reference(segment["tables"], np.array([PAD]), np.array([0]))
     for served in segment["backends"].values():
