@@ -44,11 +44,12 @@ ALBERT_WORDS = "embeddings.word_embeddings.weight"
 ALBERT_PROJECTION = "encoder.embedding_hidden_mapping_in.weight"
 ALBERT_BIAS = "encoder.embedding_hidden_mapping_in.bias"
 
-transformers = pytest.importorskip("transformers")
-
-
 def _tiny(kind: str, directory: Path) -> Any:
-    """A tiny model of ``kind`` with seeded random weights, saved to ``directory``."""
+    """A tiny model of ``kind`` with seeded random weights, saved to ``directory``.
+    (transformers, a pinned test dependency, is imported here: it takes seconds, which
+    collecting the suite should not pay.)"""
+    import transformers
+
     torch.manual_seed(1234)
     common = {
         "vocab_size": V,
