@@ -44,6 +44,7 @@ ALBERT_WORDS = "embeddings.word_embeddings.weight"
 ALBERT_PROJECTION = "encoder.embedding_hidden_mapping_in.weight"
 ALBERT_BIAS = "encoder.embedding_hidden_mapping_in.bias"
 
+
 def _tiny(kind: str, directory: Path) -> Any:
     """A tiny model of ``kind`` with seeded random weights, saved to ``directory``.
     (transformers, a pinned test dependency, is imported here: it takes seconds, which
