@@ -197,7 +197,9 @@ def _builtin(args: argparse.Namespace) -> int:
     others = [flag for flag, given in (
         ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
         ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
-        ("--force", args.force or None),
+        ("--force", args.force or None), ("--segment-key", args.segment_key),
+        ("--projection-key", args.projection_key), ("--kind", args.kind),
+        ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
     ) if given is not None]  # fmt: skip
     if others:
         raise ExportError(f"--builtin takes no {', '.join(others)}: its model is fixed")

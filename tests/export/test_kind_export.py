@@ -211,6 +211,13 @@ def test_flags_that_do_not_go_together_are_refused_in_one_line(
     assert message in export_error(capsys, tmp_path / "model", *flags)
 
 
+def test_the_builtin_model_takes_no_kind_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    error = export_error(capsys, tmp_path / "m", "--builtin", "--kind", "segment")
+    assert "--builtin takes no --kind" in error
+
+
 def test_checkpoint_flags_that_do_not_go_together_are_refused(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
