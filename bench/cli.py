@@ -42,6 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "2 cores; CI's smoke test)",
     )
     parser.add_argument(
+        "--kinds",
+        action="store_true",
+        help="add the model kinds' cells (a factorized model from its table and per batch; a "
+        "full run has them) to a --quick run",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -77,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plans.QUICK if args.quick else plans.FULL
     if args.duration_s is not None:
         plan = dataclasses.replace(plan, duration_s=args.duration_s)
+    if args.kinds:
+        plan = dataclasses.replace(plan, kinds=True)
     started = time.perf_counter()
     server_env = dict(plans.DEPLOYMENT_ENV)
     for item in args.server_env:
@@ -136,4 +144,5 @@ def _plan_line(plan: Plan, device: str) -> str:
         f"{', '.join(f'{w.name} {w.shape_text}' for w in plan.workloads)}; "
         f"{', '.join(plan.dtypes)}; concurrency {', '.join(map(str, plan.concurrencies))}; "
         f"{plan.duration_s:g} s a cell; device {device}"
+        + ("; and the model kinds' cells" if plan.kinds else "")
     )

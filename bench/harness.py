@@ -8,6 +8,7 @@ each endpoint is):
                streaming for large answers, EmbedStream);
 - no batching: a second ``tokembed serve`` with ``--max-batch-tokens 1``;
 - ceiling:     the service's own look-up in this process (``ceiling.py``), no transport.
+Then, where the plan has them, the model kinds' cells (``kinds.py``).
 Server CPU seconds per request and peak RSS are read from /proc for the server processes.
 """
 
@@ -26,7 +27,7 @@ from tokembed.bench import processes
 from tokembed.bench.ceiling import load_backend
 from tokembed.bench.cells import CLIENT_MESSAGE_BYTES, CLIENT_TIMEOUT_S, Endpoints, measure_cell
 from tokembed.bench.meters import SettleBetweenCells
-from tokembed.bench.plan import Cell, MiB, Plan, Results
+from tokembed.bench.plan import TARGETS_D_MODEL, Cell, MiB, Plan, Results
 from tokembed.bench.workloads import LARGE, MEDIUM, Workload
 from tokembed.client import EmbeddingClient
 from tokembed.client._config import METHOD_EMBED
@@ -103,6 +104,16 @@ def run_plan(
             ):
                 results.cells.append(cell)
                 progress(_progress_line(cell))
+    if plan.kinds:
+        from tokembed.bench import kinds
+
+        token_dir = ensure_model(cache_dir, TARGETS_D_MODEL)
+        server_args = [*_server_args(plan, TARGETS_D_MODEL), "--device", device]
+        for cell in kinds.measure_kinds(
+            plan, token_dir, kinds.ensure_factorized_model(cache_dir), server_args, server_env
+        ):
+            results.cells.append(cell)
+            progress(_progress_line(cell))
     return results
 
 

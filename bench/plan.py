@@ -30,6 +30,9 @@ class Plan:
     # measures memory, not transport).
     large_answer_bytes: int = 16 * MiB
     large_max_concurrency: int = 8
+    # The model kinds' cells (bench/kinds.py): a factorized model from its table and per
+    # batch, at the targets' width.
+    kinds: bool = False
 
 
 QUICK = Plan(
@@ -38,7 +41,7 @@ QUICK = Plan(
 )  # fmt: skip
 FULL = Plan(
     d_models=(512, 4096), workloads=(TINY, MEDIUM, LARGE, RAGGED), concurrencies=(1, 8, 64),
-    dtypes=("float32", "float16"), duration_s=2.0, max_requests=20000,
+    dtypes=("float32", "float16"), duration_s=2.0, max_requests=20000, kinds=True,
 )  # fmt: skip
 
 

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokembed.bench.kinds import BATCHING_CONCURRENCY
+from tokembed.bench.kinds import ENDPOINTS as KIND_ENDPOINTS
 from tokembed.bench.plan import TARGETS_D_MODEL, Cell, Results
 
 MB = 1e6
@@ -36,6 +38,7 @@ ENDPOINTS: dict[str, str] = {
     "ceiling": "the service's own look-up (its backend, loaded as tokembed serve loads the "
     "model) called in the bench's process, the answer's bytes made once: no transport, no "
     "request parsing, no client. What the service could reach if those cost nothing",
+    **KIND_ENDPOINTS,
 }
 
 
@@ -121,6 +124,20 @@ def evaluate_targets(results: Results) -> list[Target]:
         ">= 1.8", 1.8, True, best16, best32, lambda c: c.tokens_per_s, "tokens/s",
     ))  # fmt: skip
 
+    targets.append(_target(
+        "factorized model from its table, large [32,512] float32, concurrency 1: tokens/s / "
+        "a token model's table of the same V and D", ">= 0.90", 0.90, True,
+        find("factorized-table", "large", d, "float32", 1),
+        find("token-table", "large", d, "float32", 1), lambda c: c.tokens_per_s, "tokens/s",
+    ))  # fmt: skip
+    callers = BATCHING_CONCURRENCY
+    targets.append(_target(
+        f"factorized model per batch, tiny [1,8] float32, concurrency {callers}: batched "
+        "tokens/s / unbatched", ">= 2.0", 2.0, True,
+        find("factorized-batched", "tiny", d, "float32", callers),
+        find("factorized-unbatched", "tiny", d, "float32", callers), lambda c: c.tokens_per_s,
+        "tokens/s",
+    ))  # fmt: skip
     targets.append(_rss_target(results))
     return targets
 

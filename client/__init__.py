@@ -28,9 +28,11 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.errors import UnavailableError as UnavailableError
     from tokembed.client.errors import from_rpc_error as from_rpc_error
     from tokembed.client.results import EmbedResult as EmbedResult
+    from tokembed.client.results import IdInputInfo as IdInputInfo
     from tokembed.client.results import Limits as Limits
     from tokembed.client.results import ModelInfo as ModelInfo
     from tokembed.client.results import ModelList as ModelList
+    from tokembed.client.results import TableInfo as TableInfo
     from tokembed.client.results import Timings as Timings
     from tokembed.client.sync import EmbeddingClient as EmbeddingClient
 
@@ -41,6 +43,8 @@ _EXPORTS = {
     "ModelInfo": "tokembed.client.results",
     "ModelList": "tokembed.client.results",
     "Limits": "tokembed.client.results",
+    "IdInputInfo": "tokembed.client.results",
+    "TableInfo": "tokembed.client.results",
     "Timings": "tokembed.client.results",
     "EmbeddingError": "tokembed.client.errors",
     "InvalidInputError": "tokembed.client.errors",

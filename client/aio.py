@@ -86,10 +86,11 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
+        token_types: Any = None,
     ) -> npt.NDArray[np.floating]:
         """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
         call, deadline, model_name = await self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, token_types
         )
         if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -108,10 +109,11 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
+        token_types: Any = None,
     ) -> EmbedResult:
         """See ``EmbeddingClient.embed_result``."""
         call, deadline, model_name = await self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, token_types
         )
         if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -241,11 +243,12 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """See ``EmbeddingClient._start_embed``."""
         self._ensure_open()
         call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, token_types
         )
         return call, deadline, model_name
 

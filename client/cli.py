@@ -88,6 +88,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         'differ in length (e.g. "5 6 7 8; 9 10")',
     )
     embed.add_argument(
+        "--token-types",
+        default=None,
+        metavar="TYPES",
+        help="token type (segment) ids, one per id and laid out as --ids, for a model that "
+        'takes them (kind segment, BERT\'s; e.g. "0 0 1 1; 0 0"); default: all 0',
+    )
+    embed.add_argument(
         "--model",
         default=None,
         metavar="NAME",
@@ -184,7 +191,7 @@ def _client(args: argparse.Namespace, *, retries: int | None = None) -> Embeddin
     )
 
 
-def parse_ids(text: str) -> list[list[int]]:
+def parse_ids(text: str, flag: str = "--ids") -> list[list[int]]:
     """ "5 6 7; 8,9" -> [[5, 6, 7], [8, 9]]; a bad token raises InvalidInputError naming
     it. Whether an id is in the model's vocabulary is the server's to say (it knows V)."""
     from tokembed.client.errors import client_invalid_input
@@ -193,14 +200,14 @@ def parse_ids(text: str) -> list[list[int]]:
     for i, part in enumerate(text.split(";")):
         tokens = part.replace(",", " ").split()
         if not tokens:
-            raise client_invalid_input(f"--ids: sequence {i} is empty")
+            raise client_invalid_input(f"{flag}: sequence {i} is empty")
         sequence = []
         for token in tokens:
             try:
                 sequence.append(int(token))
             except ValueError:
                 raise client_invalid_input(
-                    f"--ids: {token!r} (sequence {i}) is not a token id: ids are integers "
+                    f"{flag}: {token!r} (sequence {i}) is not a token id: ids are integers "
                     'separated by spaces or commas, sequences by ";"'
                 ) from None
         sequences.append(sequence)
@@ -211,8 +218,11 @@ def run_embed(args: argparse.Namespace) -> int:
     import numpy as np
 
     ids = parse_ids(args.ids)
+    types = None if args.token_types is None else parse_ids(args.token_types, "--token-types")
     with _client(args) as client:
-        result = client.embed_result(ids, args.dtype, layout=args.layout, model=args.model)
+        result = client.embed_result(
+            ids, args.dtype, layout=args.layout, model=args.model, token_types=types
+        )
     hs = result.hidden_states
     print(
         f"hidden_states {list(hs.shape)} {hs.dtype}, "
@@ -269,22 +279,24 @@ def run_models(args: argparse.Namespace) -> int:
 
 def models_table(served: ModelList) -> list[str]:
     """One line per model, under a header; ``*`` marks the default model."""
-    header = ("MODEL", "VERSION", "V", "D", "WEIGHTS", "BACKEND", "DEFAULT")
+    header = ("MODEL", "VERSION", "KIND", "V", "D", "WEIGHTS", "BACKEND", "MEMORY", "DEFAULT")
     rows = [
         (
             info.name,
             info.version,
+            info.kind,
             str(info.vocab_size),
             str(info.d_model),
             info.weight_dtype,
             info.backend or "?",
+            _size(sum(info.memory_bytes.values())) if info.memory_bytes else "?",
             "*" if info.name == served.default_model else "",
         )
         for info in served
     ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    # V and D are numbers: right-aligned; the rest left-aligned.
-    numeric = (2, 3)
+    # V, D and the memory are numbers: right-aligned; the rest left-aligned.
+    numeric = (3, 4, 7)
     return [
         "  ".join(
             cell.rjust(width) if i in numeric else cell.ljust(width)
@@ -294,19 +306,43 @@ def models_table(served: ModelList) -> list[str]:
     ]
 
 
+def _size(count: int) -> str:
+    """Bytes as a person reads them: 1.5 MiB, 376.0 MiB, 2.3 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
 def _info_lines(info: ModelInfo) -> list[str]:
     lim = info.limits
     padding = "none" if info.padding_id is None else str(info.padding_id)
+    inputs = [
+        f"{i.name} [0, {i.bound}) ({i.bound_field}{', optional: 0' if i.optional else ''})"
+        for i in info.inputs
+    ]
+    tables = [f"{t.role} {list(t.shape)} {t.dtype}" for t in info.tables]
+    held = [f"{what} {_size(count)}" for what, count in sorted(info.memory_bytes.items())]
+    chosen = info.backend or "?"
+    ways = [
+        f"{way} {_size(count)}{' (chosen)' if way == chosen else ''}"
+        for way, count in sorted(info.serving_memory_bytes.items())
+    ]
     return [
         f"model              {info.name} {info.version}",
+        f"kind               {info.kind}",
         f"vocab_size (V)     {info.vocab_size}",
         f"d_model (D)        {info.d_model}",
         f"scale              {info.scale:g}",
         f"padding_id         {padding}",
         f"weight_dtype       {info.weight_dtype}",
+        f"inputs             {'; '.join(inputs) or '?'}",
+        f"tables             {'; '.join(tables) or '?'}",
         f"input_dtypes       {', '.join(info.input_dtypes)}",
         f"output_dtypes      {', '.join(info.output_dtypes)}",
-        f"backend            {info.backend or '?'}",
+        f"backend            {chosen}",
+        f"memory             {', '.join(held) or '?'}",
+        f"serving ways       {', '.join(ways) or '?'}",
         f"provider           {info.execution_provider}",
         f"model_sha256       {info.model_sha256}",
         f"max tokens/request {lim.max_tokens_per_request}",

@@ -6,7 +6,7 @@ Plain frozen dataclasses, free of protobuf and gRPC, so callers never touch gene
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -76,11 +76,39 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class IdInputInfo:
+    """An input of ids a model takes: its name (``input_ids``, ``token_type_ids``), the
+    bound every id stays below (``[0, bound)``), the manifest field that bound comes from,
+    and whether a request may leave it out (then every id is 0)."""
+
+    name: str
+    bound: int
+    bound_field: str
+    optional: bool
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """One of a model's tables: its role ("embedding", "segment", "projection"), its
+    ``(rows, columns)`` and its stored dtype."""
+
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """One served model: the table's size, scale, dtypes, provider, backend and limits.
 
     ``backend`` is how the server answers look-ups, chosen at load: "table" or
     "onnxruntime" ("" from a server older than several models per process).
+    ``kind`` is what the model computes: "token" (``E[id] * scale``), "segment"
+    (``+ S[type]``, BERT's: it takes ``token_type_ids``) or "factorized" (``E [V, D']``
+    projected to D, ALBERT's); ``inputs`` are the ids a request carries and their bounds,
+    ``tables`` its weights. ``memory_bytes`` is what the chosen backend holds, by what
+    it is; ``serving_memory_bytes`` what each way of serving the model would hold, by
+    backend (the table is chosen when it fits the server's budget).
     """
 
     name: str
@@ -95,7 +123,12 @@ class ModelInfo:
     execution_provider: str
     limits: Limits
     model_sha256: str
-    backend: str = ""  # last, with a default: code that builds a ModelInfo keeps working
+    backend: str = ""  # with a default: code that builds a ModelInfo keeps working
+    kind: str = "token"
+    inputs: tuple[IdInputInfo, ...] = ()
+    tables: tuple[TableInfo, ...] = ()
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    serving_memory_bytes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -120,6 +153,13 @@ class ModelInfo:
             ),
             model_sha256=msg.model_sha256,
             backend=msg.backend,
+            kind=msg.kind or "token",
+            inputs=tuple(
+                IdInputInfo(i.name, i.bound, i.bound_field, i.optional) for i in msg.inputs
+            ),
+            tables=tuple(TableInfo(t.role, tuple(t.shape), t.dtype) for t in msg.tables),
+            memory_bytes=dict(msg.memory_bytes),
+            serving_memory_bytes=dict(msg.serving_memory_bytes),
         )
 
 

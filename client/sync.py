@@ -65,6 +65,7 @@ class EmbeddingClient(ClientBase):
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
+        token_types: Any = None,
     ) -> npt.NDArray[np.floating]:
         """Embed ids; returns ``[B,S,D]`` (``[B,S_max,D]`` for ragged input, padded with
         the padding id's row) or ``[N,D]`` with ``layout="flat"``.
@@ -72,10 +73,12 @@ class EmbeddingClient(ClientBase):
         The array is a read-only view of the received bytes (zero-copy); ``.copy()`` it
         to write. ``model`` names the model for this call (None: the client's
         ``model_name``; "": the server's default). ``timeout_s`` overrides the client's
-        default for this call.
+        default for this call. ``token_types``: for a model that takes them (a segment
+        model, BERT's: ``info().inputs``), one token type id per id, in any form ``ids``
+        takes and of their shape; None: every type is 0.
         """
         call, deadline, model_name = self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, token_types
         )
         if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -95,10 +98,11 @@ class EmbeddingClient(ClientBase):
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
+        token_types: Any = None,
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
         call, deadline, model_name = self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, token_types
         )
         if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -238,11 +242,12 @@ class EmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """The call encoded, its deadline, and the model it is for."""
         self._check_open()
         call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, token_types
         )
         return call, deadline, model_name
 

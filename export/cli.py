@@ -6,7 +6,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from tokembed.export import kind_cli
 from tokembed.export.errors import ExportError
+from tokembed.export.kinds import TOKEN
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 
@@ -63,8 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--scale",
-        default="sqrt",
-        help="'sqrt' (sqrt(D), default), 'none' (1.0) or a positive number",
+        default=None,
+        help="'sqrt' (sqrt(D); the default for a token model), 'none' (1.0; the default "
+        "for the segment and factorized kinds) or a positive number",
     )
     parser.add_argument(
         "--padding-idx",
@@ -89,6 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the one `tokembed serve` builds when given no model; needs no torch, and takes "
         "no other option but --out",
     )
+    kind_cli.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -106,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     # ValueError deep inside the export, which would surface as a traceback.
     if not 0 <= args.seed < 2**64:
         raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
+    kind = kind_cli.kind_asked(args)
     # Before loading and hashing a checkpoint that may be many GB, not after.
     check_out_dir(args.out, args.force)
     name = args.name if args.name is not None else model_name_for(args.out)
@@ -130,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
+    if kind != TOKEN:  # the segment and factorized kinds (BERT's, ALBERT's)
+        random_sizes = (vocab_size, d_model) if args.weights is None else None
+        return kind_cli.run(args, kind, name, random_sizes)
     source: dict[str, object]
     if args.weights is not None:
         from tokembed.export.hashing import sha256_file
@@ -160,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
             ) from exc
         source = {"kind": "random", "seed": args.seed, "init": "normal(0,1)"}
     _check_padding(args.padding_idx, vocab_size)
+    scale = args.scale if args.scale is not None else "sqrt"
     module = TokenEmbedding(
-        vocab_size, d_model, scale=args.scale, padding_idx=args.padding_idx, weight=table
+        vocab_size, d_model, scale=scale, padding_idx=args.padding_idx, weight=table
     )
     manifest = export_model(
         module,
@@ -190,7 +199,9 @@ def _builtin(args: argparse.Namespace) -> int:
     others = [flag for flag, given in (
         ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
         ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
-        ("--force", args.force or None),
+        ("--force", args.force or None), ("--segment-key", args.segment_key),
+        ("--projection-key", args.projection_key), ("--kind", args.kind),
+        ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
     ) if given is not None]  # fmt: skip
     # Flags with a default: refused when they ask for another model than the built-in one
     # (its seed 0, float32, sqrt(D), version 1), not silently ignored.

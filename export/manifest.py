@@ -62,9 +62,20 @@ class Manifest:
     format: str = FORMAT
     # What the model is (``tokembed.export.kinds``); manifests from before kinds are "token".
     kind: str = "token"
+    # The sizes only some kinds have (``kinds.ModelKind.check`` says which a kind needs):
+    # a segment model's number of token types T, which its ``token_type_ids`` stay below,
+    # and a factorized model's inner width D' (its table is [V, D'], projected to D).
+    type_vocab_size: int | None = None
+    factor_dim: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        fields = asdict(self)
+        # A size a kind does not have is left out, not written as null: a token model's
+        # manifest stays what it was before kinds had sizes of their own.
+        for key in _KIND_SIZES:
+            if fields[key] is None:
+                del fields[key]
+        return json.dumps(fields, indent=2, sort_keys=True) + "\n"
 
     def write(self, directory: Path) -> Path:
         path = directory / MANIFEST_NAME
@@ -119,7 +130,13 @@ class Manifest:
             ),
             source=reader.obj("source") if reader.get("source") is not None else {},
             kind=reader.text("kind") if reader.get("kind") is not None else "token",
+            type_vocab_size=reader.optional_integer("type_vocab_size"),
+            factor_dim=reader.optional_integer("factor_dim"),
         )
+
+
+# The manifest's optional sizes, which only some kinds have.
+_KIND_SIZES = ("type_vocab_size", "factor_dim")
 
 
 def _is_int(value: object) -> bool:
@@ -162,6 +179,9 @@ class _Reader:
         if not _is_int(value):
             raise ModelDirError(f"{self._where}: field {key!r} must be an integer, got {value!r}")
         return int(value)
+
+    def optional_integer(self, key: str) -> int | None:
+        return None if self._raw.get(key) is None else self.integer(key)
 
     def number(self, key: str) -> float:
         value = self._require(key)

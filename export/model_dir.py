@@ -81,6 +81,7 @@ def load_model_dir(path: Path | str, *, verify_hashes: bool = True) -> ModelDir:
     manifest = Manifest.read(directory)
     kind = kind_of(manifest, str(directory / "manifest.json"))
     _check_manifest_values(manifest, directory)
+    kind.check(manifest, str(directory / "manifest.json"))
     _check_files(manifest, directory, verify_hashes=verify_hashes)
     _check_graph(manifest, kind, directory)
     return ModelDir(path=directory, manifest=manifest, kind=kind)

@@ -1,11 +1,16 @@
 """Loading one model directory: check it, choose its backend, compute what it needs.
 
 The backend is decided here, once per model, by its kind (``BACKENDS``), and reported
-in GetModelInfo and the logs. For a ``token`` model:
-- ``table`` on CPU when the model's ``[V, D]`` float32 rows fit ``float32_table_max_bytes``:
-  the model runs once over the whole vocabulary and look-ups slice its rows (a float16
-  table too when it fits ``float16_table_max_bytes``; else float16 answers are cast);
-- ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch.
+in GetModelInfo and the logs, with the memory each way of serving it takes. Every kind
+has the same two ways:
+- ``table`` on CPU when the model's float32 rows fit ``float32_table_max_bytes``: the model
+  runs once, at load, over every input it can be given, and look-ups slice its rows (a
+  float16 table too when it fits ``float16_table_max_bytes``; else float16 answers are
+  cast). A ``token`` model's rows are ``[V, D]``; a ``factorized`` one's too (its matmul is
+  done once per id, at load); a ``segment`` one's are ``[T * V, D]``, one per (id, type)
+  (``backends.segment`` says why);
+- ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch (for a factorized
+  model a matmul, which is why requests batch).
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from tokembed.export.errors import ModelDirError
+from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN, TOKEN_TYPE_IDS
 from tokembed.export.model_dir import ModelDir, load_model_dir
 from tokembed.server.backends.base import Backend
 from tokembed.server.backends.runtime import OnnxRuntimeBackend
+from tokembed.server.backends.segment import SegmentTableBackend, every_combination
 from tokembed.server.backends.sessions import (
     CPU,
     Cast,
@@ -105,9 +112,39 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
 
 
 def _token_backend(model: ModelDir, settings: Settings) -> Backend:
-    """A ``token`` model: its table of rows, or onnxruntime per batch."""
+    """A ``token`` or ``factorized`` model: its ``[V, D]`` rows, or onnxruntime per batch."""
+    return _table_or_runtime(
+        model, settings, model.manifest.vocab_size, lambda session: session.every_row(_CHUNK_BYTES)
+    )
+
+
+def _segment_backend(model: ModelDir, settings: Settings) -> Backend:
+    """A ``segment`` model: its ``[T * V, D]`` rows, or onnxruntime per batch."""
     manifest = model.manifest
-    vocab_size, d_model = manifest.vocab_size, manifest.d_model
+    types = manifest.type_vocab_size
+    assert types is not None, "This is a bug: model_dir checks a segment model has T."
+
+    def rows(session: ModelSession) -> np.ndarray:
+        return every_combination(session, types, TOKEN_TYPE_IDS, _CHUNK_BYTES)
+
+    def wrap(table: TableBackend) -> Backend:
+        return SegmentTableBackend(table, manifest.vocab_size, TOKEN_TYPE_IDS)
+
+    return _table_or_runtime(model, settings, types * manifest.vocab_size, rows, wrap)
+
+
+def _table_or_runtime(
+    model: ModelDir,
+    settings: Settings,
+    table_rows: int,
+    compute_rows: Callable[[ModelSession], np.ndarray],
+    wrap: Callable[[TableBackend], Backend] | None = None,
+) -> Backend:
+    """The table backend over ``compute_rows``' float32 ``[table_rows, D]`` (wrapped by
+    ``wrap``) when it fits the float32 budget on CPU; else onnxruntime per batch. Either
+    way the backend says what each way takes (``Backend.serving_memory``)."""
+    manifest = model.manifest
+    d_model = manifest.d_model
     # The tables and casts computed at load need no arena: what they allocate is given
     # back (an arena kept 16-32 MB resident that no look-up used afterwards).
     at_load = SessionOptions(
@@ -117,30 +154,50 @@ def _token_backend(model: ModelDir, settings: Settings) -> Backend:
         cpu_arena=False,
     )
     casts = output_casts(at_load)
-    if settings.float32_table_bytes(vocab_size, d_model) and expects_cpu(settings.device):
+    batch_output_bytes = settings.max_batch_tokens * d_model * 4
+    serving_memory = {
+        "table": table_rows * d_model * 4
+        + sum(settings.cast_table_bytes(table_rows, d_model, dtype.itemsize) for dtype in casts),
+        # The weights the session holds, and the arena's first region: room for a batch's
+        # rows twice (``sessions._register_cpu_arena``), shared by the process's models.
+        "onnxruntime": model.weight_bytes + 2 * batch_output_bytes,
+    }
+    backend: Backend
+    if settings.float32_table_bytes(table_rows, d_model) and expects_cpu(settings.device):
         session = ModelSession(model, at_load)
         if session.provider == CPU:
-            tables = {FLOAT32: session.every_row(_CHUNK_BYTES)}
+            tables = {FLOAT32: compute_rows(session)}
             for dtype, cast in casts.items():
-                if settings.cast_table_bytes(vocab_size, d_model, dtype.itemsize):
+                if settings.cast_table_bytes(table_rows, d_model, dtype.itemsize):
                     tables[dtype] = _cast_in_chunks(tables[FLOAT32], cast, dtype)
-            return TableBackend(
+            table = TableBackend(
                 tables,
                 casts=casts,
                 padding_id=manifest.padding_idx,
                 execution_provider=session.provider,
             )
-    per_batch = dataclasses.replace(
-        at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
-    )
+            backend = table if wrap is None else wrap(table)
+            backend.serving_memory = serving_memory
+            return backend
+    per_batch = dataclasses.replace(at_load, cpu_arena=True, batch_output_bytes=batch_output_bytes)
     session = ModelSession(model, per_batch)
-    backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, casts=casts)
-    backend.warm_up(settings.max_batch_tokens)
-    return backend
+    runtime = OnnxRuntimeBackend(
+        session,
+        padding_id=manifest.padding_idx,
+        casts=casts,
+        memory={"weights": model.weight_bytes, "batch arena": 2 * batch_output_bytes},
+    )
+    runtime.warm_up(settings.max_batch_tokens)
+    runtime.serving_memory = serving_memory
+    return runtime
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
-BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {"token": _token_backend}
+BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {
+    TOKEN: _token_backend,
+    SEGMENT: _segment_backend,
+    FACTORIZED: _token_backend,
+}
 
 
 def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: DType) -> np.ndarray:

@@ -79,6 +79,9 @@ class Backend(ABC):
     # onnxruntime run has a fixed cost per call, and on CUDA a kernel launch): the
     # scheduler then batches. A gather from memory gains nothing from company.
     batches: bool = False
+    # What each way of serving this model would hold in memory, by backend kind ("table",
+    # "onnxruntime"): set by the loader, which chose among them (GetModelInfo shows it).
+    serving_memory: dict[str, int] = {}  # noqa: RUF012 - replaced per instance, never changed
 
     @abstractmethod
     def look_up(self, request: LookUp) -> Rows:

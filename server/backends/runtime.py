@@ -23,9 +23,16 @@ class OnnxRuntimeBackend(Backend):
     batches = True
 
     def __init__(
-        self, session: ModelSession, *, padding_id: int | None, casts: dict[DType, Cast]
+        self,
+        session: ModelSession,
+        *,
+        padding_id: int | None,
+        casts: dict[DType, Cast],
+        memory: dict[str, int] | None = None,
     ) -> None:
+        """``memory``: what the session holds, by what it is (GetModelInfo, the load log)."""
         self._session = session
+        self._memory = dict(memory or {})
         self._casts = casts
         self.d_model = session.d_model
         self.execution_provider = session.provider
@@ -38,14 +45,28 @@ class OnnxRuntimeBackend(Backend):
             dtype: self._in_dtype(pad, dtype).tobytes() for dtype in OUTPUT_DTYPES.values()
         }
 
+    @property
+    def memory_bytes(self) -> dict[str, int]:
+        return self._memory
+
     def look_up(self, request: LookUp) -> Rows:
-        return ArrayRows(self._in_dtype(self._session.run(request.ids.array()), request.dtype))
+        more = {name: ids.array() for name, ids in request.more.items()}
+        rows = self._session.run(request.ids.array(), more)
+        return ArrayRows(self._in_dtype(rows, request.dtype))
 
     def look_up_batch(self, requests: Sequence[LookUp]) -> list[Rows]:
-        """One run for every request's ids, the rows sliced back per request."""
+        """One run for every request's ids (and the kind's further ids, joined alike),
+        the rows sliced back per request."""
         if len(requests) == 1:
             return [self.look_up(requests[0])]
-        rows = self._session.run(np.concatenate([request.ids.array() for request in requests]))
+        # Validation gives every request of a model the same further inputs.
+        more = {
+            name: np.concatenate([request.more[name].array() for request in requests])
+            for name in requests[0].more
+        }
+        rows = self._session.run(
+            np.concatenate([request.ids.array() for request in requests]), more
+        )
         answers: list[Rows] = []
         offset = 0
         for request in requests:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +40,11 @@ class SessionOptions:
 
 
 class ModelSession:
-    """``hidden_states = model(input_ids)`` for ids already validated to be in [0, V).
+    """``hidden_states = model(input_ids, ...)`` for ids already validated to be in range.
+
+    The graph takes the model kind's id inputs (``tokembed.export.kinds``): ``input_ids``,
+    and any further ones (a segment model's ``token_type_ids``), each of the ids' shape;
+    a further input not given runs as all zeros, as validation defaults it.
 
     ``run`` is synchronous and thread-safe (onnxruntime allows concurrent ``run`` calls on
     one session and releases the GIL while it computes).
@@ -49,6 +53,7 @@ class ModelSession:
     def __init__(self, model: ModelDir, options: SessionOptions) -> None:
         manifest = model.manifest
         self._input_name = manifest.input.name
+        self._more_names = tuple(spec.name for spec in model.kind.inputs(manifest)[1:])
         self._output_name = manifest.output.name
         self.d_model = manifest.d_model
         self.vocab_size = manifest.vocab_size
@@ -56,11 +61,16 @@ class ModelSession:
         self.provider: str = self.session.get_providers()[0]
         self._run_options = _run_options(options)
 
-    def run(self, ids: np.ndarray) -> np.ndarray:
-        """``ids``: int64 [N]. Returns float32 [N, D], a fresh array the caller owns."""
-        output = self.session.run(
-            [self._output_name], {self._input_name: ids.reshape(1, -1)}, self._run_options
-        )[0]
+    def run(self, ids: np.ndarray, more: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """``ids``: int64 [N]; ``more``: the kind's further inputs by name, int64 [N] each
+        (absent: zeros). Returns float32 [N, D], a fresh array the caller owns."""
+        feed = {self._input_name: ids.reshape(1, -1)}
+        for name in self._more_names:
+            given = None if more is None else more.get(name)
+            feed[name] = (
+                np.zeros((1, ids.size), dtype=np.int64) if given is None else given.reshape(1, -1)
+            )
+        output = self.session.run([self._output_name], feed, self._run_options)[0]
         return output.reshape(-1, self.d_model)  # type: ignore[no-any-return]
 
     def every_row(self, chunk_bytes: int = 8 * 1024 * 1024) -> np.ndarray:
@@ -194,8 +204,8 @@ def _session_options(options: SessionOptions) -> ort.SessionOptions:
 
 def _create_session(model: ModelDir, options: SessionOptions) -> ort.InferenceSession:
     session_options = _session_options(options)
-    # The graph is one Gather and one Mul; nothing to fuse, and a fixed graph keeps the
-    # float32 results bit-identical to the export-time parity check.
+    # The graphs are a few Gathers, a Mul and an Add (a factorized model's MatMul): little
+    # to fuse, and a fixed graph keeps the results those of the export-time parity check.
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     path = str(model.model_path)
     if options.device == "cpu":

@@ -22,11 +22,12 @@ from tokembed.client import EmbeddingClient
 from support.server import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
-# Every endpoint bench/cells.py measures (the slow smoke test, test_bench_quick.py, checks
-# that a real run's cells are all in ENDPOINTS).
+# Every endpoint bench/cells.py and bench/kinds.py measure (the slow smoke test,
+# test_bench_quick.py, checks that a real run's cells are all in ENDPOINTS).
 MEASURED = (
     "floor", "floor-deadline", "service-bare", "service-sync", "service-async",
     "service-chunked", "service-stream", "no-batching", "ceiling",
+    "token-table", "factorized-table", "factorized-batched", "factorized-unbatched",
 )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tokembed.cli.main import main
-from tokembed.client import codec
+from tokembed.client import EmbeddingClient, codec
 
 from support.fixtures import DECODER_D, DECODER_V, EVERY_BACKEND, SMALL_D, SMALL_V
 from support.server import ServerThread
@@ -121,19 +121,31 @@ def test_models_prints_one_line_per_model(
     assert main(["models", "--target", server.target]) == 0
     lines = capsys.readouterr().out.splitlines()
     kind = "onnxruntime" if backend else "table"
+    with EmbeddingClient(server.target) as client:
+        held = {info.name: sum(info.memory_bytes.values()) for info in client.models()}
+    if not backend:  # the float32 and float16 tables: V x D x 6 bytes
+        assert held == {"small": SMALL_V * SMALL_D * 6, "decoder": DECODER_V * DECODER_D * 6}
+    memory = {name: f"{count / 1024:.1f} KiB" if count < 2**20 else f"{count / 2**20:.1f} MiB"
+              for name, count in held.items()}  # fmt: skip
     assert [line.split() for line in lines] == [
-        ["MODEL", "VERSION", "V", "D", "WEIGHTS", "BACKEND", "DEFAULT"],
-        ["small", "1", str(SMALL_V), str(SMALL_D), "float32", kind],
-        ["decoder", "1", str(DECODER_V), str(DECODER_D), "float32", kind, "*"],
-    ]
-    # Columns line up: each header starts where its values do (V and D, numbers, end there).
+        ["MODEL", "VERSION", "KIND", "V", "D", "WEIGHTS", "BACKEND", "MEMORY", "DEFAULT"],
+        ["small", "1", "token", str(SMALL_V), str(SMALL_D), "float32", kind,
+         *memory["small"].split()],
+        ["decoder", "1", "token", str(DECODER_V), str(DECODER_D), "float32", kind,
+         *memory["decoder"].split(), "*"],
+    ]  # fmt: skip
+    # Columns line up: each header starts where its values do (V, D and the memory,
+    # numbers, end there).
     header = lines[0]
     v_end, d_end = header.index(" V ") + 2, header.index(" D ") + 2
+    memory_end = header.index("MEMORY") + len("MEMORY")
     for line in lines[1:]:
+        assert line.index("token") == header.index("KIND")
         assert line.index("float32") == header.index("WEIGHTS")
         assert line.index(kind) == header.index("BACKEND")
-        assert line[:v_end].endswith(" " + line.split()[2])
-        assert line[:d_end].endswith(" " + line.split()[3])
+        assert line[:v_end].endswith(" " + line.split()[3])
+        assert line[:d_end].endswith(" " + line.split()[4])
+        assert line[:memory_end].endswith(memory[line.split()[0]])
 
 
 def test_models_against_no_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

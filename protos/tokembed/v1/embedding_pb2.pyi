@@ -124,6 +124,7 @@ class EmbedRequest(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    TOKEN_TYPE_IDS_FIELD_NUMBER: _builtins.int
     output_dtype: Global___DType.ValueType
     """FLOAT32 (the default when unspecified) or FLOAT16 (half the bytes)."""
     ragged_layout: Global___RaggedLayout.ValueType
@@ -147,6 +148,14 @@ class EmbedRequest(_message.Message):
 
     @_builtins.property
     def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_type_ids(self) -> Global___Tensor:
+        """Token type (segment) ids, for a model whose inputs include token_type_ids (a
+        "segment" kind, BERT's): the shape of input_ids, int64 or int32, each in [0, T), T
+        the model's type_vocab_size. Unset: every type is 0. A model without this input
+        refuses it (INVALID_ARGUMENT). GetModelInfo lists a model's inputs and their bounds.
+        """
+
     def __init__(
         self,
         *,
@@ -157,10 +166,11 @@ class EmbedRequest(_message.Message):
         model_name: _builtins.str = ...,
         request_id: _builtins.str = ...,
         model_version: _builtins.str = ...,
+        token_type_ids: Global___Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "token_type_ids", b"token_type_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "lengths", b"lengths", "model_name", b"model_name", "model_version", b"model_version", "output_dtype", b"output_dtype", "ragged_layout", b"ragged_layout", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "lengths", b"lengths", "model_name", b"model_name", "model_version", b"model_version", "output_dtype", b"output_dtype", "ragged_layout", b"ragged_layout", "request_id", b"request_id", "token_type_ids", b"token_type_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -432,6 +442,46 @@ Global___Limits: _TypeAlias = Limits  # noqa: Y015
 class ModelInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MemoryBytesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ServingMemoryBytesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -445,6 +495,11 @@ class ModelInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     MODEL_SHA256_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    SERVING_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.str
     vocab_size: _builtins.int
@@ -462,12 +517,40 @@ class ModelInfo(_message.Message):
     """How look-ups are answered, chosen at load: "table" (rows gathered from tables the
     model computed at load, on CPU) or "onnxruntime" (a run of the model per batch).
     """
+    kind: _builtins.str
+    """What the model computes: "token" (E[id] * scale, the original Transformer's),
+    "segment" (E[id] * scale + S[type], BERT's) or "factorized" (E [V, D'] projected to
+    D, ALBERT's). Empty from a server older than kinds: "token".
+    """
     @_builtins.property
     def input_dtypes(self) -> _containers.RepeatedScalarFieldContainer[Global___DType.ValueType]: ...
     @_builtins.property
     def output_dtypes(self) -> _containers.RepeatedScalarFieldContainer[Global___DType.ValueType]: ...
     @_builtins.property
     def limits(self) -> Global___Limits: ...
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___IdInputInfo]:
+        """The id inputs a request carries, input_ids first, each with the bound its ids stay
+        below.
+        """
+
+    @_builtins.property
+    def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableInfo]:
+        """The model's tables (its 2-D weights), by role."""
+
+    @_builtins.property
+    def memory_bytes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """What the chosen backend holds in memory, by what it is ("float32 table", "weights",
+        "batch arena", ...), in bytes.
+        """
+
+    @_builtins.property
+    def serving_memory_bytes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """What each way of serving the model would hold, by backend ("table": its rows computed
+        at load; "onnxruntime": its weights and a batch's working room), in bytes; `backend`
+        names the way chosen (the table when it fits the server's table budget, on CPU).
+        """
+
     def __init__(
         self,
         *,
@@ -484,13 +567,80 @@ class ModelInfo(_message.Message):
         limits: Global___Limits | None = ...,
         model_sha256: _builtins.str = ...,
         backend: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___IdInputInfo] | None = ...,
+        tables: _abc.Iterable[Global___TableInfo] | None = ...,
+        memory_bytes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        serving_memory_bytes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "limits", b"limits", "padding_id", b"padding_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "backend", b"backend", "d_model", b"d_model", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "limits", b"limits", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "backend", b"backend", "d_model", b"d_model", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__padding_id: _TypeAlias = _typing.Literal["padding_id"]  # noqa: Y015
     _WhichOneofArgType__padding_id: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__padding_id) -> _WhichOneofReturnType__padding_id | None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class IdInputInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BOUND_FIELD_NUMBER: _builtins.int
+    BOUND_FIELD_FIELD_NUMBER: _builtins.int
+    OPTIONAL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The request field that carries these ids: "input_ids", "token_type_ids"."""
+    bound: _builtins.int
+    """Every id must be in [0, bound): V for input_ids, T for token_type_ids."""
+    bound_field: _builtins.str
+    """The manifest field the bound comes from ("vocab_size", "type_vocab_size")."""
+    optional: _builtins.bool
+    """Whether a request may leave it out (then every id is 0)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        bound: _builtins.int = ...,
+        bound_field: _builtins.str = ...,
+        optional: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound", b"bound", "bound_field", b"bound_field", "name", b"name", "optional", b"optional"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IdInputInfo: _TypeAlias = IdInputInfo  # noqa: Y015
+
+@_typing.final
+class TableInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"embedding" (E), "segment" (S, token types), "projection" (a factorized model's D' -> D)."""
+    dtype: _builtins.str
+    """The stored dtype: float32 or float16."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[rows, columns]."""
+
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "role", b"role", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableInfo: _TypeAlias = TableInfo  # noqa: Y015

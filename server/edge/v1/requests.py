@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from tokembed.export.kinds import TOKEN_TYPE_IDS
 from tokembed.server.core.dataplane import Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import InvalidInput, TooLarge
-from tokembed.server.core.operations.embed import FLAT, PADDED, EmbedInput
+from tokembed.server.core.operations.embed import FLAT, PADDED, EmbedInput, IdsInput
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -79,11 +80,17 @@ def parse_embed(data: bytes) -> EmbedCall | Refused:
     except DecodeError as exc:
         return Refused(InvalidInput(f"the request is not a valid tokembed.v1.EmbedRequest: {exc}"))
     tensor = request.input_ids
+    more_ids = None
+    if request.HasField("token_type_ids"):
+        types = request.token_type_ids
+        more_ids = {
+            TOKEN_TYPE_IDS: IdsInput(_id_dtype_name(types.dtype), tuple(types.shape), types.data)
+        }
     return Request(
         request.model_name,
         request.model_version,
         EmbedInput(
-            ids_dtype=WIRE_ID_DTYPES.get(tensor.dtype) or _enum_name(pb.DType, tensor.dtype),
+            ids_dtype=_id_dtype_name(tensor.dtype),
             shape=tuple(tensor.shape),
             data=tensor.data,
             lengths=tuple(request.lengths),
@@ -95,9 +102,14 @@ def parse_embed(data: bytes) -> EmbedCall | Refused:
                 _LAYOUT_NAMES.get(request.ragged_layout)
                 or _enum_name(pb.RaggedLayout, request.ragged_layout)
             ),
+            more_ids=more_ids,
         ),
         request.request_id,
     )
+
+
+def _id_dtype_name(dtype: pb.DType.ValueType) -> str:
+    return WIRE_ID_DTYPES.get(dtype) or _enum_name(pb.DType, dtype)
 
 
 def parse_model_query(data: bytes) -> ModelQuery | Refused:

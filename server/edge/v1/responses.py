@@ -166,6 +166,15 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
     )
     if manifest.padding_idx is not None:
         answer.padding_id = manifest.padding_idx
+    answer.kind = served.kind.name
+    for spec, bound in zip(served.inputs, served.bounds, strict=True):
+        answer.inputs.add(
+            name=spec.name, bound=bound, bound_field=spec.bound_field, optional=spec.optional
+        )
+    for table in served.kind.tables(manifest):
+        answer.tables.add(role=table.role, shape=table.shape, dtype=manifest.weight_dtype)
+    answer.memory_bytes.update(backend.memory_bytes)
+    answer.serving_memory_bytes.update(backend.serving_memory)
     return answer
 
 
