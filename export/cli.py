@@ -207,7 +207,7 @@ def _builtin(args: argparse.Namespace) -> int:
     # (its seed 0, float32, sqrt(D), version 1), not silently ignored.
     others += [flag for flag, differs in (
         ("--seed", args.seed != DEFAULT.seed), ("--dtype", args.dtype != "float32"),
-        ("--scale", args.scale != "sqrt"),
+        ("--scale", args.scale not in (None, "sqrt")),
         ("--model-version", args.model_version != DEFAULT.version),
     ) if differs]  # fmt: skip
     if others:
