@@ -1,0 +1,2 @@
+"""The Open Inference Protocol (KServe V2) front end, and Triton's system shared-memory
+extension of it (``shm``: the regions clients register, read and written without grpc)."""
