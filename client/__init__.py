@@ -32,6 +32,10 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import ModelInfo as ModelInfo
     from tokembed.client.results import ModelList as ModelList
     from tokembed.client.results import Timings as Timings
+    from tokembed.client.shared_memory import SharedMemorySession as SharedMemorySession
+    from tokembed.client.shared_memory import (
+        SharedMemoryUnavailableError as SharedMemoryUnavailableError,
+    )
     from tokembed.client.sync import EmbeddingClient as EmbeddingClient
 
 _EXPORTS = {
@@ -53,6 +57,8 @@ _EXPORTS = {
     "AuthenticationError": "tokembed.client.errors",
     "ServerError": "tokembed.client.errors",
     "from_rpc_error": "tokembed.client.errors",
+    "SharedMemorySession": "tokembed.client.shared_memory",
+    "SharedMemoryUnavailableError": "tokembed.client.shared_memory",
 }
 
 __all__ = sorted(_EXPORTS)
