@@ -1,9 +1,13 @@
 """Regenerate the protocol's Python code beside the .proto (or into another folder).
 
 The one recipe for generated code: `python scripts/gen_protos.py`. It writes
-`*_pb2.py`, `*_pb2_grpc.py` and their `.pyi` type stubs (mypy-protobuf).
-tests/test_generated_code.py runs it into a temporary folder and fails if the
-committed files differ.
+`*_pb2.py`, `*_pb2_grpc.py` and their `.pyi` type stubs (mypy-protobuf) for every
+protocol: tokembed.v1 and the Open Inference Protocol (`tokembed/v2`, Triton's
+grpc_service.proto and model_config.proto). tests/test_generated_code.py runs it into a
+temporary folder and fails if the committed files differ.
+
+Run it with the grpcio-tools that the dev extra pins: the protoc inside it decides the
+lowest protobuf runtime that can load the code (pyproject.toml says which, and why).
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-PROTO_FILES = ["tokembed/v1/embedding.proto"]
+PROTO_FILES = [
+    "tokembed/v1/embedding.proto",
+    "tokembed/v2/model_config.proto",
+    "tokembed/v2/grpc_service.proto",
+]
 
 
 def generate(out_dir: Path) -> None:

@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from tokembed import __version__
 from tokembed.server.core.admission import OutputBudget
 from tokembed.server.core.calls import Calls
 from tokembed.server.core.dataplane import DataPlane
@@ -48,6 +49,8 @@ from tokembed.server.edge.v1.servicer import (
     EmbeddingServicer,
     generic_handler,
 )
+from tokembed.server.edge.v2 import servicer as v2
+from tokembed.server.edge.v2.requests import InferParser
 from tokembed.server.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
@@ -84,6 +87,7 @@ class TokembedServer:
         self.metrics.track_inflight(lambda: self.calls.active)
         self.metrics.track_models(self._model_series, lambda: self.repository.ready)
         self.metrics.add_front_end(FRONT_END)
+        self.metrics.add_front_end(v2.FRONT_END)
         self._budget = OutputBudget(settings.max_inflight_output_bytes)
         self.metrics.inflight_output_bytes.set_function(lambda: float(self._budget.inflight_bytes))
         self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="tokembed-work")
@@ -139,7 +143,17 @@ class TokembedServer:
             max_message_bytes=settings.max_message_bytes,
             parse=EmbedParser(settings.max_request_bytes, settings.max_tokens_per_request),
         )  # fmt: skip
-        self._server.add_generic_rpc_handlers([generic_handler(servicer)])
+        # The Open Inference Protocol on the same port: another front end over the same
+        # data plane.
+        inference = v2.InferenceServicer(
+            self.dataplane,
+            parse=InferParser(settings.max_request_bytes, settings.max_tokens_per_request),
+            max_message_bytes=settings.max_message_bytes, version=__version__,
+            statistics=self.metrics.model_totals,
+        )  # fmt: skip
+        self._server.add_generic_rpc_handlers(
+            [generic_handler(servicer), v2.generic_handler(inference)]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             [
@@ -298,10 +312,11 @@ class TokembedServer:
 
     def _unauthenticated(self, method: str) -> None:
         """The bearer-token check refused ``method`` (a full gRPC method name)."""
-        front_end, _, name = method.lstrip("/").partition("/")
-        if front_end == SERVICE_NAME:
-            self.dataplane.refuse(FRONT_END, name, Unauthenticated("missing or wrong bearer token"))
-        else:  # another service's method (reflection): counted as a rejection alone
+        service, _, name = method.lstrip("/").partition("/")
+        front_end = {SERVICE_NAME: FRONT_END, v2.SERVICE_NAME: v2.FRONT_END}.get(service)
+        if front_end is not None and name in front_end.methods:
+            self.dataplane.refuse(front_end, name, Unauthenticated("missing or wrong bearer token"))
+        else:  # another service's method (reflection, a probe): counted as a rejection alone
             self.metrics.rejected(Unauthenticated.reason)
 
     async def wait_ready(self) -> None:

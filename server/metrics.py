@@ -8,8 +8,10 @@ docs/metrics.md documents each one (type, labels, meaning); keep the two in step
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +179,23 @@ class _ModelSeries:
         self.output_bytes = metrics.output_bytes.labels(model)
 
 
+@dataclass
+class ModelTotals:
+    """A model's embed calls and batches, summed since start (every protocol and version):
+    what the Open Inference Protocol's ModelStatistics reports. Kept beside the series,
+    updated with them (in bulk, off the request path)."""
+
+    success_count: int = 0
+    success_s: float = 0.0
+    fail_count: int = 0  # refused or failed once routed to the model
+    fail_s: float = 0.0
+    queue_count: int = 0
+    queue_s: float = 0.0
+    batches: int = 0
+    compute_s: float = 0.0
+    last_served_unix_s: float = 0.0
+
+
 class Metrics:
     """The server's metrics; it observes the calls (``core.calls``) and the schedulers."""
 
@@ -190,6 +209,7 @@ class Metrics:
         # per model.
         self._call_series: dict[tuple[str, ...], tuple[CounterSeries, HistogramSeries]] = {}
         self._model_series: dict[str, _ModelSeries] = {}
+        self._totals: dict[str, ModelTotals] = {}
         self._front_ends: list[FrontEnd] = []
         self._models: list[str] = [""]  # model "" counts calls that reach no served model
         # The series every served request updates: plain numbers (see request_metrics),
@@ -318,7 +338,7 @@ class Metrics:
         self._pending.add(
             self._apply_served,
             (protocol, operation, method, model, duration_s, tokens, output_bytes, queue_s,
-             encode_s),
+             encode_s, time.time()),
         )  # fmt: skip
 
     def rejected(self, reason: str) -> None:
@@ -347,12 +367,16 @@ class Metrics:
             self._call_series[key] = series
         series[0].inc(1)
         series[1].observe(duration_s)
+        if model and operation == "embed" and code != "OK":
+            totals = self._model_totals(model)
+            totals.fail_count += 1
+            totals.fail_s += duration_s
 
     def _apply_served(
-        self, update: tuple[str, str, str, str, float, int, int, float, float | None]
+        self, update: tuple[str, str, str, str, float, int, int, float, float | None, float]
     ) -> None:
         protocol, operation, method, model, duration_s = update[:5]
-        tokens, output_bytes, queue_s, encode_s = update[5:]
+        tokens, output_bytes, queue_s, encode_s, served_at = update[5:]
         self._apply_call_done((protocol, operation, method, "OK", model, duration_s))
         series = self._series(model)
         series.tokens.inc(tokens)
@@ -360,6 +384,13 @@ class Metrics:
         series.queue_wait.observe(queue_s)
         if encode_s is not None:
             series.encode.observe(encode_s)
+        if operation == "embed":
+            totals = self._model_totals(model)
+            totals.success_count += 1
+            totals.success_s += duration_s
+            totals.queue_count += 1
+            totals.queue_s += queue_s
+            totals.last_served_unix_s = max(totals.last_served_unix_s, served_at)
 
     def _apply_batch_done(self, update: tuple[str, int, int, float]) -> None:
         model, requests, tokens, compute_s = update
@@ -368,6 +399,22 @@ class Metrics:
         series.batch_requests.observe(requests)
         series.batch_tokens.observe(tokens)
         series.compute.observe(compute_s)
+        totals = self._model_totals(model)
+        totals.batches += 1
+        totals.compute_s += compute_s
+
+    def _model_totals(self, model: str) -> ModelTotals:
+        totals = self._totals.get(model)
+        if totals is None:
+            totals = self._totals[model] = ModelTotals()
+        return totals
+
+    def model_totals(self, model: str) -> ModelTotals | None:
+        """A copy of ``model``'s totals, every update made so far applied (None: none)."""
+        self._pending.apply()
+        with self._pending.lock:
+            totals = self._totals.get(model)
+            return None if totals is None else dataclasses.replace(totals)
 
     def _series(self, model: str) -> _ModelSeries:
         series = self._model_series.get(model)

@@ -13,7 +13,7 @@ import tokembed.server
 SERVER = Path(tokembed.server.__file__).resolve().parent
 # Where gRPC and the generated protobuf classes belong.
 EDGE = {SERVER / "edge", SERVER / "app.py"}
-FORBIDDEN = ("grpc", "tokembed.v1", "tokembed.server.edge", "google.protobuf")
+FORBIDDEN = ("grpc", "tokembed.v1", "tokembed.v2", "tokembed.server.edge", "google.protobuf")
 
 
 def _imports(path: Path) -> set[str]:

@@ -5,7 +5,7 @@ import warnings
 
 from tokembed.v1 import embedding_pb2 as tokembed_dot_v1_dot_embedding__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in tokembed/v1/embedding_pb2_grpc.py depends on'
+        + f' but the generated code in tokembed/v1/embedding_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EmbeddingServiceStub:
+class EmbeddingServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -61,7 +61,7 @@ class EmbeddingServiceStub:
                 _registered_method=True)
 
 
-class EmbeddingServiceServicer:
+class EmbeddingServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Embed(self, request, context):
@@ -139,7 +139,7 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class EmbeddingService:
+class EmbeddingService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

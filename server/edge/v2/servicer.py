@@ -1,0 +1,334 @@
+"""The Open Inference Protocol front end (KServe V2, Triton's ``inference.GRPCInferenceService``):
+translate, hand to the data plane, frame through a sink.
+
+ModelInfer and ModelStreamInfer are tokembed.v1's Embed and EmbedStream in this
+protocol's messages: the request bytes became a data plane ``Request`` in gRPC's
+deserializer (``requests``); the data plane serves it (route, validate, admit, run, count)
+into a sink that frames a ``ModelInferResponse`` by hand (``responses``); a domain error
+becomes a status through this protocol's table (``status``), or, inside a stream, an
+``error_message`` while the stream goes on. The other methods describe the server and its
+models, read from the data plane (ModelMetadata, ModelConfig: counted as ``model_info``)
+or from the repository's readiness (ServerLive, ServerReady, ModelReady, RepositoryIndex:
+probes, not counted, as gRPC's health service is not).
+
+The service is registered by hand under Triton's name: the generated classes are in the
+package ``tokembed.v2`` (see protos/tokembed/v2/grpc_service.proto for why), and the
+inference methods answer with bytes already encoded (no serializer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, NoReturn, Protocol
+
+import grpc
+
+from tokembed.export.manifest import OUTPUT_NAME
+from tokembed.server.core.calls import Call, FrontEnd
+from tokembed.server.core.dataplane import DataPlane, Refused, Sink, StreamSink
+from tokembed.server.core.errors import EmbedError, Unavailable
+from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.served import ServedModel
+from tokembed.server.core.types import Answer
+from tokembed.server.edge.status_codes import trailing_metadata
+from tokembed.server.edge.v1.servicer import deadline_of
+from tokembed.server.edge.v2 import responses
+from tokembed.server.edge.v2.requests import (
+    InferCall,
+    InferParser,
+    ModelQuery,
+    parse_message,
+    parse_model_query,
+)
+from tokembed.server.edge.v2.status import status_name, status_of
+from tokembed.v2 import grpc_service_pb2 as pb
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+SERVER_NAME = "tokembed"
+# The protocol extensions served (ServerMetadata): Triton's model configuration
+# (ModelConfig) and statistics (ModelStatistics).
+EXTENSIONS = ("model_configuration", "statistics")
+FRONT_END = FrontEnd(
+    protocol="v2",
+    methods={
+        "ModelInfer": "embed",
+        "ModelStreamInfer": "embed",
+        "ModelMetadata": "model_info",
+        "ModelConfig": "model_info",
+    },
+    status_of=status_name,
+)
+
+
+class ModelTotals(Protocol):
+    """A model's cumulative statistics, as ModelStatistics reports them."""
+
+    success_count: int
+    success_s: float
+    fail_count: int
+    fail_s: float
+    queue_count: int
+    queue_s: float
+    batches: int
+    compute_s: float
+    last_served_unix_s: float  # 0: none yet
+
+
+class InferenceServicer:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        parse: InferParser,
+        max_message_bytes: int,
+        version: str,
+        statistics: Callable[[str], ModelTotals | None],
+        extensions: Sequence[str] = EXTENSIONS,
+    ) -> None:
+        """``parse``: ModelInfer's deserializer; ``max_message_bytes``: the message limit
+        ModelConfig reports; ``version``: tokembed's (ServerMetadata); ``statistics``: a
+        model name's totals (None: none yet)."""
+        self.parse = parse
+        self._dataplane = dataplane
+        self._max_message_bytes = max_message_bytes
+        self._version = version
+        self._statistics = statistics
+        self._extensions = list(extensions)
+
+    # --- inference
+
+    async def ModelInfer(
+        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        sink = self.unary_sink(request, context)
+        try:
+            await self._dataplane.serve(
+                FRONT_END, "ModelInfer", EMBED, request, deadline_of(context), sink
+            )
+        except EmbedError as error:
+            await _abort(context, error)
+        return sink.payload
+
+    def unary_sink(
+        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
+    ) -> UnarySink:
+        """Where ModelInfer's answer goes: the response's ``raw_output_contents``."""
+        return UnarySink(context)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[InferCall | Refused],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await self._dataplane.serve_stream(
+            FRONT_END, "ModelStreamInfer", EMBED, request_iterator, deadline_of(context),
+            StreamItemSink(context),
+        )  # fmt: skip
+
+    # --- the server and its models
+
+    async def ServerLive(
+        self, request: None, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)  # it answers: the process is up
+
+    async def ServerReady(
+        self, request: None, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._dataplane.repository.ready)
+
+    async def ServerMetadata(
+        self, request: None, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=self._version, extensions=self._extensions
+        )
+
+    async def ModelReady(
+        self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        """Ready: a request for this model (version) would be served now. A model loading
+        or draining is not ready; a model not served is NOT_FOUND."""
+        try:
+            if isinstance(request, Refused):
+                raise request.error
+            self._dataplane.repository.route(request.model_name, request.model_version)
+        except Unavailable:
+            return pb.ModelReadyResponse(ready=False)
+        except EmbedError as error:
+            await _abort(context, error)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def ModelMetadata(
+        self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        served = await self._model_info("ModelMetadata", request, context)
+        return responses.model_metadata(served, self._versions(served.name))
+
+    async def ModelConfig(
+        self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        served = await self._model_info("ModelConfig", request, context)
+        return responses.model_config(served, self._max_message_bytes)
+
+    async def ModelStatistics(
+        self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        """Per model name (every version together: tokembed counts by name); a name ""
+        asks for every model."""
+        try:
+            if isinstance(request, Refused):
+                raise request.error
+            if request.model_name:
+                routed = self._dataplane.repository.route(request.model_name, request.model_version)
+                names = [routed.name]
+            else:
+                names = list(dict.fromkeys(handle.name for handle in self._dataplane.repository))
+        except EmbedError as error:
+            await _abort(context, error)
+        return pb.ModelStatisticsResponse(
+            model_stats=[_statistics(name, self._statistics(name)) for name in names]
+        )
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        if isinstance(request, Refused):
+            await _abort(context, request.error)
+        held = [(h.name, h.version, h.state.value) for h in self._dataplane.repository]
+        return responses.repository_index(held, request.ready)
+
+    async def _model_info(
+        self, method: str, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
+    ) -> ServedModel:
+        try:
+            if isinstance(request, Refused):
+                self._dataplane.refuse(FRONT_END, method, request.error)
+                raise request.error
+            return self._dataplane.model_info(
+                FRONT_END, method, request.model_name, request.model_version
+            )
+        except EmbedError as error:
+            await _abort(context, error)
+
+    def _versions(self, name: str) -> list[str]:
+        """The versions of ``name`` that requests may name now."""
+        return [h.version for h in self._dataplane.repository
+                if h.name == name and h.state.value == "ready"]  # fmt: skip
+
+
+def _statistics(name: str, totals: ModelTotals | None) -> pb.ModelStatistics:
+    stats = pb.ModelStatistics(name=name)
+    if totals is None:
+        return stats
+    stats.last_inference = int(totals.last_served_unix_s * 1000)
+    stats.inference_count = totals.success_count
+    stats.execution_count = totals.batches
+    inference = stats.inference_stats
+    for field, count, seconds in (
+        (inference.success, totals.success_count, totals.success_s),
+        (inference.fail, totals.fail_count, totals.fail_s),
+        (inference.queue, totals.queue_count, totals.queue_s),
+        (inference.compute_infer, totals.batches, totals.compute_s),
+    ):
+        field.count = count
+        field.ns = int(seconds * 1e9)
+    return stats
+
+
+# --- the sinks: how this protocol frames an answer and hands it to gRPC
+
+
+class UnarySink(Sink[bytes]):
+    """ModelInfer: one ModelInferResponse, returned by the handler; its bytes are gone
+    when the RPC ends (gRPC's documented done callback), sent or not."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self.payload = b""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return responses.infer_response(answer, OUTPUT_NAME, call.request_id)
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        self.payload = framed
+        self._context.add_done_callback(lambda _context: sent())
+
+
+class StreamItemSink(StreamSink[bytes]):
+    """ModelStreamInfer: each answer (or a request's error) as the stream's next message."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return responses.stream_response(answer, OUTPUT_NAME, call.request_id)
+
+    def frame_error(self, error: EmbedError) -> bytes:
+        return responses.stream_error(str(error))
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        try:
+            await self._context.write(framed)
+        finally:
+            sent()
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
+    await context.abort(status_of(error), str(error), trailing_metadata=trailing_metadata(error))
+    raise AssertionError("this is a bug: context.abort returned")
+
+
+def _unary(
+    handler: Callable[..., Any],
+    parse: Callable[[bytes], Any],
+    serialize: Callable[[Any], bytes] | None,
+) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(handler, parse, serialize)
+
+
+def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The methods, registered by hand under Triton's service name."""
+
+    def ignored(data: bytes) -> None:
+        """The request of a probe has no fields: whatever came, the answer is the same."""
+
+    def reply(cls: Any) -> Callable[[Any], bytes]:
+        return cls.SerializeToString  # type: ignore[no-any-return]
+
+    query = parse_model_query
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "ModelInfer": _unary(servicer.ModelInfer, servicer.parse, None),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+            servicer.ModelStreamInfer, servicer.parse
+        ),
+        "ServerLive": _unary(servicer.ServerLive, ignored, reply(pb.ServerLiveResponse)),
+        "ServerReady": _unary(servicer.ServerReady, ignored, reply(pb.ServerReadyResponse)),
+        "ServerMetadata": _unary(
+            servicer.ServerMetadata,
+            ignored,
+            reply(pb.ServerMetadataResponse),
+        ),
+        "ModelReady": _unary(
+            servicer.ModelReady, query(pb.ModelReadyRequest), reply(pb.ModelReadyResponse)
+        ),
+        "ModelMetadata": _unary(
+            servicer.ModelMetadata,
+            query(pb.ModelMetadataRequest),
+            reply(pb.ModelMetadataResponse),
+        ),
+        "ModelConfig": _unary(
+            servicer.ModelConfig, query(pb.ModelConfigRequest), reply(pb.ModelConfigResponse)
+        ),
+        "ModelStatistics": _unary(
+            servicer.ModelStatistics,
+            query(pb.ModelStatisticsRequest),
+            reply(pb.ModelStatisticsResponse),
+        ),
+        "RepositoryIndex": _unary(
+            servicer.RepositoryIndex,
+            parse_message(pb.RepositoryIndexRequest),
+            reply(pb.RepositoryIndexResponse),
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
