@@ -169,7 +169,7 @@ class SharedMemorySession:
             outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(
                 name="hidden_states",
                 parameters={**self._window(out_offset, self.capacity_bytes - out_offset),
-                            "datatype": pb.InferParameter(string_parameter=datatype)},
+                            "datatype": pb.InferParameter(string_param=datatype)},
             )],
         )  # fmt: skip
         with self._lock:
@@ -233,9 +233,9 @@ class SharedMemorySession:
     def _window(self, offset: int, size: int) -> dict[str, Any]:
         parameter = self._pb.InferParameter
         return {
-            "shared_memory_region": parameter(string_parameter=self.name),
-            "shared_memory_offset": parameter(int64_parameter=offset),
-            "shared_memory_byte_size": parameter(int64_parameter=size),
+            "shared_memory_region": parameter(string_param=self.name),
+            "shared_memory_offset": parameter(int64_param=offset),
+            "shared_memory_byte_size": parameter(int64_param=size),
         }
 
     def _rpc(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
