@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     table = report.markdown(results, targets, command.strip())
     (args.out / f"{stem}.md").write_text(table, encoding="utf-8")
-    written = report.plots(results, args.out) if not args.quick else []
+    written = report.plots(results, args.out) if main_section and not args.quick else []
     print()
     for target in targets:
         measured = "n/a" if target.measured is None else f"{target.measured:.2f}"
