@@ -45,6 +45,8 @@ The attacks, each with the defence it hits (test name in brackets):
     [test_close_unregisters_everything]
 18. a second registration under a taken name                    -> refused, first intact
     [test_a_taken_name_is_refused]
+19. an answer framed after its call ended (the caller left)     -> nothing written
+    [test_a_window_whose_call_ended_writes_nothing]
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pathlib import Path
 
 import pytest
 
+from tokembed.server.core.errors import Cancelled
 from tokembed.server.edge.v2.shm import (
     SHM_ROOT,
     RegionExists,
@@ -454,6 +457,23 @@ def test_a_copy_in_progress_keeps_its_descriptor(objects: Objects) -> None:
 
     run(scenario())
     assert objects.read(key, 0, 4) == b"late"
+
+
+def test_a_window_whose_call_ended_writes_nothing(objects: Objects) -> None:
+    """The call ended (its caller left) while its answer was being computed: the frame
+    that comes after writes nothing, and says so as the domain's Cancelled."""
+    key = objects.make("a", data=b"\xee" * SIZE)
+    shm = registry(objects)
+    shm.register("r", key, 0, SIZE)
+    window = shm.use("r", 0, 8)
+    window.release()
+    window.release()  # idempotent: gRPC's done callback and a caller may both release
+    with pytest.raises(Cancelled, match="the call ended"):
+        window.write([b"too late"], 8)
+    with pytest.raises(Cancelled):
+        window.read(8)
+    assert objects.read(key, 0, SIZE) == b"\xee" * SIZE
+    run(asyncio.wait_for(shm.unregister("r"), 10))  # nothing held
 
 
 def test_at_most_max_regions(objects: Objects) -> None:

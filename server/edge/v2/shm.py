@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokembed.server.core.errors import InvalidInput
+from tokembed.server.core.errors import Cancelled, InvalidInput
 from tokembed.server.core.types import Buffer
 
 logger = logging.getLogger(__name__)
@@ -247,9 +247,10 @@ class Window:
             region.let_go()
 
     def _held(self) -> Region:
-        if self.region is None:
-            raise RuntimeError("this is a bug: a window used after its release")
-        return self.region
+        region = self.region
+        if region is None:  # its call ended (the caller left) before the copy
+            raise Cancelled("the call ended before its shared-memory window was used")
+        return region
 
 
 def _pwrite_all(fd: int, pieces: Sequence[Buffer], position: int) -> None:
