@@ -120,16 +120,15 @@ def run(args: argparse.Namespace) -> int:
         main=main_section, v2=v2_section, mlserver_venv=mlserver_venv.resolve()
         if mlserver_venv is not None else None,
     )  # fmt: skip
-    targets = report.evaluate_targets(results) if main_section else []
-    if v2_section:
-        targets += report.evaluate_v2_targets(results)
+    main_targets = report.evaluate_targets(results) if main_section else []
+    targets = main_targets + (report.evaluate_v2_targets(results) if v2_section else [])
     args.out = output_dir(args.out, quick=args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("v2" if args.v2 else "quick" if args.quick else "bench") + (
         "-cuda" if args.device == "cuda" else ""
     )
     command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    table = report.markdown(results, targets, command.strip())
+    table = report.markdown(results, main_targets, command.strip())
     (args.out / f"{stem}.md").write_text(table, encoding="utf-8")
     written = report.plots(results, args.out) if main_section and not args.quick else []
     print()

@@ -293,27 +293,28 @@ def markdown(results: Results, targets: list[Target], command: str) -> str:
         "Machine: " + ", ".join(f"{k}={v}" for k, v in results.environment.items()) + "  ",
         "All figures from one run, side by side; ratios are what to read (the machine is "
         "shared and absolute timings drift).",
-        "",
-        "## Targets",
-        "",
-        "| target | wanted | measured | verdict | detail |",
-        "|---|---|---|---|---|",
     ]
-    for t in targets:
-        measured = "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
-        lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
-    lines += _latency_steps_markdown(results)
+    if results.cells:  # the main section (a --v2 run has the V2 section alone)
+        lines += [
+            "",
+            "## Targets",
+            "",
+            "| target | wanted | measured | verdict | detail |",
+            "|---|---|---|---|---|",
+        ]
+        for t in targets:
+            measured = (
+                "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
+            )
+            lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
+        lines += _latency_steps_markdown(results)
     if results.v2_cells or results.v2_notes:
         lines += _v2_markdown(results)
-    lines += ["", "## Endpoints", "", "| endpoint | what |", "|---|---|"]
-    lines += [f"| `{name}` | {what} |" for name, what in ENDPOINTS.items()]
-    lines += [
-        "",
-        "## All cells",
-        "",
-        *_CELL_HEADER,
-    ]
-    lines += _cell_rows(results.cells)
+    if results.cells:
+        lines += ["", "## Endpoints", "", "| endpoint | what |", "|---|---|"]
+        lines += [f"| `{name}` | {what} |" for name, what in ENDPOINTS.items()]
+        lines += ["", "## All cells", "", *_CELL_HEADER]
+        lines += _cell_rows(results.cells)
     return "\n".join(lines) + "\n"
 
 
@@ -324,8 +325,7 @@ def _v2_markdown(results: Results) -> list[str]:
         "",
         "Each group of cells measured in turns; tokembed V2 and MLServer through the same "
         "client (tritonclient's asyncio client), tokembed v1 through its own.",
-        "",
-        *[f"- {note}" for note in results.v2_notes],
+        *(["", *[f"- {note}" for note in results.v2_notes]] if results.v2_notes else []),
         "",
         "| target | wanted | measured | verdict | detail |",
         "|---|---|---|---|---|",

@@ -81,6 +81,13 @@ def test_a_skipped_mlserver_leaves_its_targets_unmeasured_and_says_why() -> None
         assert f"| `{name}` |" in table
 
 
+def test_docs_benchmarks_readme_has_a_row_for_each_v2_endpoint() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "README.md").read_text()
+    section = text.split("## The V2 section", 1)[1]
+    rows = set(re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.MULTILINE))
+    assert set(V2_ENDPOINTS) <= rows, f"no row for {set(V2_ENDPOINTS) - rows}"
+
+
 @pytest.mark.slow  # ~1 min (an export of the bench model, a server, the floor, 5 groups)
 def test_the_v2_section_runs_and_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "out"
