@@ -291,3 +291,27 @@ def _rows() -> np.ndarray:
     from support.models import reference_rows
 
     return reference_rows(SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD)
+
+
+def test_bearer_token_guards_the_v2_service(
+    small_model_dir: Path, start_server: Any, tmp_path: Path, small_rows: Any
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    server = start_server(small_model_dir, auth_token_file=token_file)
+    ids = np.array([[1, 2]], dtype=np.int64)
+    with tc.InferenceServerClient(server.target) as client:
+        with pytest.raises(InferenceServerException) as raised:
+            client.infer(MODEL, [ids_input(ids)])
+        assert _status(raised.value) == "StatusCode.UNAUTHENTICATED"
+        with pytest.raises(InferenceServerException) as raised:
+            client.is_server_ready()
+        assert _status(raised.value) == "StatusCode.UNAUTHENTICATED"
+        headers = {"authorization": "Bearer s3cret"}
+        assert client.is_server_ready(headers=headers)
+        got = client.infer(MODEL, [ids_input(ids)], headers=headers).as_numpy("hidden_states")
+    np.testing.assert_array_equal(got, small_rows[ids])
+    refused = {"protocol": "v2", "method": "ModelInfer", "code": "UNAUTHENTICATED", "model": ""}
+    assert server.metric("tokembed_requests_total", refused) == 1
+    # A probe is no counted method: its refusal is counted as a rejection alone.
+    assert server.metric("tokembed_rejections_total", {"reason": "unauthenticated"}) == 2

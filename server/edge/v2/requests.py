@@ -94,7 +94,7 @@ class InferParser:
         try:
             return InferCall(
                 request.model_name, request.model_version, self.embed_input(request),
-                request.id, tuple(request.outputs),
+                request.id, tuple(request.outputs) if request.outputs else (),
             )  # fmt: skip
         except EmbedError as error:
             return Refused(error, request.id)
@@ -179,7 +179,7 @@ def _output_dtype(request: pb.ModelInferRequest) -> str:
     """The answer's dtype (a ``core.dtypes`` name): the requested output's ``datatype``
     parameter, else the request's, else float32."""
     asked = ""
-    for output in request.outputs:
+    for output in request.outputs or ():
         if output.name != OUTPUT_NAME:
             raise InvalidInput(
                 f"unexpected inference output {output.name!r}; the model's output is {OUTPUT_NAME}"

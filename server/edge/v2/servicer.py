@@ -7,9 +7,10 @@ deserializer (``requests``); the data plane serves it (route, validate, admit, r
 into a sink that frames a ``ModelInferResponse`` by hand (``responses``); a domain error
 becomes a status through this protocol's table (``status``), or, inside a stream, an
 ``error_message`` while the stream goes on. The other methods describe the server and its
-models, read from the data plane (ModelMetadata, ModelConfig: counted as ``model_info``)
-or from the repository's readiness (ServerLive, ServerReady, ModelReady, RepositoryIndex:
-probes, not counted, as gRPC's health service is not).
+models, read from the data plane (ModelMetadata, ModelConfig: counted as ``model_info``),
+from the repository (ServerReady, ModelReady, RepositoryIndex) or from the metrics' totals
+(ModelStatistics); those and ServerLive and ServerMetadata are probes, not counted, as
+gRPC's health service is not.
 
 The service is registered by hand under Triton's name: the generated classes are in the
 package ``tokembed.v2`` (see protos/tokembed/v2/grpc_service.proto for why), and the
