@@ -40,7 +40,12 @@ import numpy as np
 import numpy.typing as npt
 
 from tokembed.client import codec
-from tokembed.client.errors import EmbeddingError, client_invalid_input, from_rpc_error
+from tokembed.client.errors import (
+    EmbeddingError,
+    SharedMemoryUnavailableError,
+    client_invalid_input,
+    from_rpc_error,
+)
 
 SHM_ROOT = Path("/dev/shm")
 SERVICE = "/inference.GRPCInferenceService/"
@@ -53,12 +58,6 @@ _V2_OUTPUT: dict[str, tuple[str, np.dtype[np.floating]]] = {
     "float32": ("FP32", np.dtype("<f4")),
     "float16": ("FP16", np.dtype("<f2")),
 }
-
-
-class SharedMemoryUnavailableError(EmbeddingError):
-    """The server cannot use this client's shared memory: it has shared memory off, runs
-    on another host (or in another container), cannot open the object, or takes another
-    prefix. The message is the server's."""
 
 
 class SharedMemorySession:

@@ -71,7 +71,9 @@ MAX_NAME_CHARS = 256
 _NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 # POSIX: an object's name is one path component of at most NAME_MAX (255) bytes.
 _NAME_MAX = 255
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# Buffers one pwritev takes (Linux: 1024); sysconf says -1 where it sets no limit.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 0
+_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024
 
 
 class SharedMemoryError(InvalidInput):
