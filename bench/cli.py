@@ -57,6 +57,23 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--cache-dir", type=Path, default=Path("models/bench"),
                         help="where the bench models are exported once and reused")  # fmt: skip
+    parser.add_argument(
+        "--v2",
+        action="store_true",
+        help="the V2 section alone: tokembed's Open Inference Protocol front end against "
+        "MLServer and tokembed.v1, and system shared memory, at D=512 (a full run "
+        "includes it; --quick does not)",
+    )
+    parser.add_argument(
+        "--no-mlserver",
+        action="store_true",
+        help="leave MLServer out of the V2 section (its first run installs it from PyPI)",
+    )
+    parser.add_argument(
+        "--mlserver-venv", type=Path, default=None,
+        help="where MLServer is installed for the V2 section, once (default: "
+        "CACHE_DIR/mlserver-venv); never into tokembed's own environment",
+    )  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--duration-s", type=float, default=None, help="seconds per cell")
     parser.add_argument("--name", default=None, help="file name stem (default bench or quick)")
@@ -101,17 +118,27 @@ def run(args: argparse.Namespace) -> int:
         "requests/s, MB/s of answers, p50 and p99 latency of a call"
     )
     print()
-    results = harness.run_plan(plan, args.cache_dir, device=args.device, server_env=server_env)
-    targets = report.evaluate_targets(results)
+    mlserver_venv = None
+    if not args.no_mlserver:
+        mlserver_venv = args.mlserver_venv or args.cache_dir / "mlserver-venv"
+    main_section = not args.v2
+    v2_section = args.v2 or not args.quick
+    results = harness.run_plan(
+        plan, args.cache_dir, device=args.device, server_env=server_env,
+        main=main_section, v2=v2_section, mlserver_venv=mlserver_venv.resolve()
+        if mlserver_venv is not None else None,
+    )  # fmt: skip
+    main_targets = report.evaluate_targets(results) if main_section else []
+    targets = main_targets + (report.evaluate_v2_targets(results) if v2_section else [])
     args.out = output_dir(args.out, quick=args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or ("quick" if args.quick else "bench") + (
+    stem = args.name or ("v2" if args.v2 else "quick" if args.quick else "bench") + (
         "-cuda" if args.device == "cuda" else ""
     )
     command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    table = report.markdown(results, targets, command.strip())
+    table = report.markdown(results, main_targets, command.strip())
     (args.out / f"{stem}.md").write_text(table, encoding="utf-8")
-    written = report.plots(results, args.out) if not args.quick else []
+    written = report.plots(results, args.out) if main_section and not args.quick else []
     print()
     for target in targets:
         measured = "n/a" if target.measured is None else f"{target.measured:.2f}"
@@ -123,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{target} {ratio:.2f}" for target, _, ratio in steps))  # fmt: skip
     print(f"\nwrote {args.out / f'{stem}.md'}" + "".join(f", {p}" for p in written)
           + f" in {time.perf_counter() - started:.0f} s")  # fmt: skip
-    errors = sum(c.run.errors for c in results.cells)
+    for note in results.v2_notes:
+        print(note)
+    errors = sum(c.run.errors for c in [*results.cells, *results.v2_cells])
     if errors:
         print(f"{errors} requests failed during the run (see the errors column)", file=sys.stderr)
         return 1

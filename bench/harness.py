@@ -79,15 +79,43 @@ def run_plan(
     device: str = "cpu",
     server_env: Mapping[str, str] | None = None,
     progress: Callable[[str], None] = print,
+    main: bool = True,
+    v2: bool = False,
+    mlserver_venv: Path | None = None,
 ) -> Results:
-    """``server_env``: variables the service runs with (and not the floor or clients)."""
+    """``server_env``: variables the service runs with (and not the floor or clients).
+    ``main``: the main section (every width of the plan); ``v2``: the V2 section
+    (``bench/v2.py``, D=512), with MLServer from ``mlserver_venv`` (None: without it)."""
     results = Results(plan=plan)
     progress(PROGRESS_HEADER)
     results.environment = {
         "cpus": str(os.cpu_count()),
         "device": device,
+        "load average at the start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         **{f"server {key}": value for key, value in (server_env or {}).items()},
     }
+    if main:
+        _run_main(plan, cache_dir, device, server_env, progress, results)
+    if v2:
+        from tokembed.bench.v2 import D_MODEL, run_v2
+
+        model_dir = ensure_model(cache_dir, D_MODEL)
+        results.v2_cells, results.v2_notes = run_v2(
+            plan, model_dir, server_args=[*_server_args(plan, D_MODEL), "--device", device],
+            server_env=server_env, mlserver_venv=mlserver_venv, progress=progress,
+        )  # fmt: skip
+    results.environment["load average at the end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return results
+
+
+def _run_main(
+    plan: Plan,
+    cache_dir: Path,
+    device: str,
+    server_env: Mapping[str, str] | None,
+    progress: Callable[[str], None],
+    results: Results,
+) -> None:
     for d_model in plan.d_models:
         model_dir = ensure_model(cache_dir, d_model)
         results.weights_bytes[d_model] = _served_weights_bytes(model_dir, d_model)
@@ -114,7 +142,6 @@ def run_plan(
         ):
             results.cells.append(cell)
             progress(_progress_line(cell))
-    return results
 
 
 def _served_weights_bytes(model_dir: Path, d_model: int) -> int:

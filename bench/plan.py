@@ -75,11 +75,22 @@ class Results:
     cells: list[Cell] = field(default_factory=list)
     weights_bytes: dict[int, int] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    # The V2 section (bench/v2.py): its cells, and what it skipped and why.
+    v2_cells: list[Cell] = field(default_factory=list)
+    v2_notes: list[str] = field(default_factory=list)
 
     def find(
-        self, target: str, workload: str, d_model: int, dtype: str, concurrency: int
+        self,
+        target: str,
+        workload: str,
+        d_model: int,
+        dtype: str,
+        concurrency: int,
+        *,
+        v2: bool = False,
     ) -> Cell | None:
-        for cell in self.cells:
+        """The cell of the main section (or with ``v2``, of the V2 section) with these."""
+        for cell in self.v2_cells if v2 else self.cells:
             if (cell.target, cell.workload, cell.d_model, cell.dtype, cell.concurrency) == (
                 target, workload, d_model, dtype, concurrency,
             ):  # fmt: skip

@@ -42,6 +42,23 @@ ENDPOINTS: dict[str, str] = {
 }
 
 
+# The V2 section's endpoints (bench/v2.py); docs/benchmarks/README.md has a row for each.
+V2_ENDPOINTS: dict[str, str] = {
+    "v2": "tokembed serve's Open Inference Protocol front end (inference.GRPCInferenceService "
+    "ModelInfer), through tritonclient's asyncio client",
+    "v1": "the same server's tokembed.v1 Embed, through tokembed's own asyncio client "
+    "(tritonclient does not speak tokembed.v1)",
+    "mlserver": "MLServer 1.7.1 from PyPI in a virtual environment of its own, the same "
+    "model.onnx through onnxruntime (one intra-op thread), adaptive batching (32 requests, "
+    "2 ms), through tritonclient's asyncio client",
+    "v2-shm": "tokembed V2 with the ids and the answer in system shared-memory regions "
+    "(tritonclient.utils.shared_memory, registered once), large answers only",
+    "floor": "the bare gRPC floor (bench/floor.py), bare client: a unary answer of the same "
+    "size, large answers only",
+    "ceiling": "the service's own look-up in the bench's process, large answers only",
+}
+
+
 def legend(columns: int = 100) -> list[str]:
     """Each endpoint's name, then what it is, wrapped to ``columns``."""
     width = max(len(name) for name in ENDPOINTS) + 2
@@ -140,6 +157,42 @@ def evaluate_targets(results: Results) -> list[Target]:
     ))  # fmt: skip
     targets.append(_rss_target(results))
     return targets
+
+
+def evaluate_v2_targets(results: Results) -> list[Target]:
+    """The V2 section's targets (issue 26's table), from its cells at D=512, float32."""
+
+    def find(target: str, workload: str, concurrency: int) -> Cell | None:
+        cell = results.find(target, workload, TARGETS_D_MODEL, "float32", concurrency, v2=True)
+        return cell if cell is not None and cell.run.requests else None
+
+    def rps(c: Cell) -> float:
+        return c.run.rps
+
+    def mbps(c: Cell) -> float:
+        return c.mb_per_s
+
+    def p50(c: Cell) -> float:
+        return c.run.percentile_ms(50)
+
+    return [
+        _target("V2: tiny [1,8] c=1: tokembed V2 req/s / MLServer req/s", ">= 4", 4.0, True,
+                find("v2", "tiny", 1), find("mlserver", "tiny", 1), rps, "req/s"),
+        _target("V2: tiny [1,8] c=32: tokembed V2 req/s / MLServer req/s", ">= 2", 2.0, True,
+                find("v2", "tiny", 32), find("mlserver", "tiny", 32), rps, "req/s"),
+        _target("V2: [8,128] c=1: tokembed V2 MB/s / MLServer MB/s", ">= 10", 10.0, True,
+                find("v2", "medium", 1), find("mlserver", "medium", 1), mbps, "MB/s"),
+        _target("V2: [8,128] c=8: tokembed V2 MB/s / MLServer MB/s", ">= 10", 10.0, True,
+                find("v2", "medium", 8), find("mlserver", "medium", 8), mbps, "MB/s"),
+        _target("V2: tiny [1,8] c=1: tokembed V2 p50 / tokembed v1 p50", "<= 1.25", 1.25,
+                False, find("v2", "tiny", 1), find("v1", "tiny", 1), p50, "ms p50"),
+        _target("V2: large [32,512] float32 c=1: shared memory MB/s / gRPC floor unary MB/s",
+                ">= 4", 4.0, True, find("v2-shm", "large", 1), find("floor", "large", 1),
+                mbps, "MB/s"),
+        _target("V2: large [32,512] float32 c=1: shared memory MB/s / in-process look-up MB/s",
+                ">= 0.5", 0.5, True, find("v2-shm", "large", 1), find("ceiling", "large", 1),
+                mbps, "MB/s"),
+    ]  # fmt: skip
 
 
 def _best(results: Results, workload: str, d: int, dtype: str, concurrency: int,
@@ -257,27 +310,63 @@ def markdown(results: Results, targets: list[Target], command: str) -> str:
         "Machine: " + ", ".join(f"{k}={v}" for k, v in results.environment.items()) + "  ",
         "All figures from one run, side by side; ratios are what to read (the machine is "
         "shared and absolute timings drift).",
+    ]
+    if results.cells:  # the main section (a --v2 run has the V2 section alone)
+        lines += [
+            "",
+            "## Targets",
+            "",
+            "| target | wanted | measured | verdict | detail |",
+            "|---|---|---|---|---|",
+        ]
+        for t in targets:
+            measured = (
+                "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
+            )
+            lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
+        lines += _latency_steps_markdown(results)
+    if results.v2_cells or results.v2_notes:
+        lines += _v2_markdown(results)
+    if results.cells:
+        lines += ["", "## Endpoints", "", "| endpoint | what |", "|---|---|"]
+        lines += [f"| `{name}` | {what} |" for name, what in ENDPOINTS.items()]
+        lines += ["", "## All cells", "", *_CELL_HEADER]
+        lines += _cell_rows(results.cells)
+    return "\n".join(lines) + "\n"
+
+
+def _v2_markdown(results: Results) -> list[str]:
+    lines = [
         "",
-        "## Targets",
+        "## V2 (the Open Inference Protocol)",
+        "",
+        "Each group of cells measured in turns; tokembed V2 and MLServer through the same "
+        "client (tritonclient's asyncio client), tokembed v1 through its own.",
+        *(["", *[f"- {note}" for note in results.v2_notes]] if results.v2_notes else []),
         "",
         "| target | wanted | measured | verdict | detail |",
         "|---|---|---|---|---|",
     ]
-    for t in targets:
+    for t in evaluate_v2_targets(results):
         measured = "n/a" if t.measured is None or math.isnan(t.measured) else f"{t.measured:.2f}"
         lines.append(f"| {t.name} | {t.wanted} | {measured} | {t.verdict} | {t.detail} |")
-    lines += _latency_steps_markdown(results)
-    lines += ["", "## Endpoints", "", "| endpoint | what |", "|---|---|"]
-    lines += [f"| `{name}` | {what} |" for name, what in ENDPOINTS.items()]
-    lines += [
-        "",
-        "## All cells",
-        "",
-        "| target | workload | D | dtype | conc | req/s | tokens/s | MB/s | p50 ms | p99 ms "
-        "| server CPU ms/req | server peak RSS MB | errors | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in results.cells:
+    lines += ["", "| endpoint | what |", "|---|---|"]
+    lines += [f"| `{name}` | {what} |" for name, what in V2_ENDPOINTS.items()]
+    lines += ["", *_CELL_HEADER]
+    lines += _cell_rows(results.v2_cells)
+    return lines
+
+
+_CELL_HEADER = (
+    "| target | workload | D | dtype | conc | req/s | tokens/s | MB/s | p50 ms | p99 ms "
+    "| server CPU ms/req | server peak RSS MB | errors | notes |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+)
+
+
+def _cell_rows(cells: list[Cell]) -> list[str]:
+    lines = []
+    for c in cells:
         cpu = (
             ""
             if math.isnan(c.server_cpu_s_per_request)
@@ -290,7 +379,7 @@ def markdown(results: Results, targets: list[Target], command: str) -> str:
             f"| {c.run.percentile_ms(50):.3f} | {c.run.percentile_ms(99):.3f} | {cpu} | {rss} "
             f"| {c.run.errors} | {c.notes} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plots(results: Results, out_dir: Path) -> list[Path]:

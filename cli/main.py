@@ -20,6 +20,7 @@ from tokembed import __version__
 # module that provides add_parser(subparsers), in the order --help lists them
 _SUBCOMMAND_MODULES = (
     "tokembed.export.cli",
+    "tokembed.export.triton",
     "tokembed.server.cli",
     "tokembed.client.cli",
     "tokembed.bench.cli",

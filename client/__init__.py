@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.errors import RequestCancelledError as RequestCancelledError
     from tokembed.client.errors import RequestTooLargeError as RequestTooLargeError
     from tokembed.client.errors import ServerError as ServerError
+    from tokembed.client.errors import (
+        SharedMemoryUnavailableError as SharedMemoryUnavailableError,
+    )
     from tokembed.client.errors import UnavailableError as UnavailableError
     from tokembed.client.errors import from_rpc_error as from_rpc_error
     from tokembed.client.results import EmbedResult as EmbedResult
@@ -34,6 +37,7 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import ModelList as ModelList
     from tokembed.client.results import TableInfo as TableInfo
     from tokembed.client.results import Timings as Timings
+    from tokembed.client.shared_memory import SharedMemorySession as SharedMemorySession
     from tokembed.client.sync import EmbeddingClient as EmbeddingClient
 
 _EXPORTS = {
@@ -57,6 +61,8 @@ _EXPORTS = {
     "AuthenticationError": "tokembed.client.errors",
     "ServerError": "tokembed.client.errors",
     "from_rpc_error": "tokembed.client.errors",
+    "SharedMemorySession": "tokembed.client.shared_memory",
+    "SharedMemoryUnavailableError": "tokembed.client.errors",
 }
 
 __all__ = sorted(_EXPORTS)

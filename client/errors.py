@@ -11,7 +11,9 @@ Everything the client raises derives from :class:`EmbeddingError`::
     ├── DeadlineExceededError      DEADLINE_EXCEEDED
     ├── RequestCancelledError      CANCELLED (not named CancelledError: asyncio has one)
     ├── AuthenticationError        UNAUTHENTICATED, PERMISSION_DENIED
-    └── ServerError                INTERNAL, UNKNOWN, anything else
+    ├── ServerError                INTERNAL, UNKNOWN, anything else
+    └── SharedMemoryUnavailableError  a shared-memory session the server cannot use
+                                   (``EmbeddingClient.shared_memory``; not from a status)
 
 The server puts the cause in the trailing metadata ``tokembed-error-reason``; the status
 code alone cannot tell "this request is too large" (retrying is pointless) from "the
@@ -103,6 +105,12 @@ class AuthenticationError(EmbeddingError):
 class ServerError(EmbeddingError):
     """The server failed (INTERNAL, UNKNOWN, any other status), or its reply broke the
     protocol (``code`` None, ``reason`` "protocol")."""
+
+
+class SharedMemoryUnavailableError(EmbeddingError):
+    """The server cannot use this client's shared memory: it has shared memory off, runs
+    on another host (or in another container), cannot open the object, or takes another
+    prefix. The message is the server's; ``code`` is the registration's status."""
 
 
 # The one table: (status code, reason) -> class. A (code, None) row is the fallback for

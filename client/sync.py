@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import grpc
 import numpy as np
@@ -25,6 +25,9 @@ from tokembed.client._shared import Attempts, Health, Methods, StreamBook
 from tokembed.client.errors import EmbeddingError
 from tokembed.client.results import EmbedResult, ModelInfo, ModelList
 from tokembed.v1 import embedding_pb2 as pb
+
+if TYPE_CHECKING:
+    from tokembed.client.shared_memory import SharedMemorySession
 
 T = TypeVar("T")
 
@@ -111,6 +114,26 @@ class EmbeddingClient(ClientBase):
             result = decode.decode_response(raw)
             self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape)
+
+    def shared_memory(
+        self,
+        capacity_bytes: int = 64 << 20,
+        *,
+        prefix: str = "tokembed",
+        mode: int = 0o600,
+    ) -> SharedMemorySession:
+        """A shared-memory region of this client's, registered with a server on this host
+        (``--shared-memory system``): its ``embed`` answers are written by the server into
+        the region and returned as arrays over it, with no socket in between. Use it as a
+        context manager; see ``tokembed.client.shared_memory`` for the contract."""
+        self._check_open()
+        from tokembed.client.shared_memory import SharedMemorySession
+
+        return SharedMemorySession(
+            self._channel, target=self.target, metadata=self._metadata(),
+            timeout_s=self._settings.timeout_s, model_name=self._settings.model_name,
+            capacity_bytes=capacity_bytes, prefix=prefix, mode=mode,
+        )  # fmt: skip
 
     def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
         """One served model and its limits: ``model`` (None: the client's ``model_name``;

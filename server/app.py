@@ -51,6 +51,8 @@ from tokembed.server.edge.v1.servicer import (
 )
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.requests import InferParser
+from tokembed.server.edge.v2.shm import SharedMemoryRegistry
+from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
 from tokembed.server.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
 from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
@@ -92,6 +94,12 @@ class TokembedServer:
         self.metrics.inflight_output_bytes.set_function(lambda: float(self._budget.inflight_bytes))
         self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="tokembed-work")
         self._loader = loader
+        # V2 system shared memory: the regions callers on this host register (refused
+        # unless --shared-memory system).
+        self.shared_memory = SharedMemoryRegistry(
+            enabled=settings.shared_memory == "system", prefix=settings.shared_memory_prefix,
+            max_regions=settings.shared_memory_max_regions,
+        )  # fmt: skip
         self.health = health.aio.HealthServicer()
         self.repository.listen(self._model_health)
         self._health_updates: set[asyncio.Task[None]] = set()
@@ -147,9 +155,14 @@ class TokembedServer:
         # data plane.
         inference = v2.InferenceServicer(
             self.dataplane,
-            parse=InferParser(settings.max_request_bytes, settings.max_tokens_per_request),
+            parse=InferParser(
+                settings.max_request_bytes, settings.max_tokens_per_request,
+                source=SharedMemoryInputs(self.shared_memory, settings.max_request_bytes),
+            ),
             max_message_bytes=settings.max_message_bytes, version=__version__,
-            statistics=self.metrics.model_totals,
+            statistics=self.metrics.model_totals, shared_memory=self.shared_memory,
+            extensions=(*v2.EXTENSIONS, "system_shared_memory")
+            if self.shared_memory.enabled else v2.EXTENSIONS,
         )  # fmt: skip
         self._server.add_generic_rpc_handlers(
             [generic_handler(servicer), v2.generic_handler(inference)]
@@ -180,10 +193,12 @@ class TokembedServer:
                     "one, -1 turns metrics off)"
                 ) from exc
         logger.info(
-            "listening on %s:%d (gRPC%s), metrics on %s",
+            "listening on %s:%d (gRPC%s), metrics on %s%s",
             settings.host, self.port, ", TLS" if settings.tls_cert else "",
             f"http://{settings.metrics_host}:{self.metrics_port}/metrics"
             if self.metrics_port is not None else "(disabled)",
+            f"; V2 system shared memory on (keys /{settings.shared_memory_prefix}*)"
+            if self.shared_memory.enabled else "",
         )  # fmt: skip
         self._loading = asyncio.ensure_future(self._load_all())
 
@@ -365,6 +380,7 @@ class TokembedServer:
         await self.calls.wait_quiet(DRAIN_QUIET_S, drain_started, settle_until)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
+        await self.shared_memory.close()  # every call has ended: no region is in use
         for handle in self.repository:
             await handle.scheduler.close()
         self._workers.shutdown(wait=False)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,6 +21,9 @@ from tokembed.server.core.errors import ServerConfigError
 
 ENV_PREFIX = "TOKEMBED_"
 MiB = 1024 * 1024
+# What a shared-memory prefix may be: the start of a POSIX shared-memory object's name,
+# so no '/' (the name is one path component) and nothing a shell or a log would mangle.
+SHM_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _setting(default: Any, help: str, **extra: Any) -> Any:
@@ -142,6 +146,24 @@ class Settings:
     auth_token_file: Path | None = _setting(
         None, "file holding a bearer token; every RPC but health checks must present it"
     )
+    # --- same-host transfer (the V2 protocol's system shared-memory extension)
+    shared_memory: str = _setting(
+        "off",
+        "system: V2 clients on this host may register POSIX shared-memory regions "
+        "(Triton's system shared-memory extension) to send ids and receive answers through "
+        "them; off: every registration is refused. Any caller that may call the server "
+        "(the bearer token, when one is set) may register any object under "
+        "shared_memory_prefix that the server's user can open (docs/security.md)",
+        choices=("off", "system"),
+    )
+    shared_memory_prefix: str = _setting(
+        "tokembed",
+        "a region's key must name a POSIX shared-memory object whose name starts with this "
+        "(after the leading /); letters, digits, '.', '_' and '-' only",
+    )
+    shared_memory_max_regions: int = _setting(
+        64, "regions registered at once (each holds an open file); past it registration fails"
+    )
 
     @property
     def max_delay_s(self) -> float:
@@ -198,6 +220,7 @@ class Settings:
             "max_concurrent_batches",
             "workers",
             "log_summary_interval_s",
+            "shared_memory_max_regions",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -235,6 +258,13 @@ class Settings:
             raise ServerConfigError("workers > 1 needs a fixed port to share")
         if self.default_model is not None and not self.default_model:
             raise ServerConfigError("default_model must be a model's name, got ''")
+        if not SHM_PREFIX.fullmatch(self.shared_memory_prefix) or ".." in (
+            self.shared_memory_prefix
+        ):
+            raise ServerConfigError(
+                "shared_memory_prefix must be 1-64 of letters, digits, '.', '_' and '-' "
+                f"(no '..'), got {self.shared_memory_prefix!r}"
+            )
         return self
 
     def replace(self, **changes: Any) -> Settings:

@@ -184,11 +184,6 @@ def _output_dtype(request: pb.ModelInferRequest) -> str:
             raise InvalidInput(
                 f"unexpected inference output {output.name!r}; the model's output is {OUTPUT_NAME}"
             )
-        if "shared_memory_region" in output.parameters:
-            raise InvalidInput(
-                f"output {output.name} names a shared-memory region, and this server "
-                "answers in the response only"
-            )
         asked = _string_parameter(output.parameters, DATATYPE_PARAMETER) or asked
     asked = asked or _string_parameter(request.parameters, DATATYPE_PARAMETER)
     if not asked:

@@ -27,7 +27,7 @@ import grpc
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd
 from tokembed.server.core.dataplane import DataPlane, Refused, Sink, StreamSink
-from tokembed.server.core.errors import EmbedError, Unavailable
+from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
@@ -40,6 +40,13 @@ from tokembed.server.edge.v2.requests import (
     ModelQuery,
     parse_message,
     parse_model_query,
+)
+from tokembed.server.edge.v2.shm import SharedMemoryRegistry
+from tokembed.server.edge.v2.shm_service import (
+    SharedMemoryService,
+    SharedMemorySink,
+    names_region,
+    output_window,
 )
 from tokembed.server.edge.v2.status import status_name, status_of
 from tokembed.v2 import grpc_service_pb2 as pb
@@ -85,11 +92,17 @@ class InferenceServicer:
         version: str,
         statistics: Callable[[str], ModelTotals | None],
         extensions: Sequence[str] = EXTENSIONS,
+        shared_memory: SharedMemoryRegistry | None = None,
     ) -> None:
         """``parse``: ModelInfer's deserializer; ``max_message_bytes``: the message limit
         ModelConfig reports; ``version``: tokembed's (ServerMetadata); ``statistics``: a
-        model name's totals (None: none yet)."""
+        model name's totals (None: none yet); ``shared_memory``: the system shared-memory
+        regions (None: the extension's methods are not served)."""
         self.parse = parse
+        self.shared_memory = (
+            None if shared_memory is None else SharedMemoryService(shared_memory, _abort)
+        )
+        self._regions = shared_memory
         self._dataplane = dataplane
         self._max_message_bytes = max_message_bytes
         self._version = version
@@ -101,7 +114,7 @@ class InferenceServicer:
     async def ModelInfer(
         self, request: InferCall | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
-        sink = self.unary_sink(request, context)
+        request, sink = self.unary_sink(request, context)
         try:
             await self._dataplane.serve(
                 FRONT_END, "ModelInfer", EMBED, request, deadline_of(context), sink
@@ -112,9 +125,18 @@ class InferenceServicer:
 
     def unary_sink(
         self, request: InferCall | Refused, context: grpc.aio.ServicerContext
-    ) -> UnarySink:
-        """Where ModelInfer's answer goes: the response's ``raw_output_contents``."""
-        return UnarySink(context)
+    ) -> tuple[InferCall | Refused, UnarySink | SharedMemorySink]:
+        """Where ModelInfer's answer goes: the response's ``raw_output_contents``, or the
+        shared-memory region its requested output names. A window that cannot be had
+        refuses the request (through the data plane, counted as any refusal)."""
+        if isinstance(request, InferCall) and self._regions is not None:
+            try:
+                window = output_window(self._regions, request.outputs)
+            except EmbedError as error:
+                return Refused(error, request.request_id), UnarySink(context)
+            if window is not None:
+                return request, SharedMemorySink(context, window)
+        return request, UnarySink(context)
 
     async def ModelStreamInfer(
         self,
@@ -122,8 +144,8 @@ class InferenceServicer:
         context: grpc.aio.ServicerContext,
     ) -> None:
         await self._dataplane.serve_stream(
-            FRONT_END, "ModelStreamInfer", EMBED, request_iterator, deadline_of(context),
-            StreamItemSink(context),
+            FRONT_END, "ModelStreamInfer", EMBED, _in_the_stream(request_iterator),
+            deadline_of(context), StreamItemSink(context),
         )  # fmt: skip
 
     # --- the server and its models
@@ -216,6 +238,26 @@ class InferenceServicer:
         """The versions of ``name`` that requests may name now."""
         return [h.version for h in self._dataplane.repository
                 if h.name == name and h.state.value == "ready"]  # fmt: skip
+
+
+async def _in_the_stream(
+    requests: AsyncIterator[InferCall | Refused],
+) -> AsyncIterator[InferCall | Refused]:
+    """A stream's requests; one asking for its answer in shared memory is refused (a
+    stream's answers are its messages; ModelInfer writes answers into regions)."""
+    async for request in requests:
+        if isinstance(request, InferCall) and any(
+            names_region(output.parameters) for output in request.outputs
+        ):
+            yield Refused(
+                InvalidInput(
+                    f"output {OUTPUT_NAME} names a shared-memory region: ModelStreamInfer "
+                    "answers in the stream; use ModelInfer for answers in shared memory"
+                ),
+                request.request_id,
+            )
+        else:
+            yield request
 
 
 def _statistics(name: str, totals: ModelTotals | None) -> pb.ModelStatistics:
@@ -332,4 +374,6 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
             reply(pb.RepositoryIndexResponse),
         ),
     }
+    if servicer.shared_memory is not None:
+        handlers.update(servicer.shared_memory.handlers(parse_message))
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,245 @@
+"""Answers through system shared memory, for a client on the server's host.
+
+    with EmbeddingClient("127.0.0.1:50051") as client:
+        with client.shared_memory(capacity_bytes=64 << 20) as shm:
+            hidden = shm.embed(ids)      # a read-only view of the region: no socket, no copy
+            keep = hidden.copy()         # ...valid until the next shm.embed: copy to keep
+
+The session makes a POSIX shared-memory object of its own (``/dev/shm/<prefix>_<pid>_<random>``,
+mode 0600 unless told otherwise), maps it, and registers it with the server over the Open
+Inference Protocol (``SystemSharedMemoryRegister``, Triton's extension: the same RPCs
+tritonclient uses). Each ``embed`` writes the ids into the start of the region, asks
+``ModelInfer`` for the answer to be written after them, and returns the answer as a numpy
+array over the region itself. When the session ends it unregisters the region and removes
+the object; arrays still held keep their pages until they are dropped.
+
+The contract: an array from ``embed`` is valid until the session's next ``embed``, which
+writes its answer into the same bytes (copy an answer to keep it). Calls on one session
+take turns (a lock); open one session per thread for concurrency.
+
+It needs the server to run with ``--shared-memory system`` on this host, as a user that
+can open the object (the same user, with the default mode), and its
+``--shared-memory-prefix`` to be the session's ``prefix``. Otherwise opening the session
+raises ``SharedMemoryUnavailableError``, with the server's reason. Linux only (the
+objects live in /dev/shm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from tokembed.client import codec
+from tokembed.client.errors import (
+    EmbeddingError,
+    SharedMemoryUnavailableError,
+    client_invalid_input,
+    from_rpc_error,
+)
+
+SHM_ROOT = Path("/dev/shm")
+SERVICE = "/inference.GRPCInferenceService/"
+DEFAULT_CAPACITY_BYTES = 64 << 20
+DEFAULT_PREFIX = "tokembed"
+# The answer starts at the first multiple of this after the ids (whole cache lines, and
+# every dtype's alignment).
+_ALIGN = 64
+_V2_OUTPUT: dict[str, tuple[str, np.dtype[np.floating]]] = {
+    "float32": ("FP32", np.dtype("<f4")),
+    "float16": ("FP16", np.dtype("<f2")),
+}
+
+
+class SharedMemorySession:
+    """A region of this client's, registered with the server; see the module docstring."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        *,
+        target: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+        timeout_s: float | None = None,
+        model_name: str = "",
+        capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+        prefix: str = DEFAULT_PREFIX,
+        mode: int = 0o600,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise client_invalid_input(f"capacity_bytes must be positive, got {capacity_bytes}")
+        from tokembed.v2 import grpc_service_pb2 as pb
+
+        self._pb = pb
+        self._target = target
+        self._model_name = model_name
+        self._metadata = metadata
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self.name = f"{prefix}_{os.getpid()}_{secrets.token_hex(8)}"
+        self.key = f"/{self.name}"
+        self.capacity_bytes = capacity_bytes
+        self._path = SHM_ROOT / self.name
+        self._calls = {
+            method: channel.unary_unary(
+                SERVICE + method,
+                request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString,
+            )
+            for method, request, response in (
+                ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest,
+                 pb.SystemSharedMemoryRegisterResponse),
+                ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest,
+                 pb.SystemSharedMemoryUnregisterResponse),
+                ("ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse),
+            )
+        }  # fmt: skip
+        fd = os.open(
+            self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, mode
+        )
+        self._closed = False
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            self._map = mmap.mmap(fd, capacity_bytes)
+        except BaseException:
+            os.close(fd)
+            self._path.unlink()
+            raise
+        os.close(fd)  # the mapping keeps the object
+        try:
+            self._rpc(
+                "SystemSharedMemoryRegister",
+                pb.SystemSharedMemoryRegisterRequest(
+                    name=self.name, key=self.key, offset=0, byte_size=capacity_bytes
+                ),
+            )
+        except EmbeddingError as exc:
+            self._release_local()
+            if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                raise SharedMemoryUnavailableError(
+                    f"the server at {target} cannot use this client's shared memory: "
+                    f"{exc.details}",
+                    code=exc.code, reason=exc.reason, details=exc.details,
+                ) from exc  # fmt: skip
+            raise
+
+    # --- calls
+
+    def embed(
+        self,
+        ids: Any,
+        dtype: str = "float32",
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> npt.NDArray[np.floating]:
+        """``[B, S, D]`` for rectangular ``ids``, as a read-only array over the region:
+        valid until this session's next ``embed`` (copy it to keep it)."""
+        if dtype not in _V2_OUTPUT:
+            raise client_invalid_input(f"dtype must be one of {sorted(_V2_OUTPUT)}, got {dtype!r}")
+        datatype, numpy_dtype = _V2_OUTPUT[dtype]
+        encoded = codec.encode_ids(ids)
+        if encoded.lengths is not None:
+            raise client_invalid_input("shared memory takes rectangular [B, S] ids only")
+        data = encoded.ids.tobytes()
+        out_offset = -(-len(data) // _ALIGN) * _ALIGN
+        if out_offset >= self.capacity_bytes:
+            raise client_invalid_input(
+                f"the ids ({len(data)} bytes) do not fit the region ({self.capacity_bytes} "
+                "bytes); open the session with a larger capacity_bytes"
+            )
+        pb = self._pb
+        request = pb.ModelInferRequest(
+            model_name=self._model_name if model is None else model,
+            inputs=[pb.ModelInferRequest.InferInputTensor(
+                name="input_ids", datatype="INT64" if encoded.ids.itemsize == 8 else "INT32",
+                shape=list(encoded.ids.shape),
+                parameters=self._window(0, len(data)),
+            )],
+            outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(
+                name="hidden_states",
+                parameters={**self._window(out_offset, self.capacity_bytes - out_offset),
+                            "datatype": pb.InferParameter(string_param=datatype)},
+            )],
+        )  # fmt: skip
+        with self._lock:
+            self._check_open()
+            self._map[: len(data)] = data
+            response = self._rpc("ModelInfer", request, timeout_s)
+            (output,) = response.outputs
+            shape = tuple(int(n) for n in output.shape)
+            count = int(np.prod(shape, dtype=np.int64))
+            if output.datatype != datatype or count * numpy_dtype.itemsize > (
+                self.capacity_bytes - out_offset
+            ):
+                raise EmbeddingError(
+                    f"malformed reply from the server: {output.datatype} {list(shape)} "
+                    f"for a {datatype} answer in {self.capacity_bytes - out_offset} bytes"
+                )
+            answer: npt.NDArray[np.floating] = np.frombuffer(
+                self._map, numpy_dtype, count, out_offset
+            ).reshape(shape)
+        answer.flags.writeable = False
+        return answer
+
+    # --- lifetime
+
+    def close(self) -> None:
+        """Unregister the region and remove the object (idempotent). Arrays still held
+        keep their pages (the mapping goes when the last of them is dropped)."""
+        if self._closed:
+            return
+        try:
+            self._rpc(
+                "SystemSharedMemoryUnregister",
+                self._pb.SystemSharedMemoryUnregisterRequest(name=self.name),
+            )
+        finally:
+            self._release_local()
+
+    def __enter__(self) -> SharedMemorySession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _release_local(self) -> None:
+        self._closed = True
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+        # Arrays over the mapping are alive (BufferError): it goes with the last of them.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EmbeddingError(f"the shared-memory session {self.name} is closed")
+
+    def _window(self, offset: int, size: int) -> dict[str, Any]:
+        parameter = self._pb.InferParameter
+        return {
+            "shared_memory_region": parameter(string_param=self.name),
+            "shared_memory_offset": parameter(int64_param=offset),
+            "shared_memory_byte_size": parameter(int64_param=size),
+        }
+
+    def _rpc(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        try:
+            return self._calls[method](request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc

@@ -1,0 +1,432 @@
+"""System shared memory (Triton's extension of the V2 protocol): the regions and their use.
+
+A client on this host creates a POSIX shared-memory object, registers a window of it
+under a name (``SystemSharedMemoryRegister``: name, key, offset, byte_size), and then
+names the region in a request's input or output parameters (``shared_memory_region``,
+``shared_memory_byte_size``, ``shared_memory_offset``): the server reads that input's
+bytes from the window, or writes that output into it and sends no tensor bytes back.
+``SystemSharedMemoryStatus`` lists regions and ``SystemSharedMemoryUnregister`` lets one
+(or all) go. The semantics are Triton's, so ``tritonclient.utils.shared_memory`` works
+unchanged. No grpc here: the V2 front end translates its messages into these calls.
+
+Security. A region is another process's memory, and Triton's own record shows how that
+goes wrong (the 2025 chain CVE-2025-23319/23320/23334: an error message leaked the name
+of a region the server had made for itself, and registering that name mapped it; an
+offset added twice at registration, triton#8330; a size sum unguarded against overflow).
+What this module does about each:
+
+- Off unless the server was started with ``--shared-memory system``.
+- A key must name a POSIX shared-memory object (``/NAME``, one path component) whose name
+  starts with ``--shared-memory-prefix``: no other ``/``, no ``..``, only letters, digits,
+  ``.``, ``_``, ``-``. It is opened with ``O_NOFOLLOW`` (a symbolic link planted under
+  the prefix is refused), never ``O_CREAT``, and must be a regular file: the server
+  creates no object of its own, under the prefix or anywhere, so there is no internal
+  region whose name could leak.
+- Every offset and size is a Python int (no fixed width, so no sum can wrap), checked
+  non-negative, and checked against the object's real size (``fstat``) at registration
+  and again before every copy.
+- Memory is never mapped. Reading a page of a mapping whose file was truncated under it
+  raises SIGBUS, which kills the process, and checking the size before touching the
+  mapping leaves a window in which the client can truncate it anyway. So every copy is a
+  ``pread`` or ``pwritev`` on the object's descriptor: the kernel does the copy, a read
+  past the end is short (reported as an error), and no signal can come of it. What is
+  left of the race: a client that shrinks its object after the size check and before the
+  write sees the write grow it back, up to the end of the window it registered (checked
+  against the object's size at registration, and at most the request's answer); the
+  memory is the client's own object's, and the server goes on.
+- An input is read only after its size is checked against the request's limit, so a
+  region of a terabyte cannot make the server allocate one.
+- Unregistering waits for the requests using the region; the descriptor is closed only
+  once the last copy into it has returned (a request whose caller left may still be
+  writing on a worker thread). Everything is unregistered when the server stops.
+- Error messages name only what the request itself named: never another region's name
+  or key. (``SystemSharedMemoryStatus`` lists every region, as the protocol says, to
+  whoever may call the server: the bearer token, when one is set, guards it as it guards
+  registration; the V2 front end is behind the same interceptor as every method.)
+- At most ``--shared-memory-max-regions`` regions at once: each holds a descriptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import stat
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokembed.server.core.errors import Cancelled, InvalidInput
+from tokembed.server.core.types import Buffer
+
+logger = logging.getLogger(__name__)
+
+# Where Linux keeps POSIX shared-memory objects: shm_open("/NAME") opens /dev/shm/NAME.
+SHM_ROOT = Path("/dev/shm")
+# A region's name is the client's label for it; bounded so a registration stays small.
+MAX_NAME_CHARS = 256
+# What may follow the prefix in an object's name (the prefix obeys the same rule).
+_NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+# POSIX: an object's name is one path component of at most NAME_MAX (255) bytes.
+_NAME_MAX = 255
+# Buffers one pwritev takes (Linux: 1024); sysconf says -1 where it sets no limit.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 0
+_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024
+
+
+class SharedMemoryError(InvalidInput):
+    """A registration, or a request's use of a region, that cannot be honoured."""
+
+
+class SharedMemoryOff(SharedMemoryError):
+    """The server was started without ``--shared-memory system``."""
+
+
+class RegionExists(SharedMemoryError):
+    """A region of that name is registered already."""
+
+
+class RegionNotFound(SharedMemoryError):
+    """No region of that name is registered."""
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+class Region:
+    """One registered window of a shared-memory object, and the descriptor it is read and
+    written through."""
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int) -> None:
+        self.name = name
+        self.key = key
+        self.offset = offset
+        self.byte_size = byte_size
+        self._fd = fd
+        # Copies run on the loop and on worker threads; the descriptor is closed by
+        # whichever of the last copy and the unregistration comes later.
+        self._lock = threading.Lock()
+        self._copies = 0
+        self._closed = False
+        # Requests using the region (on the event loop alone); unregistering waits for 0.
+        self.users = 0
+        self._idle: asyncio.Event | None = None
+
+    @property
+    def status(self) -> RegionStatus:
+        return RegionStatus(self.name, self.key, self.offset, self.byte_size)
+
+    # --- the requests using it (event loop)
+
+    def hold(self) -> None:
+        self.users += 1
+
+    def let_go(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_unused(self) -> None:
+        if self.users:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    # --- copies (any thread)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the window (both checked by the caller against
+        the window; checked here against the object as it is now)."""
+        fd = self._begin_copy()
+        try:
+            self._check_object(fd)
+            data = os.pread(fd, size, self.offset + offset)
+        except OSError as exc:
+            raise SharedMemoryError(
+                f"cannot read region {self.name!r}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            self._end_copy()
+        if len(data) != size:  # the object shrank after the check: the read came up short
+            raise SharedMemoryError(
+                f"region {self.name!r} shrank while it was read ({len(data)} of {size} "
+                "bytes); register it again"
+            )
+        return data
+
+    def write(self, offset: int, pieces: Sequence[Buffer]) -> None:
+        """The bytes of ``pieces``, joined, at ``offset`` of the window (the caller checked
+        that they fit it)."""
+        fd = self._begin_copy()
+        try:
+            self._check_object(fd)
+            _pwrite_all(fd, pieces, self.offset + offset)
+        except OSError as exc:
+            raise SharedMemoryError(
+                f"cannot write region {self.name!r}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            self._end_copy()
+
+    def _check_object(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        end = self.offset + self.byte_size
+        if size < end:
+            raise SharedMemoryError(
+                f"region {self.name!r} is no longer what was registered: its object is now "
+                f"{size} bytes, the window ends at byte {end}; register it again"
+            )
+
+    def _begin_copy(self) -> int:
+        with self._lock:
+            if self._closed:
+                raise SharedMemoryError(f"region {self.name!r} was unregistered")
+            self._copies += 1
+            return self._fd
+
+    def _end_copy(self) -> None:
+        with self._lock:
+            self._copies -= 1
+            close = self._closed and self._copies == 0
+        if close:
+            os.close(self._fd)
+
+    def close(self) -> None:
+        """No more copies; the descriptor goes once the last one running has returned."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            close = self._copies == 0
+        if close:
+            os.close(self._fd)
+
+
+class Window:
+    """Part of a region one tensor of a request is read from or written into."""
+
+    __slots__ = ("byte_size", "offset", "region")
+
+    def __init__(self, region: Region, offset: int, byte_size: int) -> None:
+        self.region: Region | None = region
+        self.offset = offset
+        self.byte_size = byte_size
+
+    @property
+    def name(self) -> str:
+        return self._held().name
+
+    def read(self, max_bytes: int) -> bytes:
+        """The window's bytes (an input's), if at most ``max_bytes`` (the request's limit:
+        checked before anything is allocated)."""
+        if self.byte_size > max_bytes:
+            raise SharedMemoryError(
+                f"shared_memory_byte_size {self.byte_size} of an input is over the "
+                f"{max_bytes} bytes a request may carry"
+            )
+        return self._held().read(self.offset, self.byte_size)
+
+    def write(self, pieces: Sequence[Buffer], nbytes: int) -> None:
+        """An answer of ``nbytes`` (its ``pieces`` joined) at the start of the window."""
+        region = self._held()
+        if nbytes > self.byte_size:
+            raise SharedMemoryError(
+                f"the output is {nbytes} bytes, over the shared_memory_byte_size "
+                f"{self.byte_size} given for it in region {region.name!r}"
+            )
+        region.write(self.offset, pieces)
+
+    def release(self) -> None:
+        """The request is done with the window (idempotent; on the event loop)."""
+        region, self.region = self.region, None
+        if region is not None:
+            region.let_go()
+
+    def _held(self) -> Region:
+        region = self.region
+        if region is None:  # its call ended (the caller left) before the copy
+            raise Cancelled("the call ended before its shared-memory window was used")
+        return region
+
+
+def _pwrite_all(fd: int, pieces: Sequence[Buffer], position: int) -> None:
+    """Write every byte of ``pieces`` at ``position``: at most IOV_MAX buffers a call,
+    and on from where a short write stopped."""
+    views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.pwritev(fd, batch, position)
+        if written <= 0:
+            raise OSError(0, "the write made no progress")
+        position += written
+        done = 0
+        while done < len(batch) and written >= len(batch[done]):
+            written -= len(batch[done])
+            done += 1
+        rest = views[done:]
+        if written:
+            rest[0] = rest[0][written:]
+        views = rest
+
+
+class SharedMemoryRegistry:
+    """The regions registered with this server, by name."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        prefix: str,
+        max_regions: int,
+        root: Path = SHM_ROOT,
+    ) -> None:
+        self.enabled = enabled
+        self.prefix = prefix
+        self.max_regions = max_regions
+        self._root = root
+        self._regions: dict[str, Region] = {}
+        self._closed = False
+
+    # --- the RPCs
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """``SystemSharedMemoryRegister``: the window ``[offset, offset + byte_size)`` of the
+        object ``key``, under ``name``."""
+        self._check_on()
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise SharedMemoryError(f"a region needs a name of 1 to {MAX_NAME_CHARS} characters")
+        if name in self._regions:
+            raise RegionExists(f"a region named {name!r} is registered already")
+        if len(self._regions) >= self.max_regions:
+            raise SharedMemoryError(
+                f"{self.max_regions} regions are registered, the most this server takes "
+                "(--shared-memory-max-regions); unregister one first"
+            )
+        object_name = self._object_name(key)
+        if offset < 0 or byte_size <= 0:
+            raise SharedMemoryError(
+                f"region {name!r}: offset {offset} must be >= 0 and byte_size {byte_size} > 0"
+            )
+        fd = self._open(key, object_name)
+        try:
+            size = os.fstat(fd).st_size
+            # Python ints: offset + byte_size cannot wrap, whatever the client sent.
+            if offset + byte_size > size:
+                raise SharedMemoryError(
+                    f"region {name!r}: offset {offset} + byte_size {byte_size} is past the end "
+                    f"of {key!r} ({size} bytes)"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        self._regions[name] = Region(name, key, offset, byte_size, fd)
+        logger.info(
+            "registered shared-memory region %r: %s, %d bytes at offset %d",
+            name, key, byte_size, offset,
+        )  # fmt: skip
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        """``SystemSharedMemoryStatus``: the region ``name``, or every region for ``""``."""
+        self._check_on()
+        if not name:
+            return [region.status for region in self._regions.values()]
+        region = self._regions.get(name)
+        if region is None:
+            raise RegionNotFound(f"no region named {name!r} is registered")
+        return [region.status]
+
+    async def unregister(self, name: str = "") -> None:
+        """``SystemSharedMemoryUnregister``: let the region ``name`` go (every region for
+        ``""``) once no request uses it. A name not registered is not an error (Triton's
+        behaviour: unregistering is idempotent)."""
+        self._check_on()
+        if name:
+            region = self._regions.pop(name, None)
+            gone = [] if region is None else [region]
+        else:
+            gone = list(self._regions.values())
+            self._regions.clear()
+        for region in gone:
+            await region.wait_unused()
+            region.close()
+            logger.info("unregistered shared-memory region %r", region.name)
+
+    async def close(self) -> None:
+        """The server stops: every region unregistered (its requests are over by now)."""
+        self._closed = True
+        gone = list(self._regions.values())
+        self._regions.clear()
+        for region in gone:
+            region.close()
+        if gone:
+            logger.info("unregistered %d shared-memory region(s) at shutdown", len(gone))
+
+    # --- requests
+
+    def use(self, name: str, offset: int, byte_size: int) -> Window:
+        """``byte_size`` bytes at ``offset`` of the region ``name``'s window, for one tensor
+        of a request (checked against the window); the region is held, and cannot go,
+        until ``Window.release``."""
+        self._check_on()
+        region = self._regions.get(name)
+        if region is None:
+            raise RegionNotFound(f"no shared-memory region named {name!r} is registered")
+        if offset < 0 or byte_size <= 0 or offset + byte_size > region.byte_size:
+            raise SharedMemoryError(
+                f"shared_memory_offset {offset} + shared_memory_byte_size {byte_size} is "
+                f"outside region {name!r} ({region.byte_size} bytes)"
+            )
+        region.hold()
+        return Window(region, offset, byte_size)
+
+    # --- keys
+
+    def _check_on(self) -> None:
+        if not self.enabled:
+            raise SharedMemoryOff(
+                "shared memory is off on this server (start it with --shared-memory system)"
+            )
+        if self._closed:
+            raise SharedMemoryOff("the server is stopping")
+
+    def _object_name(self, key: str) -> str:
+        """The object's name in ``SHM_ROOT`` for a key ``/NAME`` this server may open."""
+        name = key[1:] if key.startswith("/") else ""
+        if (
+            not name
+            or len(name.encode()) > _NAME_MAX
+            or not _NAME_CHARS.fullmatch(name)
+            or ".." in name
+            or not name.startswith(self.prefix)
+        ):
+            raise SharedMemoryError(
+                f"key {key[:300]!r} must be '/' and then a name starting with "
+                f"{self.prefix!r}, of letters, digits, '.', '_' and '-' only (no other '/', "
+                "no '..')"
+            )
+        return name
+
+    def _open(self, key: str, object_name: str) -> int:
+        # O_NOFOLLOW: a link planted under the prefix is refused, not followed. O_NONBLOCK:
+        # a FIFO under the prefix does not hang the open (it is refused below). Never
+        # O_CREAT: the server makes no object of its own.
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+        try:
+            fd = os.open(self._root / object_name, flags)
+        except OSError as exc:
+            raise SharedMemoryError(
+                f"cannot open shared-memory object {key!r}: {exc.strerror or exc}"
+            ) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SharedMemoryError(f"{key!r} is not a shared-memory object")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd

@@ -1,0 +1,211 @@
+"""System shared memory in the V2 front end: the three RPCs, where inputs are read from,
+and the sink that writes an answer into a region (the registry itself: ``shm``).
+
+- ``SystemSharedMemoryRegister`` / ``Status`` / ``Unregister``: the registry's calls, in
+  Triton's messages; a refusal is INVALID_ARGUMENT (through the V2 status table) with the
+  registry's message.
+- ``SharedMemoryInputs``: ModelInfer's input source (``requests.InputSource``). An input
+  whose parameters name a ``shared_memory_region`` is read from it (``shared_memory_offset``,
+  default 0, and ``shared_memory_byte_size``), at most the request's size limit; any other
+  is the request's own bytes. The region is held only while it is read.
+- ``SharedMemorySink``: a ModelInfer whose requested output names a region gets this sink:
+  the answer's bytes go into the region (on the thread that frames it, as a unary answer's
+  join would), and the response carries the output's name, datatype and shape but no tensor
+  bytes. The window is held from before the request is served until its RPC has ended
+  (gRPC's done callback, whatever the ending), so unregistering waits for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from tokembed.export.manifest import OUTPUT_NAME
+from tokembed.server.core.calls import Call
+from tokembed.server.core.dataplane import Refused, Sink
+from tokembed.server.core.errors import EmbedError, InvalidInput
+from tokembed.server.core.types import Answer
+from tokembed.server.edge.v2.requests import InputSource, contents_of
+from tokembed.server.edge.v2.shm import SharedMemoryRegistry, Window
+from tokembed.v2 import grpc_service_pb2 as pb
+
+REGION = "shared_memory_region"
+BYTE_SIZE = "shared_memory_byte_size"
+OFFSET = "shared_memory_offset"
+
+
+def names_region(parameters: Mapping[str, pb.InferParameter]) -> bool:
+    return REGION in parameters
+
+
+def window_of(
+    registry: SharedMemoryRegistry, tensor: str, parameters: Mapping[str, pb.InferParameter]
+) -> Window:
+    """The window a tensor's parameters name (held: release it), or ``InvalidInput``."""
+    region = parameters[REGION]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidInput(f"{tensor}: parameter {REGION} must be a string")
+    if BYTE_SIZE not in parameters:
+        raise InvalidInput(f"{tensor}: parameter {BYTE_SIZE} is missing beside {REGION}")
+    byte_size = _integer(tensor, parameters, BYTE_SIZE)
+    offset = _integer(tensor, parameters, OFFSET) if OFFSET in parameters else 0
+    return registry.use(region.string_param, offset, byte_size)
+
+
+def _integer(tensor: str, parameters: Mapping[str, pb.InferParameter], name: str) -> int:
+    parameter = parameters[name]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind == "int64_param":
+        return int(parameter.int64_param)
+    if kind == "uint64_param":
+        return int(parameter.uint64_param)
+    raise InvalidInput(f"{tensor}: parameter {name} must be an integer")
+
+
+class SharedMemoryInputs:
+    """ModelInfer's input source: a region where an input names one, else the request."""
+
+    def __init__(
+        self, registry: SharedMemoryRegistry, max_bytes: int, request: InputSource = contents_of
+    ) -> None:
+        self._registry = registry
+        self._max_bytes = max_bytes
+        self._request = request
+
+    def __call__(self, tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> bytes:
+        if not names_region(tensor.parameters):
+            return self._request(tensor, raw)
+        if raw is not None:
+            raise InvalidInput(
+                f"input {tensor.name} names a shared-memory region and has raw_input_contents "
+                "too; send one"
+            )
+        window = window_of(self._registry, f"input {tensor.name}", tensor.parameters)
+        try:
+            return window.read(self._max_bytes)
+        finally:
+            window.release()
+
+
+def output_window(
+    registry: SharedMemoryRegistry,
+    outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor],
+) -> Window | None:
+    """The window the requested output names (held), None when it names none."""
+    for output in outputs:
+        if names_region(output.parameters):
+            return window_of(registry, f"output {output.name}", output.parameters)
+    return None
+
+
+class SharedMemorySink(Sink[bytes]):
+    """ModelInfer with its output in a region: the answer written there, the response
+    without tensor bytes. ``window`` is released when the RPC ends."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, window: Window) -> None:
+        self._window = window
+        self.payload = b""
+        context.add_done_callback(lambda _context: window.release())
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        self._window.write(answer.pieces, answer.nbytes)
+        return pb.ModelInferResponse(
+            model_name=answer.model_name,
+            model_version=answer.model_version,
+            id=call.request_id,
+            outputs=[
+                pb.ModelInferResponse.InferOutputTensor(
+                    name=OUTPUT_NAME, datatype=answer.dtype.v2, shape=list(answer.shape)
+                )
+            ],
+        ).SerializeToString()
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        self.payload = framed
+        sent()  # the answer is in the region already; the response is a few bytes
+
+
+# --- the RPCs
+
+
+class SharedMemoryService:
+    """SystemSharedMemoryRegister, Status and Unregister over the registry. ``abort``:
+    the front end's way to end a call with a domain error (its status table)."""
+
+    def __init__(
+        self,
+        registry: SharedMemoryRegistry,
+        abort: Callable[[grpc.aio.ServicerContext, EmbedError], Awaitable[Any]],
+    ) -> None:
+        self._registry = registry
+        self._abort = abort
+
+    async def SystemSharedMemoryRegister(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        try:
+            asked = _parsed(request)
+            self._registry.register(asked.name, asked.key, asked.offset, asked.byte_size)
+        except EmbedError as error:
+            await self._abort(context, error)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryStatus(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        try:
+            regions = self._registry.status(_parsed(request).name)
+        except EmbedError as error:
+            await self._abort(context, error)
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in regions:
+            entry = response.regions[region.name]
+            entry.name = region.name
+            entry.key = region.key
+            entry.offset = region.offset
+            entry.byte_size = region.byte_size
+        return response
+
+    async def SystemSharedMemoryUnregister(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        try:
+            await self._registry.unregister(_parsed(request).name)
+        except EmbedError as error:
+            await self._abort(context, error)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    def handlers(
+        self, parse: Callable[[Any], Callable[[bytes], Any]]
+    ) -> dict[str, grpc.RpcMethodHandler]:
+        """The three methods, for the V2 front end's generic handler; ``parse``: a
+        message class's deserializer (``requests.parse_message``)."""
+        methods: dict[str, tuple[Callable[..., Awaitable[Any]], Any, Any]] = {
+            "SystemSharedMemoryRegister": (
+                self.SystemSharedMemoryRegister, pb.SystemSharedMemoryRegisterRequest,
+                pb.SystemSharedMemoryRegisterResponse,
+            ),
+            "SystemSharedMemoryStatus": (
+                self.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest,
+                pb.SystemSharedMemoryStatusResponse,
+            ),
+            "SystemSharedMemoryUnregister": (
+                self.SystemSharedMemoryUnregister, pb.SystemSharedMemoryUnregisterRequest,
+                pb.SystemSharedMemoryUnregisterResponse,
+            ),
+        }  # fmt: skip
+        return {
+            name: grpc.unary_unary_rpc_method_handler(
+                handler, parse(request), response.SerializeToString
+            )
+            for name, (handler, request, response) in methods.items()
+        }
+
+
+def _parsed(request: Any) -> Any:
+    """The request, or the error its bytes were refused with (``parse_message``)."""
+    if isinstance(request, Refused):
+        raise request.error
+    return request
