@@ -2,9 +2,10 @@
 
 The backend is decided here, once per model, by its kind (``BACKENDS``), and reported
 in GetModelInfo and the logs. For a ``token`` model:
-- ``table`` on CPU when the model's ``[V, D]`` float32 rows fit ``float32_table_max_bytes``:
-  the model runs once over the whole vocabulary and look-ups slice its rows (a float16
-  table too when it fits ``float16_table_max_bytes``; else float16 answers are cast);
+- ``table`` on CPU when ``Settings.tables`` keeps tables for it: the model runs once over
+  the whole vocabulary and look-ups slice its rows (a float32 table when it fits
+  ``float32_table_max_bytes``, float16 and bfloat16 ones beside it where they fit theirs;
+  a bfloat16 model keeps its bfloat16 table alone and runs for its other answers);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch.
 """
 
@@ -31,7 +32,7 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
-from tokembed.server.core.dtypes import FLOAT32, DType
+from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.settings import Settings
 
@@ -117,22 +118,36 @@ def _token_backend(model: ModelDir, settings: Settings) -> Backend:
         cpu_arena=False,
     )
     casts = output_casts(at_load)
-    if settings.float32_table_bytes(vocab_size, d_model) and expects_cpu(settings.device):
+    per_batch = dataclasses.replace(
+        at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
+    )
+    kept = settings.tables(vocab_size, d_model, manifest.weight_dtype)
+    if kept and expects_cpu(settings.device):
         session = ModelSession(model, at_load)
         if session.provider == CPU:
-            tables = {FLOAT32: session.every_row(_CHUNK_BYTES)}
-            for dtype, cast in casts.items():
-                if settings.cast_table_bytes(vocab_size, d_model, dtype.itemsize):
-                    tables[dtype] = _cast_in_chunks(tables[FLOAT32], cast, dtype)
+            dtypes = [OUTPUT_DTYPES[name] for name in kept]
+            if FLOAT32 in dtypes:
+                tables = {FLOAT32: session.every_row(_CHUNK_BYTES)}
+                for dtype in dtypes:
+                    if dtype != FLOAT32:
+                        tables[dtype] = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+                return TableBackend(
+                    tables,
+                    casts=casts,
+                    padding_id=manifest.padding_idx,
+                    execution_provider=session.provider,
+                )
+            # No float32 table (a bfloat16 model): each table is the model's rows cast a
+            # chunk at a time, and the model stays to run for answers in other dtypes.
+            tables = {dtype: _rows_in(session, casts[dtype], dtype) for dtype in dtypes}
             return TableBackend(
                 tables,
                 casts=casts,
                 padding_id=manifest.padding_idx,
                 execution_provider=session.provider,
+                session=ModelSession(model, per_batch),
+                mapped_bytes=model.weight_bytes,
             )
-    per_batch = dataclasses.replace(
-        at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
-    )
     session = ModelSession(model, per_batch)
     backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, casts=casts)
     backend.warm_up(settings.max_batch_tokens)
@@ -141,6 +156,17 @@ def _token_backend(model: ModelDir, settings: Settings) -> Backend:
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
 BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {"token": _token_backend}
+
+
+def _rows_in(session: ModelSession, cast: Cast, dtype: DType) -> np.ndarray:
+    """The model's rows of every id cast to ``dtype``, computed a chunk at a time (the
+    float32 rows are never whole in memory)."""
+    out = np.empty((session.vocab_size, session.d_model), dtype=dtype.numpy)
+    step = max(1, _CHUNK_BYTES // (session.d_model * 4))
+    for start in range(0, session.vocab_size, step):
+        stop = min(session.vocab_size, start + step)
+        out[start:stop] = cast(session.run(np.arange(start, stop, dtype=np.int64)))
+    return out
 
 
 def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: DType) -> np.ndarray:
