@@ -177,7 +177,7 @@ def _measure_width(
                     continue
                 for dtype in plan.dtypes:
                     if dtype != "float32" and workload not in (LARGE, MEDIUM):
-                        continue  # float16 halves bytes: it matters where bytes dominate
+                        continue  # a half-width dtype halves bytes: it matters where they dominate
                     yield from measure_cell(
                         plan, workload, d_model, dtype, concurrency, requests, endpoints
                     )

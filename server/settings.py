@@ -102,10 +102,9 @@ class Settings:
         512 * MiB,
         "with the table backend, keep a bfloat16 table too (V x D x 2 bytes) for bfloat16 "
         "answers if it is at most this big; else they are cast from the float32 rows. A "
-        "model stored in bfloat16 keeps this table only (no float32 one, which would double "
-        "its memory): it gets the table backend when the table fits (and "
-        "float32_table_max_bytes is not 0), and its float32 and float16 answers are runs of "
-        "the model, whose weights onnxruntime maps from the model directory's file",
+        "model stored in bfloat16 keeps this table alone, no float32 one: it is served by "
+        "the table backend when this table fits (and --float32-table-max-bytes is not 0), "
+        "its float32 and float16 answers computed by the model per answer",
     )
     memory_trim_interval_s: float = _setting(
         1.0,
