@@ -215,25 +215,24 @@ def _check_answers(
     module: TokenEmbedding, weight_dtype: str, ids: np.ndarray, got: np.ndarray
 ) -> None:
     """Each answer dtype, bit for bit: the graph's float32 rows, rounded to it as the
-    server rounds them, against torch's answer in that dtype. torch's answer is the table
-    as exported (``StoredAs``: the row widened exactly, times the scale in float32) cast
-    to the dtype; and in the table's own dtype, also torch's ``embedding(ids) * scale``
-    computed in that dtype, as a model stored so computes it."""
-    stored: torch.nn.Module = module
-    if weight_dtype != "float32":
-        stored = StoredAs(module, _TORCH_DTYPES[weight_dtype]).eval()
+    server rounds them, against torch's answer in that dtype. torch's answer is the
+    stored table's row (the float32 row rounded to the weight dtype, as ``StoredAs``
+    stores it) widened exactly and times the scale in float32, cast to the dtype; and in
+    the table's own dtype, also that row times the scale computed in that dtype, as
+    ``embedding(ids) * scale`` on a table stored so computes it. Only the checked ids'
+    rows are narrowed (rounding commutes with the gather): no second copy of the table."""
     torch_ids = torch.from_numpy(ids)
     with torch.no_grad():
-        reference = stored(torch_ids)
+        rows = torch.nn.functional.embedding(torch_ids, module.embedding.weight)
+        stored = rows.to(_TORCH_DTYPES[weight_dtype])
+        reference = stored.to(torch.float32) * module.scale
         for name, (torch_dtype, numpy_dtype) in _ANSWER_DTYPES.items():
             # A float32 answer past float16's largest rounds to infinity, in torch too.
             with np.errstate(over="ignore"):
                 ours = got.astype(numpy_dtype)
             theirs = [("the stored table's float32 answer", reference.to(torch_dtype))]
             if name == weight_dtype:
-                table = stored.weight if isinstance(stored, StoredAs) else module.embedding.weight
-                native = torch.nn.functional.embedding(torch_ids, table) * module.scale
-                theirs.append((f"embedding(ids) * scale in {name}", native))
+                theirs.append((f"embedding(ids) * scale in {name}", stored * module.scale))
             for what, answer in theirs:
                 bits = _torch_bits(answer)
                 if not np.array_equal(_bits(ours), bits):
