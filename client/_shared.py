@@ -148,7 +148,7 @@ class StreamBook:
         assert isinstance(leading, tuple), "This is a bug."
         outcome = decode.decode_stream_response(raw)
         if isinstance(outcome, EmbedResult):
-            outcome = decode.check_shape(outcome, leading)
+            outcome = decode.check_shape(outcome, leading, self._sequence_first)
         outcomes.append(outcome)
         return [self._emit(each) for each in outcomes]
 

@@ -121,7 +121,7 @@ class AsyncEmbeddingClient(ClientBase):
             raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
             result = decode.decode_response(raw)
             self._learnt(model_name, result.hidden_states.shape[-1])
-        return decode.check_shape(result, call.leading_shape)
+        return decode.check_shape(result, call.leading_shape, call.sequence_first)
 
     async def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
         """See ``EmbeddingClient.info``."""

@@ -99,6 +99,7 @@ class EmbedCall(NamedTuple):
     leading_shape: tuple[int, ...]  # the answer's shape without D
     output_rows: int  # D-wide rows in the answer, padding included
     output_itemsize: int  # bytes per value of the answer
+    sequence_first: bool = False  # the answer is [S,B,D] ([S_max,B,D])
 
 
 def embed_call(
@@ -121,6 +122,7 @@ def embed_call(
         encoded.leading_shape(checked_layout),
         encoded.output_rows(checked_layout),
         output_itemsize(dtype),
+        sequence_first,
     )
 
 

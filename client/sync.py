@@ -111,7 +111,7 @@ class EmbeddingClient(ClientBase):
             raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
             result = decode.decode_response(raw)
             self._learnt(model_name, result.hidden_states.shape[-1])
-        return decode.check_shape(result, call.leading_shape)
+        return decode.check_shape(result, call.leading_shape, call.sequence_first)
 
     def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
         """One served model and its limits: ``model`` (None: the client's ``model_name``;

@@ -41,6 +41,9 @@ def test_sequence_first_is_the_batch_first_answer_transposed(
             hidden = client.embed(ids, dtype, sequence_first=True)
             assert hidden.shape == (*shape, SMALL_D)
             same_bits(hidden, client.embed(ids.T, dtype).transpose(1, 0, 2))
+        result = client.embed_result(ids, dtype, sequence_first=True)  # the last: [1, 5]
+        assert [each.shape for each in result.sequences()] == [(1, SMALL_D)] * 5
+        same_bits(result.sequences()[3], client.embed(ids[:, 3], dtype)[0])
         # One sequence as a flat list: [S, 1].
         hidden = client.embed([4, 5, 6], dtype, sequence_first=True)
         same_bits(hidden, client.embed([[4, 5, 6]], dtype).transpose(1, 0, 2))
@@ -56,8 +59,12 @@ def test_sequence_first_is_the_batch_first_answer_transposed(
             result = client.embed_result(ragged, dtype, sequence_first=True)
             assert result.hidden_states.shape == (max(lengths), len(lengths), SMALL_D)
             assert result.lengths is not None and result.lengths.tolist() == list(lengths)
-            batch_first = client.embed(ragged, dtype)
-            same_bits(result.hidden_states, batch_first.transpose(1, 0, 2))
+            batch_first = client.embed_result(ragged, dtype)
+            same_bits(result.hidden_states, batch_first.hidden_states.transpose(1, 0, 2))
+            # Each sequence's rows, padding removed, whichever axis comes first.
+            assert result.sequence_first and not batch_first.sequence_first
+            for mine, theirs in zip(result.sequences(), batch_first.sequences(), strict=True):
+                same_bits(mine, theirs)
             # The shortest sequence's positions past its end hold the padding id's row.
             pad = client.embed([[SMALL_PAD]], dtype)[0, 0]
             shortest = int(np.argmin(lengths))
@@ -75,7 +82,9 @@ def test_sequence_first_streams_and_chunks(
     with EmbeddingClient(server.target) as client:
         want = client.embed(ids.T).transpose(1, 0, 2)
         want_ragged = client.embed(ragged, "bfloat16").transpose(1, 0, 2)
-        streamed = list(client.embed_stream([ids, ragged], "float32", sequence_first=True))
+        results = list(client.embed_stream_results([ids, ragged], "float32", sequence_first=True))
+        assert all(result.sequence_first for result in results)
+        streamed = [result.hidden_states for result in results]
         same_bits(streamed[0], want)
         assert streamed[1].shape == (4, 2, SMALL_D)
         same_bits(streamed[1], client.embed(ragged).transpose(1, 0, 2))
