@@ -372,6 +372,7 @@ class ClientBase:
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        sequence_first: bool = False,
         token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """One Embed call's request, its deadline, and the model it is for."""
@@ -382,6 +383,7 @@ class ClientBase:
             layout,
             model_name=model_name,
             request_id=request_id,
+            sequence_first=sequence_first,
             token_types=token_types,
         )
         return call, self._deadline(timeout_s), model_name

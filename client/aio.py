@@ -83,6 +83,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
@@ -90,7 +91,7 @@ class AsyncEmbeddingClient(ClientBase):
     ) -> npt.NDArray[np.floating]:
         """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
         call, deadline, model_name = await self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id, token_types
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
         if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -106,6 +107,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
@@ -113,7 +115,7 @@ class AsyncEmbeddingClient(ClientBase):
     ) -> EmbedResult:
         """See ``EmbeddingClient.embed_result``."""
         call, deadline, model_name = await self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id, token_types
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
         if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -121,7 +123,7 @@ class AsyncEmbeddingClient(ClientBase):
             raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
             result = decode.decode_response(raw)
             self._learnt(model_name, result.hidden_states.shape[-1])
-        return decode.check_shape(result, call.leading_shape)
+        return decode.check_shape(result, call.leading_shape, call.sequence_first)
 
     async def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
         """See ``EmbeddingClient.info``."""
@@ -147,12 +149,18 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[npt.NDArray[np.floating]]:
         """See ``EmbeddingClient.embed_stream``; ``inputs`` may also be async."""
         async for result in self.embed_stream_results(
-            inputs, dtype, layout=layout, model=model, timeout_s=timeout_s
+            inputs,
+            dtype,
+            layout=layout,
+            sequence_first=sequence_first,
+            model=model,
+            timeout_s=timeout_s,
         ):
             yield result.hidden_states
 
@@ -163,6 +171,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[False] = ...,
@@ -175,6 +184,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[True],
@@ -186,13 +196,14 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
     ) -> AsyncIterator[EmbedResult | EmbeddingError]:
         """See ``EmbeddingClient.embed_stream_results``."""
         self._ensure_open()
-        book = StreamBook(dtype, layout, self._model(model), return_exceptions)
+        book = StreamBook(dtype, layout, self._model(model), return_exceptions, sequence_first)
 
         async def requests() -> AsyncIterator[bytes]:
             try:
@@ -243,12 +254,13 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        sequence_first: bool,
         token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """See ``EmbeddingClient._start_embed``."""
         self._ensure_open()
         call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id, token_types
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
         return call, deadline, model_name
 

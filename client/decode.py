@@ -8,6 +8,7 @@ preallocated array, each chunk copied into it once; that array is writable.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Sequence
@@ -131,7 +132,8 @@ class _AnswerHead(NamedTuple):
     @staticmethod
     def of(array: npt.NDArray[Any]) -> _AnswerHead | None:
         """The head protobuf writes before ``array``'s data (None: none is learnt here)."""
-        row = dtypes.OUTPUT_BY_NUMPY.get(array.dtype.str)
+        # By the type's name: the arrays learnt from are native (little-endian here).
+        row = dtypes.OUTPUT.get(array.dtype.name)
         if row is None or sys.byteorder != "little":
             return None
         code = row.wire
@@ -309,10 +311,13 @@ class ChunkAssembler:
         return header, memoryview(chunk)[data_field.value_start : data_field.end]
 
 
-def check_shape(result: EmbedResult, leading: tuple[int, ...]) -> EmbedResult:
-    """Refuse an answer whose shape does not fit the request (a server bug)."""
+def check_shape(
+    result: EmbedResult, leading: tuple[int, ...], sequence_first: bool = False
+) -> EmbedResult:
+    """Refuse an answer whose shape does not fit the request (a server bug); the result,
+    marked sequence-first if the request was."""
     check_array_shape(result.hidden_states, leading)
-    return result
+    return dataclasses.replace(result, sequence_first=True) if sequence_first else result
 
 
 def check_array_shape(array: npt.NDArray[Any], leading: tuple[int, ...]) -> npt.NDArray[Any]:

@@ -41,9 +41,10 @@ class EmbedResult:
     """One answer: the hidden states and what the server said about them.
 
     ``hidden_states`` is ``[B,S,D]`` (rectangular input, or ragged input with the padded
-    layout) or ``[N,D]`` (the flat layout). Arrays decoded from a unary or stream answer
-    are read-only views of the received bytes (no copy); call ``.copy()`` to modify one.
-    ``lengths`` is the sequence lengths for ragged or flat answers, ``None`` otherwise.
+    layout) or ``[N,D]`` (the flat layout); ``[S,B,D]`` (``[S_max,B,D]``) when
+    ``sequence_first``. Arrays decoded from a unary or stream answer are read-only views
+    of the received bytes (no copy); call ``.copy()`` to modify one. ``lengths`` is the
+    sequence lengths for ragged or flat answers, ``None`` otherwise.
     """
 
     hidden_states: npt.NDArray[np.floating]
@@ -52,10 +53,15 @@ class EmbedResult:
     model_name: str
     model_version: str
     request_id: str
+    # The call asked for sequence-first ids and answer (``sequence_first=True``).
+    sequence_first: bool = False
 
     def sequences(self) -> list[npt.NDArray[np.floating]]:
         """The rows of each sequence, ``[len_b, D]`` each, padding removed (views)."""
         hs = self.hidden_states
+        if self.sequence_first and hs.ndim == 3:
+            lengths = self.lengths if self.lengths is not None else [hs.shape[0]] * hs.shape[1]
+            return [hs[: int(n), b] for b, n in enumerate(lengths)]
         if self.lengths is None:
             return list(hs) if hs.ndim == 3 else [hs]
         if hs.ndim == 3:

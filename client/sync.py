@@ -65,14 +65,18 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
         token_types: Any = None,
     ) -> npt.NDArray[np.floating]:
         """Embed ids; returns ``[B,S,D]`` (``[B,S_max,D]`` for ragged input, padded with
-        the padding id's row) or ``[N,D]`` with ``layout="flat"``.
+        the padding id's row) or ``[N,D]`` with ``layout="flat"``. With
+        ``sequence_first=True`` a 2-D array of ids is ``[S,B]`` and the answer ``[S,B,D]``
+        (``[S_max,B,D]`` for ragged input; see ``codec``).
 
+        ``dtype``: "float32", "float16" or "bfloat16" (an ``ml_dtypes.bfloat16`` array).
         The array is a read-only view of the received bytes (zero-copy); ``.copy()`` it
         to write. ``model`` names the model for this call (None: the client's
         ``model_name``; "": the server's default). ``timeout_s`` overrides the client's
@@ -81,7 +85,7 @@ class EmbeddingClient(ClientBase):
         takes and of their shape; None: every type is 0.
         """
         call, deadline, model_name = self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id, token_types
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
         if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -98,6 +102,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
@@ -105,7 +110,7 @@ class EmbeddingClient(ClientBase):
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
         call, deadline, model_name = self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id, token_types
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
         if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -113,7 +118,7 @@ class EmbeddingClient(ClientBase):
             raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
             result = decode.decode_response(raw)
             self._learnt(model_name, result.hidden_states.shape[-1])
-        return decode.check_shape(result, call.leading_shape)
+        return decode.check_shape(result, call.leading_shape, call.sequence_first)
 
     def shared_memory(
         self,
@@ -160,6 +165,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[npt.NDArray[np.floating]]:
@@ -172,7 +178,12 @@ class EmbeddingClient(ClientBase):
         every input of the stream.
         """
         results = self.embed_stream_results(
-            inputs, dtype, layout=layout, model=model, timeout_s=timeout_s
+            inputs,
+            dtype,
+            layout=layout,
+            sequence_first=sequence_first,
+            model=model,
+            timeout_s=timeout_s,
         )
         for result in results:
             yield result.hidden_states
@@ -184,6 +195,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[False] = ...,
@@ -196,6 +208,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[True],
@@ -207,6 +220,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
@@ -214,7 +228,7 @@ class EmbeddingClient(ClientBase):
         """Like :meth:`embed_stream`, yielding results; with ``return_exceptions=True`` a
         failed input yields its EmbeddingError in its place and the stream goes on."""
         self._check_open()
-        book = StreamBook(dtype, layout, self._model(model), return_exceptions)
+        book = StreamBook(dtype, layout, self._model(model), return_exceptions, sequence_first)
 
         def requests() -> Iterator[bytes]:
             try:
@@ -265,12 +279,13 @@ class EmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        sequence_first: bool,
         token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """The call encoded, its deadline, and the model it is for."""
         self._check_open()
         call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id, token_types
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
         return call, deadline, model_name
 

@@ -3,12 +3,13 @@
 The backend is decided here, once per model, by its kind (``BACKENDS``), and reported
 in GetModelInfo and the logs, with the memory each way of serving it takes. Every kind
 has the same two ways:
-- ``table`` on CPU when the model's float32 rows fit ``float32_table_max_bytes``: the model
-  runs once, at load, over every input it can be given, and look-ups slice its rows (a
-  float16 table too when it fits ``float16_table_max_bytes``; else float16 answers are
-  cast). A ``token`` model's rows are ``[V, D]``; a ``factorized`` one's too (its matmul is
-  done once per id, at load); a ``segment`` one's are ``[T * V, D]``, one per (id, type)
-  (``backends.segment`` says why);
+- ``table`` on CPU when ``Settings.tables`` keeps tables for it: the model runs once, at
+  load, over every input it can be given, and look-ups slice its rows (a float32 table
+  when it fits ``float32_table_max_bytes``, float16 and bfloat16 ones beside it where they
+  fit theirs; a bfloat16 model keeps its bfloat16 table alone and runs for its other
+  answers). A ``token`` model's rows are ``[V, D]``; a ``factorized`` one's too (its matmul
+  is done once per id, at load); a ``segment`` one's are ``[T * V, D]``, one per (id,
+  type) (``backends.segment`` says why);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch (for a factorized
   model a matmul, which is why requests batch).
 """
@@ -38,7 +39,7 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
-from tokembed.server.core.dtypes import FLOAT32, DType
+from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.settings import Settings
 
@@ -141,8 +142,8 @@ def _table_or_runtime(
     wrap: Callable[[TableBackend], Backend] | None = None,
 ) -> Backend:
     """The table backend over ``compute_rows``' float32 ``[table_rows, D]`` (wrapped by
-    ``wrap``) when it fits the float32 budget on CPU; else onnxruntime per batch. Either
-    way the backend says what each way takes (``Backend.serving_memory``)."""
+    ``wrap``) when ``Settings.tables`` keeps tables for it on CPU; else onnxruntime per
+    batch. Either way the backend says what each way takes (``Backend.serving_memory``)."""
     manifest = model.manifest
     d_model = manifest.d_model
     # The tables and casts computed at load need no arena: what they allocate is given
@@ -155,34 +156,50 @@ def _table_or_runtime(
     )
     casts = output_casts(at_load)
     batch_output_bytes = settings.max_batch_tokens * d_model * 4
+    per_batch = dataclasses.replace(at_load, cpu_arena=True, batch_output_bytes=batch_output_bytes)
+    kept = settings.tables(table_rows, d_model, manifest.weight_dtype)
     serving_memory = {
-        "table": table_rows * d_model * 4
-        + sum(settings.cast_table_bytes(table_rows, d_model, dtype.itemsize) for dtype in casts),
+        "table": _table_way_bytes(settings, table_rows, d_model, model),
         # The weights the session holds, and the arena's first region: room for a batch's
         # rows twice (``sessions._register_cpu_arena``), shared by the process's models.
         "onnxruntime": model.weight_bytes + 2 * batch_output_bytes,
     }
-    backend: Backend
-    if settings.float32_table_bytes(table_rows, d_model) and expects_cpu(settings.device):
+    if kept and expects_cpu(settings.device):
         session = ModelSession(model, at_load)
         if session.provider == CPU:
-            tables = {FLOAT32: compute_rows(session)}
-            for dtype, cast in casts.items():
-                if settings.cast_table_bytes(table_rows, d_model, dtype.itemsize):
-                    tables[dtype] = _cast_in_chunks(tables[FLOAT32], cast, dtype)
-            table = TableBackend(
-                tables,
-                casts=casts,
-                padding_id=manifest.padding_idx,
-                execution_provider=session.provider,
-            )
+            dtypes = [OUTPUT_DTYPES[name] for name in kept]
+            if FLOAT32 in dtypes:
+                tables = {FLOAT32: compute_rows(session)}
+                for dtype in dtypes:
+                    if dtype != FLOAT32:
+                        tables[dtype] = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+                table = TableBackend(
+                    tables,
+                    casts=casts,
+                    padding_id=manifest.padding_idx,
+                    execution_provider=session.provider,
+                )
+            else:
+                # No float32 table (a bfloat16 model): each table is the model's rows cast
+                # a chunk at a time, and the model stays to run for answers in other dtypes.
+                if model.kind.name != TOKEN:  # the exporter writes no such model
+                    raise ServerConfigError(
+                        f"a {model.kind.name} model with {manifest.weight_dtype} weights "
+                        "cannot be served yet"
+                    )
+                table = TableBackend(
+                    {dtype: _rows_in(session, casts[dtype], dtype) for dtype in dtypes},
+                    casts=casts,
+                    padding_id=manifest.padding_idx,
+                    execution_provider=session.provider,
+                    session=ModelSession(model, per_batch),
+                    mapped_bytes=model.weight_bytes,
+                )
             backend = table if wrap is None else wrap(table)
             backend.serving_memory = serving_memory
             return backend
-    per_batch = dataclasses.replace(at_load, cpu_arena=True, batch_output_bytes=batch_output_bytes)
-    session = ModelSession(model, per_batch)
     runtime = OnnxRuntimeBackend(
-        session,
+        ModelSession(model, per_batch),
         padding_id=manifest.padding_idx,
         casts=casts,
         memory={"weights": model.weight_bytes, "batch arena": 2 * batch_output_bytes},
@@ -192,12 +209,34 @@ def _table_or_runtime(
     return runtime
 
 
+def _table_way_bytes(settings: Settings, rows: int, d_model: int, model: ModelDir) -> int:
+    """What serving from tables would take, whether or not they fit their budgets: the
+    tables ``Settings.tables`` would keep (budgets aside), and for a bfloat16 model the
+    weights mapped for its other answers."""
+    cells = rows * d_model
+    if model.manifest.weight_dtype == "bfloat16":
+        return cells * 2 + model.weight_bytes
+    budgets = (settings.float16_table_max_bytes, settings.bfloat16_table_max_bytes)
+    return cells * 4 + sum(cells * 2 for budget in budgets if cells * 2 <= budget)
+
+
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
 BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {
     TOKEN: _token_backend,
     SEGMENT: _segment_backend,
     FACTORIZED: _token_backend,
 }
+
+
+def _rows_in(session: ModelSession, cast: Cast, dtype: DType) -> np.ndarray:
+    """The model's rows of every id cast to ``dtype``, computed a chunk at a time (the
+    float32 rows are never whole in memory)."""
+    out = np.empty((session.vocab_size, session.d_model), dtype=dtype.numpy)
+    step = max(1, _CHUNK_BYTES // (session.d_model * 4))
+    for start in range(0, session.vocab_size, step):
+        stop = min(session.vocab_size, start + step)
+        out[start:stop] = cast(session.run(np.arange(start, stop, dtype=np.int64)))
+    return out
 
 
 def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: DType) -> np.ndarray:

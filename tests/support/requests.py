@@ -39,6 +39,7 @@ def embed_request(
     model_name: str = "",
     model_version: str = "",
     request_id: str = "",
+    order: int = pb.LAYOUT_UNSPECIFIED,
 ) -> pb.EmbedRequest:
     """An ``EmbedRequest`` for ``ids`` ([B, S], or [N] with ``lengths``: a list, or an
     array sent as its bytes are).
@@ -46,7 +47,8 @@ def embed_request(
     ``ids_dtype``: the dtype the tensor declares; by default int32 for an int32 array and
     int64 for an int64 one (a list's ids are int64); another array must name one.
     ``shape`` and ``data`` replace the array's. Without ``ids``, ``shape`` or ``data`` the
-    request has no ``input_ids`` at all.
+    request has no ``input_ids`` at all. ``layout`` is the ragged layout; ``order`` the
+    Layout field (batch- or sequence-first).
     """
     request = pb.EmbedRequest(
         lengths=list(lengths),
@@ -55,6 +57,7 @@ def embed_request(
         model_name=model_name,
         model_version=model_version,
         request_id=request_id,
+        layout=order,  # type: ignore[arg-type]
     )
     if ids is None and shape is None and data is None:
         return request
