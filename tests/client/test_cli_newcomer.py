@@ -123,8 +123,8 @@ def test_models_prints_one_line_per_model(
     kind = "onnxruntime" if backend else "table"
     with EmbeddingClient(server.target) as client:
         held = {info.name: sum(info.memory_bytes.values()) for info in client.models()}
-    if not backend:  # the float32 and float16 tables: V x D x 6 bytes
-        assert held == {"small": SMALL_V * SMALL_D * 6, "decoder": DECODER_V * DECODER_D * 6}
+    if not backend:  # the float32, float16 and bfloat16 tables: V x D x 8 bytes
+        assert held == {"small": SMALL_V * SMALL_D * 8, "decoder": DECODER_V * DECODER_D * 8}
     memory = {name: f"{count / 1024:.1f} KiB" if count < 2**20 else f"{count / 2**20:.1f} MiB"
               for name, count in held.items()}  # fmt: skip
     assert [line.split() for line in lines] == [

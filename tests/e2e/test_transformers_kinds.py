@@ -242,11 +242,16 @@ def test_model_info_and_listing_describe_the_bert_model(
         ("embedding", (V, D), "float32"),
         ("segment", (TYPES, D), "float32"),
     ]
-    # The table backend holds a row per (id, type): T * V rows, and their float16 cast.
+    # The table backend holds a row per (id, type): T * V rows, and their float16 and
+    # bfloat16 casts.
     assert info.backend == "table"
     rows = TYPES * V * D
-    assert info.memory_bytes == {"float32 table": rows * 4, "float16 table": rows * 2}
-    assert info.serving_memory_bytes["table"] == rows * 6
+    assert info.memory_bytes == {
+        "float32 table": rows * 4,
+        "float16 table": rows * 2,
+        "bfloat16 table": rows * 2,
+    }
+    assert info.serving_memory_bytes["table"] == rows * 8
     assert info.serving_memory_bytes["onnxruntime"] > (V + TYPES) * D * 4
 
 

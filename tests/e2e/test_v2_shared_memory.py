@@ -39,7 +39,7 @@ from tokembed.client import (
 )
 
 from support.fixtures import SMALL_D, SMALL_V
-from support.gates import GatedLoader
+from support.backends import HookedLoader
 
 MODEL = "small"
 SHM_ROOT = Path("/dev/shm")
@@ -323,7 +323,7 @@ def test_a_stream_refuses_shared_memory_answers_and_goes_on(
 def test_unregister_waits_for_the_request_using_the_region(
     start_server: Any, small_model_dir: Path, small_rows: np.ndarray, prefix: str, regions: Any
 ) -> None:
-    loader = GatedLoader(open_look_ups=False)
+    loader = HookedLoader(open_look_ups=False)
     server = serve(
         start_server, small_model_dir, prefix, loader=loader, inline_compute_max_tokens=0
     )
@@ -337,7 +337,7 @@ def test_unregister_waits_for_the_request_using_the_region(
         wanted = tc.InferRequestedOutput("hidden_states")
         wanted.set_shared_memory(name, out_bytes)
         inferring = pool.submit(client.infer, MODEL, [given], outputs=[wanted])
-        assert loader.backend is not None and loader.backend.entered.wait(30)
+        assert loader.look_up_gate.held.wait(30), "the request never reached the gate"
         with tc.InferenceServerClient(server.target) as other:
             unregistering = pool.submit(other.unregister_system_shared_memory, name)
             # The region leaves the status as soon as the unregistration has begun; from
@@ -350,7 +350,7 @@ def test_unregister_waits_for_the_request_using_the_region(
                 raise AssertionError("the unregistration never began")
             assert not unregistering.done()
             assert open_descriptors(SHM_ROOT / name) == clients_own + 1
-            loader.look_up_gate.set()
+            loader.look_up_gate.open()
             inferring.result(30)
             unregistering.result(30)
         answer = shm.get_contents_as_numpy(handle, np.float32, (*IDS.shape, SMALL_D))
