@@ -44,6 +44,24 @@ class Parity:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """Weight tying: whether the exported table is also the model's output projection.
+
+    Recorded when the export is told the projection's key (``--output-projection``), so
+    that an operation from vectors back to ids can use this same table when ``tied``
+    (the projection's logits are ``h @ E.T``, ``E`` the unscaled table) and knows that
+    it may not when it is not.
+    """
+
+    output_projection: str  # the key of the model's output projection in the checkpoint
+    tied: bool  # whether that projection is this table
+    evidence: str  # how the exporter knows (shared storage, equal values, config.json...)
+    # The checkpoint's keys that name this very table: the exported one first, then the
+    # others stored as one tensor with it (torch files store tied weights once).
+    keys: list[str]
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     version: str
@@ -62,9 +80,14 @@ class Manifest:
     format: str = FORMAT
     # What the model is (``tokembed.export.kinds``); manifests from before kinds are "token".
     kind: str = "token"
+    # Written only when known (``Tie``); manifests without it say nothing about a tie.
+    tie: Tie | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        fields = asdict(self)
+        if fields["tie"] is None:
+            del fields["tie"]
+        return json.dumps(fields, indent=2, sort_keys=True) + "\n"
 
     def write(self, directory: Path) -> Path:
         path = directory / MANIFEST_NAME
@@ -119,11 +142,27 @@ class Manifest:
             ),
             source=reader.obj("source") if reader.get("source") is not None else {},
             kind=reader.text("kind") if reader.get("kind") is not None else "token",
+            tie=_tie(reader.obj("tie"), f"{where}: tie") if reader.get("tie") is not None else None,
         )
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tie(raw: dict[str, Any], where: str) -> Tie:
+    reader = _Reader(raw, where)
+    tied, keys = reader.get("tied"), reader.get("keys")
+    if not isinstance(tied, bool):
+        raise ModelDirError(f"{where}: field 'tied' must be true or false, got {tied!r}")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        raise ModelDirError(f"{where}: field 'keys' must be a non-empty list of keys, got {keys!r}")
+    return Tie(
+        output_projection=reader.text("output_projection"),
+        tied=tied,
+        evidence=reader.text("evidence"),
+        keys=keys,
+    )
 
 
 def _tensor_spec(raw: dict[str, Any], where: str) -> TensorSpec:
