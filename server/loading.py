@@ -5,13 +5,18 @@ in GetModelInfo and the logs. For a ``token`` model:
 - ``table`` on CPU when the model's ``[V, D]`` float32 rows fit ``float32_table_max_bytes``:
   the model runs once over the whole vocabulary and look-ups slice its rows (a float16
   table too when it fits ``float16_table_max_bytes``; else float16 answers are cast);
+  models whose files are byte for byte the same (an encoder's and a decoder's entrance
+  exported from one tied matrix) share these tables (``_RowTables``);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,8 @@ from tokembed.server.backends.table import TableBackend
 from tokembed.server.core.dtypes import FLOAT32, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 # Tables are computed (and cast) this many bytes of rows at a time, so that loading needs
 # no second full-size temporary.
@@ -118,17 +125,11 @@ def _token_backend(model: ModelDir, settings: Settings) -> Backend:
     )
     casts = output_casts(at_load)
     if settings.float32_table_bytes(vocab_size, d_model) and expects_cpu(settings.device):
-        session = ModelSession(model, at_load)
-        if session.provider == CPU:
-            tables = {FLOAT32: session.every_row(_CHUNK_BYTES)}
-            for dtype, cast in casts.items():
-                if settings.cast_table_bytes(vocab_size, d_model, dtype.itemsize):
-                    tables[dtype] = _cast_in_chunks(tables[FLOAT32], cast, dtype)
+        with _ROW_TABLES.lock:
+            tables = _row_tables(model, settings, at_load, casts)
+        if tables is not None:
             return TableBackend(
-                tables,
-                casts=casts,
-                padding_id=manifest.padding_idx,
-                execution_provider=session.provider,
+                tables, casts=casts, padding_id=manifest.padding_idx, execution_provider=CPU
             )
     per_batch = dataclasses.replace(
         at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
@@ -137,6 +138,82 @@ def _token_backend(model: ModelDir, settings: Settings) -> Backend:
     backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, casts=casts)
     backend.warm_up(settings.max_batch_tokens)
     return backend
+
+
+class _RowTables:
+    """The row tables computed at load, by the bytes they are computed from, so that two
+    model directories that are byte for byte the same model hold one copy of each table.
+
+    An encoder's and a decoder's entrance exported from one tied matrix are two model
+    directories (two names) with identical files: the same graph, the same table. A
+    table is the output of its model's files and nothing else (the padding id, which
+    the manifest alone holds, only picks a row of it), and ``load_model_dir`` has checked
+    every file against the sha256 its manifest records before any table is computed:
+    equal recorded hashes of every file are equal bytes, never a guess. Held weakly: a
+    table goes when the last model serving it is unloaded.
+    """
+
+    def __init__(self) -> None:
+        # Held while a table is computed, so that a model loading beside its twin waits
+        # for the twin's table instead of computing a second one.
+        self.lock = threading.Lock()
+        self._tables: weakref.WeakValueDictionary[tuple[object, ...], np.ndarray] = (
+            weakref.WeakValueDictionary()
+        )
+        self._computed_for: dict[tuple[object, ...], Path] = {}
+
+    @staticmethod
+    def _key(model: ModelDir, dtype: DType) -> tuple[object, ...]:
+        files = sorted((name, entry.sha256, entry.size_bytes)
+                       for name, entry in model.manifest.files.items())  # fmt: skip
+        return (model.kind.name, dtype.name, *files)
+
+    def get(self, model: ModelDir, dtype: DType) -> tuple[np.ndarray, Path] | None:
+        """The table already computed for a model with these files, and for which one."""
+        key = self._key(model, dtype)
+        table = self._tables.get(key)
+        return None if table is None else (table, self._computed_for[key])
+
+    def keep(self, model: ModelDir, dtype: DType, table: np.ndarray) -> np.ndarray:
+        key = self._key(model, dtype)
+        self._tables[key] = table
+        self._computed_for[key] = model.path
+        weakref.finalize(table, self._computed_for.pop, key, None)
+        return table
+
+
+_ROW_TABLES = _RowTables()
+
+
+def _row_tables(
+    model: ModelDir, settings: Settings, at_load: SessionOptions, casts: dict[DType, Cast]
+) -> dict[DType, np.ndarray] | None:
+    """The model's float32 rows and the cast tables its settings keep: those computed for
+    a model with the same files already (``_RowTables``), else computed here. None when
+    the session does not run on the CPU."""
+    shared = _ROW_TABLES.get(model, FLOAT32)
+    if shared is not None:
+        rows, computed_for = shared
+        logger.info(
+            "%s: the same files as %s (by sha256); its row tables are shared, not computed again",
+            model.path, computed_for,
+        )  # fmt: skip
+    else:
+        session = ModelSession(model, at_load)
+        if session.provider != CPU:
+            return None
+        rows = _ROW_TABLES.keep(model, FLOAT32, session.every_row(_CHUNK_BYTES))
+    tables = {FLOAT32: rows}
+    vocab_size, d_model = rows.shape
+    for dtype, cast in casts.items():
+        if settings.cast_table_bytes(vocab_size, d_model, dtype.itemsize):
+            kept = _ROW_TABLES.get(model, dtype)
+            tables[dtype] = (
+                kept[0]
+                if kept is not None
+                else _ROW_TABLES.keep(model, dtype, _cast_in_chunks(rows, cast, dtype))
+            )
+    return tables
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
