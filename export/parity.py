@@ -63,19 +63,27 @@ def check_in_slices(
     weight_dtype: str,
     slice_bytes: int,
     d_model: int,
+    seed: int = 0,
 ) -> Parity:
     """Compare ``run`` (the exported graph on ``[2, n]`` ids) with ``reference`` (the
     expected float32 ``[n, D]`` rows of flat ids) over ``ids``, a slice at a time: the
     answers of one slice (``slice_bytes`` of float32 rows on each side) are all that is
-    held, however many ids are checked. ``ParityError`` past ``tolerance`` (or on NaN)."""
-    flat = ids.reshape(-1)
+    held, however many ids are checked. ``ParityError`` past ``tolerance`` (or on NaN).
+
+    The slices take the ids in ascending order, so that the rows one slice reads lie in
+    one region of the table (a reference that reads a memory-mapped file then maps a
+    region per slice, not the whole file: see ``weights.CheckpointMatrix.release``); each
+    slice is shuffled (seeded) before it is run, so the graph still sees ids out of order.
+    """
+    flat = np.sort(ids.reshape(-1))
     if flat.size % 2:
         raise ValueError("this is a bug: parity ids come in [2, n] batches")
     # Even, so that every slice is a [2, n] batch (B and S both dynamic in the graph).
     step = max(2, slice_bytes // (4 * d_model) // 2 * 2)
+    rng = np.random.default_rng(seed)
     error = 0.0
     for start in range(0, flat.size, step):
-        piece = flat[start : start + step]
+        piece = rng.permutation(flat[start : start + step])
         got = run(piece.reshape(2, -1))
         if got.dtype != np.float32 or got.shape != (2, piece.size // 2, d_model):
             raise ParityError(

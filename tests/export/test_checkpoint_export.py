@@ -9,6 +9,7 @@ to the stored dtype, multiply by the float32 scale), never with the exporter's h
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -216,3 +217,44 @@ def test_storage_tolerance_is_the_exporters():
     largest = float(weight.abs().max())
     for dtype in ("float32", "float16"):
         assert storage_tolerance(dtype, largest, module.scale) == parity_tolerance(module, dtype)
+
+
+# --- what reading a memory-mapped torch file leaves resident -------------------------------
+
+
+def _resident_file_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_a_mapped_torch_file_is_let_go_slice_by_slice(tmp_path):
+    """Every page read through torch's mapping stays resident until it is unmapped: the
+    matrix lets go of the mapping after each slice it reads, at once (the garbage
+    collector is off here: nothing may wait for it, as a reference cycle would)."""
+    from tokembed.export.weights import open_matrix
+
+    table = torch.randn(49152, 1024)  # 192 MiB
+    path = tmp_path / "model.pt"
+    torch.save({"model": {"embed": {"weight": table}}, "other": torch.zeros(4)}, path)
+    del table
+    chunk = 16 * 1024 * 1024
+    gc.disable()
+    try:
+        before = _resident_file_bytes()
+        most = 0
+        with open_matrix(path, "model.embed.weight") as matrix:
+            for _, rows in matrix.slices(chunk):
+                assert rows.shape[1] == 1024
+                most = max(most, _resident_file_bytes() - before)
+            rows = matrix.take(np.arange(0, 49152, 97, dtype=np.int64))
+            after_take = _resident_file_bytes() - before
+        after = _resident_file_bytes() - before
+    finally:
+        gc.enable()
+    # A slice's pages, and those mapped around them, at most: far from the 192 MiB.
+    assert most < 4 * chunk, most
+    # take() reads rows all over the file (how much of it the kernel maps around them
+    # depends on the kernel); once the matrix is closed, none of it stays.
+    assert after < chunk, (after_take, after)
