@@ -245,6 +245,7 @@ def _equal_rows(first: CheckpointMatrix, second: CheckpointMatrix) -> bool:
     """Bit for bit, a slice at a time (so -0.0 and 0.0 differ, and equal NaNs are equal)."""
     for start, rows in first.slices(_COMPARE_BYTES):
         theirs = second.rows(start, start + len(rows))
+        second.release()
         if not torch.equal(rows.view(torch.uint8), theirs.view(torch.uint8)):
             return False
     return True
