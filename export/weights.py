@@ -433,6 +433,9 @@ class _TorchMatrix(CheckpointMatrix):
             sorted(name for name, t in tensors.items() if name != key and _same(t, tensor))
         )
         self._tensor: torch.Tensor | None = tensor.detach()
+        # Only a zip file is mapped; a legacy file is read whole, so re-reading it for
+        # every slice would cost the whole file each time and let go of nothing.
+        self._mapped = zipfile.is_zipfile(path)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         # A copy: nothing handed out keeps the file's storage (every tied key) alive.
@@ -449,10 +452,11 @@ class _TorchMatrix(CheckpointMatrix):
     def release(self) -> None:
         # The last reference to the mapping (the rows handed out are copies): every page
         # read through it stops counting as this process's.
-        self._tensor = None
+        if self._mapped:
+            self._tensor = None
 
     def close(self) -> None:
-        self.release()
+        self._tensor = None
 
 
 def _same(first: torch.Tensor, second: torch.Tensor) -> bool:

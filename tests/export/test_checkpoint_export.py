@@ -107,6 +107,17 @@ def test_across_slice_boundaries(tmp_path, capsys, bitwise_equal):
     bitwise_equal(_run(tmp_path / "model", shuffled), want[shuffled])
 
 
+def test_a_legacy_torch_file_across_slices(tmp_path, capsys, bitwise_equal):
+    """torch's pre-1.6 format cannot be mapped: it is read once, whole, and sliced."""
+    table = torch.randn(BIG_V, BIG_D, generator=torch.Generator().manual_seed(12))
+    weights = tmp_path / "pytorch_model.bin"
+    torch.save({KEY: table}, weights, _use_new_zipfile_serialization=False)
+    result = _export(capsys, tmp_path / "model", weights, "--scale", "none")
+    assert result.code == 0, result.err
+    ids = np.array([[0, 1, BIG_V - 1], [65535, 65536, 4]], dtype=np.int64)
+    bitwise_equal(_run(tmp_path / "model", ids), table.numpy()[ids])
+
+
 def test_the_graph_is_a_gather_a_cast_and_a_mul(tmp_path, capsys):
     table = torch.randn(50, 8, generator=torch.Generator().manual_seed(1))
     weights = _save(tmp_path / "ckpt.safetensors", table)
