@@ -4,8 +4,8 @@ checkpoint, as Meta ships it) exported as float16 (a 1 GiB table) peaks at no mo
 
 The peak is the export process's own (``os.wait4`` on it: its ``ru_maxrss``), file-backed
 pages it maps included, so onnxruntime's mapping of the table during the check counts.
-Measured on the 2-core development machine: about 1.4x (docs/export.md, "Time and
-memory"); torch's exporter, the road before, peaked at 6.9x. Slow: ~2 min, and 2 GiB of
+Measured on the 2-core development machine: about 1.45x (docs/export.md, "Time and
+memory"); torch's exporter, the road before, peaked at 7.1x. Slow: ~2 min, and 2 GiB of
 disk while it runs (the checkpoint and the model directory, both deleted after).
 """
 
