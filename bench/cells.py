@@ -37,7 +37,7 @@ from tokembed.bench.runner import (
     threaded_turns,
 )
 from tokembed.bench.workloads import LARGE, TINY, Workload
-from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec
+from tokembed.client import AsyncEmbeddingClient, EmbeddingClient, codec, dtypes
 from tokembed.server.backends.base import Backend
 
 CLIENT_MESSAGE_BYTES = 1 << 30
@@ -217,7 +217,7 @@ class _CellMeasure:
         self.dtype = dtype
         self.concurrency = concurrency
         self.tokens = float(np.mean([_count_tokens(r) for r in requests]))
-        itemsize = 2 if dtype == "float16" else 4
+        itemsize = dtypes.OUTPUT[dtype].itemsize
         self.answer_bytes = float(workload.output_rows() * d_model * itemsize)
         self.inflight_bytes = concurrency * self.answer_bytes
         self.duration_s = plan.duration_s

@@ -19,6 +19,7 @@ import numpy as np
 from tokembed.server.core.dtypes import OUTPUT_DTYPES
 from tokembed.server.core.types import Answer, Timings
 from tokembed.server.edge.v1 import responses
+from tokembed.server.edge.v1.requests import WIRE_OUTPUT_DTYPES
 from tokembed.v1 import embedding_pb2 as pb
 
 METHOD = "/tokembed.bench.Floor/Embed"
@@ -40,12 +41,12 @@ class Floor:
         return (*rows, self._d_model)
 
     def payload(self, request: pb.EmbedRequest) -> bytes:
-        dtype = "float16" if request.output_dtype == pb.DTYPE_FLOAT16 else "float32"
+        dtype = WIRE_OUTPUT_DTYPES.get(request.output_dtype, "float32")
         key = (self._shape(request), dtype)
         if key not in self._cache:
             array = np.zeros(key[0], dtype=OUTPUT_DTYPES[dtype].numpy)
             answer = Answer(
-                array.shape, OUTPUT_DTYPES[dtype], [array.data.cast("B")], None,
+                array.shape, OUTPUT_DTYPES[dtype], [array.view(np.uint8).data.cast("B")], None,
                 Timings(0.0, 0.0, 1, 0), array.size // array.shape[-1], array.nbytes,
                 "floor", "0",
             )  # fmt: skip

@@ -108,12 +108,12 @@ def run_plan(
 
 def _served_weights_bytes(model_dir: Path, d_model: int) -> int:
     """What the server keeps of the model with its default settings: its row tables (the
-    table backend: float32, and float16 where it fits; the model itself is let go after
-    load), or the model's weights in onnxruntime (the onnxruntime backend, no tables)."""
-    settings = Settings()
-    float32_table = settings.float32_table_bytes(VOCAB_SIZE, d_model)
-    if float32_table:
-        return float32_table + settings.float16_table_bytes(VOCAB_SIZE, d_model)
+    table backend: float32, and float16 and bfloat16 where they fit; the model itself is
+    let go after load), or the model's weights in onnxruntime (the onnxruntime backend, no
+    tables)."""
+    tables = Settings().tables(VOCAB_SIZE, d_model, "float32")
+    if tables:
+        return sum(tables.values())
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 
 
@@ -177,7 +177,7 @@ def _measure_width(
                     continue
                 for dtype in plan.dtypes:
                     if dtype != "float32" and workload not in (LARGE, MEDIUM):
-                        continue  # float16 halves bytes: it matters where bytes dominate
+                        continue  # a half-width dtype halves bytes: it matters where they dominate
                     yield from measure_cell(
                         plan, workload, d_model, dtype, concurrency, requests, endpoints
                     )

@@ -33,12 +33,12 @@ class Plan:
 
 
 QUICK = Plan(
-    d_models=(512,), workloads=(TINY, LARGE), concurrencies=(1, 64), dtypes=("float32", "float16"),
-    duration_s=0.6, max_requests=3000,
+    d_models=(512,), workloads=(TINY, LARGE), concurrencies=(1, 64),
+    dtypes=("float32", "float16", "bfloat16"), duration_s=0.6, max_requests=3000,
 )  # fmt: skip
 FULL = Plan(
     d_models=(512, 4096), workloads=(TINY, MEDIUM, LARGE, RAGGED), concurrencies=(1, 8, 64),
-    dtypes=("float32", "float16"), duration_s=2.0, max_requests=20000,
+    dtypes=("float32", "float16", "bfloat16"), duration_s=2.0, max_requests=20000,
 )  # fmt: skip
 
 

@@ -120,6 +120,12 @@ def evaluate_targets(results: Results) -> list[Target]:
         f"large [32,512], concurrency {large_c}: float16 tokens/s / float32 tokens/s",
         ">= 1.8", 1.8, True, best16, best32, lambda c: c.tokens_per_s, "tokens/s",
     ))  # fmt: skip
+    best_bf16 = _best(results, "large", d, "bfloat16", large_c,
+                      ("service-chunked", "service-sync", "service-async"))  # fmt: skip
+    targets.append(_target(
+        f"large [32,512], concurrency {large_c}: bfloat16 tokens/s / float32 tokens/s",
+        ">= 1.8", 1.8, True, best_bf16, best32, lambda c: c.tokens_per_s, "tokens/s",
+    ))  # fmt: skip
 
     targets.append(_rss_target(results))
     return targets

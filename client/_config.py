@@ -372,10 +372,18 @@ class ClientBase:
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        sequence_first: bool = False,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """One Embed call's request, its deadline, and the model it is for."""
         model_name = self._model(model)
-        call = codec.embed_call(ids, dtype, layout, model_name=model_name, request_id=request_id)
+        call = codec.embed_call(
+            ids,
+            dtype,
+            layout,
+            model_name=model_name,
+            request_id=request_id,
+            sequence_first=sequence_first,
+        )
         return call, self._deadline(timeout_s), model_name
 
     def _learnt(self, model: str, d_model: int) -> None:

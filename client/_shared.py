@@ -100,10 +100,18 @@ class StreamBook:
     ``return_exceptions`` (without it, an error is raised in its turn).
     """
 
-    def __init__(self, dtype: Any, layout: str, model_name: str, return_exceptions: bool) -> None:
-        self._layout = codec.check_layout(layout)
+    def __init__(
+        self,
+        dtype: Any,
+        layout: str,
+        model_name: str,
+        return_exceptions: bool,
+        sequence_first: bool = False,
+    ) -> None:
+        self._layout = codec.check_layout(layout, sequence_first)
         codec.output_dtype(dtype)  # refused here, before anything is sent
         self._dtype = dtype
+        self._sequence_first = sequence_first
         self._model_name = model_name
         self._return_exceptions = return_exceptions
         # Per input, in order: the answer's expected leading shape (the request went out)
@@ -116,7 +124,13 @@ class StreamBook:
 
     def request(self, item: Any) -> bytes | None:
         try:
-            call = codec.embed_call(item, self._dtype, self._layout, model_name=self._model_name)
+            call = codec.embed_call(
+                item,
+                self._dtype,
+                self._layout,
+                model_name=self._model_name,
+                sequence_first=self._sequence_first,
+            )
         except EmbeddingError as error:
             self._slots.append(error)
             self.stopped = not self._return_exceptions

@@ -83,13 +83,14 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> npt.NDArray[np.floating]:
         """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
         call, deadline, model_name = await self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first
         )
         if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -105,13 +106,14 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> EmbedResult:
         """See ``EmbeddingClient.embed_result``."""
         call, deadline, model_name = await self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first
         )
         if self._wants_chunked(model_name, call):
             result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -145,12 +147,18 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[npt.NDArray[np.floating]]:
         """See ``EmbeddingClient.embed_stream``; ``inputs`` may also be async."""
         async for result in self.embed_stream_results(
-            inputs, dtype, layout=layout, model=model, timeout_s=timeout_s
+            inputs,
+            dtype,
+            layout=layout,
+            sequence_first=sequence_first,
+            model=model,
+            timeout_s=timeout_s,
         ):
             yield result.hidden_states
 
@@ -161,6 +169,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[False] = ...,
@@ -173,6 +182,7 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[True],
@@ -184,13 +194,14 @@ class AsyncEmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
     ) -> AsyncIterator[EmbedResult | EmbeddingError]:
         """See ``EmbeddingClient.embed_stream_results``."""
         self._ensure_open()
-        book = StreamBook(dtype, layout, self._model(model), return_exceptions)
+        book = StreamBook(dtype, layout, self._model(model), return_exceptions, sequence_first)
 
         async def requests() -> AsyncIterator[bytes]:
             try:
@@ -241,11 +252,12 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        sequence_first: bool,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """See ``EmbeddingClient._start_embed``."""
         self._ensure_open()
         call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first
         )
         return call, deadline, model_name
 

@@ -98,14 +98,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         choices=_OutputDtypes(),
         default="float32",
         metavar="DTYPE",
-        help="dtype of the answer, one of: %(choices)s (default %(default)s; float16 is half "
-        "the bytes, rounded to nearest from the float32 values)",
+        help="dtype of the answer, one of: %(choices)s (default %(default)s; float16 and "
+        "bfloat16 are half the bytes, rounded to nearest even from the float32 values)",
     )
     embed.add_argument(
         "--layout",
-        choices=["padded", "flat"],
+        choices=["padded", "flat", "sequence-first"],
         default="padded",
-        help="ragged answers as [B,S_max,D] (padded) or [N,D] (flat)",
+        help="the answer's axes: [B,S,D] (padded: ragged sequences padded to [B,S_max,D]), "
+        "[N,D] (flat: ragged sequences one after another) or [S,B,D] (sequence-first: "
+        "ragged ones padded to [S_max,B,D])",
     )
     embed.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
     embed.set_defaults(run=run_embed)
@@ -212,7 +214,14 @@ def run_embed(args: argparse.Namespace) -> int:
 
     ids = parse_ids(args.ids)
     with _client(args) as client:
-        result = client.embed_result(ids, args.dtype, layout=args.layout, model=args.model)
+        sequence_first = args.layout == "sequence-first"
+        result = client.embed_result(
+            ids,
+            args.dtype,
+            layout="padded" if sequence_first else args.layout,
+            sequence_first=sequence_first,
+            model=args.model,
+        )
     hs = result.hidden_states
     print(
         f"hidden_states {list(hs.shape)} {hs.dtype}, "

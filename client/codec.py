@@ -11,6 +11,12 @@ Input forms accepted by :func:`encode_ids`:
 - a list of lists (or of 1-D arrays): rectangular becomes ``[B,S]``; ragged (lengths
   differ) becomes flat ids ``[N]`` plus ``lengths [B]``, no padding on the wire.
 
+Sequence-first (``sequence_first=True``): a 2-D array is ``[S,B]`` (a 1-D one, one
+sequence, is sent as ``[S,1]``), and the answer is ``[S,B,D]``; a list of lists is still a
+list of sequences, one per batch entry: rectangular, sent as ``[S,B]``; ragged, as flat ids
+and lengths, answered ``[S_max,B,D]``. A flat answer ``[N,D]`` has no batch axis, so it is
+refused sequence-first.
+
 Ids are checked against the vocabulary by the server, which knows V; the client refuses
 only what cannot become a valid request at all.
 """
@@ -51,10 +57,14 @@ class EncodedIds:
 
     ids: npt.NDArray[np.signedinteger[Any]]
     lengths: npt.NDArray[np.int64] | None
+    # Rectangular ids are [S,B] and the answer [S,B,D] ([S_max,B,D] for ragged ids).
+    sequence_first: bool = False
 
     @property
     def batch_size(self) -> int:
-        return int(self.ids.shape[0]) if self.lengths is None else len(self.lengths)
+        if self.lengths is not None:
+            return len(self.lengths)
+        return int(self.ids.shape[1 if self.sequence_first else 0])
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +72,9 @@ class EncodedIds:
 
     @property
     def max_length(self) -> int:
-        return int(self.ids.shape[1]) if self.lengths is None else int(self.lengths.max())
+        if self.lengths is not None:
+            return int(self.lengths.max())
+        return int(self.ids.shape[0 if self.sequence_first else 1])
 
     def output_rows(self, layout: Layout) -> int:
         """How many D-wide rows the answer has, padding included."""
@@ -71,9 +83,12 @@ class EncodedIds:
         return self.batch_size * self.max_length
 
     def leading_shape(self, layout: Layout) -> tuple[int, ...]:
-        """The answer's shape without D: ``(B, S)``, ``(B, S_max)`` or ``(N,)`` for flat."""
+        """The answer's shape without D: ``(B, S)``, ``(B, S_max)`` or ``(N,)`` for flat;
+        sequence-first, ``(S, B)`` or ``(S_max, B)``."""
         if layout == "flat":
             return (self.num_tokens,)
+        if self.sequence_first:
+            return (self.max_length, self.batch_size)
         return (self.batch_size, self.max_length)
 
 
@@ -87,11 +102,17 @@ class EmbedCall(NamedTuple):
 
 
 def embed_call(
-    ids: Any, dtype: Any, layout: str, *, model_name: str = "", request_id: str = ""
+    ids: Any,
+    dtype: Any,
+    layout: str,
+    *,
+    model_name: str = "",
+    request_id: str = "",
+    sequence_first: bool = False,
 ) -> EmbedCall:
     """Validate and encode one Embed call's input (raises InvalidInputError)."""
-    checked_layout = check_layout(layout)
-    encoded = encode_ids(ids)
+    checked_layout = check_layout(layout, sequence_first)
+    encoded = encode_ids(ids, sequence_first=sequence_first)
     request = encode_request(
         encoded, dtype=dtype, layout=checked_layout, model_name=model_name, request_id=request_id
     )
@@ -103,18 +124,18 @@ def embed_call(
     )
 
 
-def encode_ids(ids: Any) -> EncodedIds:
+def encode_ids(ids: Any, *, sequence_first: bool = False) -> EncodedIds:
     """Turn any accepted input form (see the module docstring) into :class:`EncodedIds`."""
     if isinstance(ids, np.ndarray):
-        return _from_array(ids)
+        return _from_array(ids, sequence_first)
     if isinstance(ids, (str, bytes, bytearray)):
         raise client_invalid_input(
             f"ids must be integers (an array or a list of lists), got {type(ids).__name__}"
         )
     if isinstance(ids, Sequence):
-        return _from_sequence(ids)
+        return _from_sequence(ids, sequence_first)
     if hasattr(ids, "__array__"):
-        return _from_array(_asarray(ids, "ids"))
+        return _from_array(_asarray(ids, "ids"), sequence_first)
     raise client_invalid_input(
         "ids must be a numpy array, a list of ints, a list of lists of ints or an object "
         f"with __array__, got {type(ids).__name__}"
@@ -143,11 +164,11 @@ def _is_row(item: Any) -> bool:
     return (isinstance(item, np.ndarray) or hasattr(item, "__array__")) and np.ndim(item) >= 1
 
 
-def _from_sequence(seq: Sequence[Any]) -> EncodedIds:
+def _from_sequence(seq: Sequence[Any], sequence_first: bool) -> EncodedIds:
     if len(seq) == 0:
         raise client_invalid_input("ids are empty: give at least one sequence of ids")
     if not _is_row(seq[0]):
-        return _from_array(_asarray(seq, "ids"))  # a flat list: one sequence
+        return _from_array(_asarray(seq, "ids"), sequence_first)  # a flat list: one sequence
     rows: list[npt.NDArray[np.signedinteger[Any]]] = []
     for i, item in enumerate(seq):
         if not _is_row(item):
@@ -168,23 +189,26 @@ def _from_sequence(seq: Sequence[Any]) -> EncodedIds:
     if len({r.dtype for r in rows}) > 1:
         rows = [r.astype("<i8") for r in rows]
     if bool((lengths == lengths[0]).all()):
+        if sequence_first:  # a list of sequences, sent [S,B]
+            return EncodedIds(np.ascontiguousarray(np.stack(rows, axis=1)), None, True)
         return EncodedIds(np.stack(rows), None)
-    return EncodedIds(np.concatenate(rows), lengths)
+    return EncodedIds(np.concatenate(rows), lengths, sequence_first)
 
 
-def _from_array(arr: npt.NDArray[Any]) -> EncodedIds:
+def _from_array(arr: npt.NDArray[Any], sequence_first: bool = False) -> EncodedIds:
     if arr.ndim == 0:
         raise client_invalid_input(
             "ids must be [B,S] or [S], got a single number; wrap it in a list"
         )
     if arr.ndim > 2:
-        raise client_invalid_input(f"ids must be [B,S] or [S], got shape {tuple(arr.shape)}")
+        axes = "[S,B]" if sequence_first else "[B,S]"
+        raise client_invalid_input(f"ids must be {axes} or [S], got shape {tuple(arr.shape)}")
     if arr.size == 0:
         raise client_invalid_input(f"ids are empty (shape {tuple(arr.shape)})")
     ids = _int_ids(arr, "ids")
-    if ids.ndim == 1:
-        ids = ids.reshape(1, -1)
-    return EncodedIds(np.ascontiguousarray(ids), None)
+    if ids.ndim == 1:  # one sequence: [1,S], or sequence-first [S,1]
+        ids = ids.reshape(-1, 1) if sequence_first else ids.reshape(1, -1)
+    return EncodedIds(np.ascontiguousarray(ids), None, sequence_first)
 
 
 def _int_ids(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.signedinteger[Any]]:
@@ -225,7 +249,8 @@ def _first_bad_object(arr: npt.NDArray[Any], what: str) -> str:
 
 
 def output_dtype(dtype: Any) -> dtypes.DType:
-    """The answer dtype asked for by name ("float32", "float16") or numpy type."""
+    """The answer dtype asked for by name ("float32", "float16", "bfloat16") or numpy type
+    (``ml_dtypes.bfloat16`` for bfloat16)."""
     if isinstance(dtype, str) and dtype in dtypes.OUTPUT:
         return dtypes.OUTPUT[dtype]  # the common case, without building a numpy dtype
     try:
@@ -234,8 +259,9 @@ def output_dtype(dtype: Any) -> dtypes.DType:
         name = str(dtype)
     row = dtypes.OUTPUT.get(name)
     if row is None:
+        *others, last = dtypes.OUTPUT
         raise client_invalid_input(
-            f"output dtype must be {' or '.join(dtypes.OUTPUT)}, got {dtype!r}"
+            f"output dtype must be {', '.join(others)} or {last}, got {dtype!r}"
         )
     return row
 
@@ -245,9 +271,14 @@ def output_dtype_code(dtype: Any) -> pb.DType.ValueType:
     return output_dtype(dtype).wire
 
 
-def check_layout(layout: str) -> Layout:
+def check_layout(layout: str, sequence_first: bool = False) -> Layout:
     if layout not in _LAYOUTS:
         raise client_invalid_input(f"layout must be 'padded' or 'flat', got {layout!r}")
+    if layout == "flat" and sequence_first:
+        raise client_invalid_input(
+            "layout 'flat' answers [N,D], which has no batch axis to put second: "
+            "sequence-first answers are [S,B,D] (padded, for ragged ids)"
+        )
     return "flat" if layout == "flat" else "padded"
 
 
@@ -266,7 +297,7 @@ def encode_request(
     its p50.) With ``layout="flat"`` rectangular input is sent as flat ids plus equal
     lengths, so a flat answer is always ``[N,D]`` whatever the input's shape.
     """
-    layout = check_layout(layout)
+    layout = check_layout(layout, encoded.sequence_first)
     ids, lengths = encoded.ids, encoded.lengths
     if layout == "flat" and lengths is None:
         lengths = np.full(ids.shape[0], ids.shape[1], dtype=np.int64)
@@ -284,6 +315,8 @@ def encode_request(
     if lengths is not None:
         request.lengths.extend(lengths.tolist())
         request.ragged_layout = _LAYOUTS[layout]
+    if encoded.sequence_first:
+        request.layout = pb.LAYOUT_SEQUENCE_FIRST
     return request.SerializeToString()
 
 

@@ -131,7 +131,8 @@ class _AnswerHead(NamedTuple):
     @staticmethod
     def of(array: npt.NDArray[Any]) -> _AnswerHead | None:
         """The head protobuf writes before ``array``'s data (None: none is learnt here)."""
-        row = dtypes.OUTPUT_BY_NUMPY.get(array.dtype.str)
+        # By the type's name: the arrays learnt from are native (little-endian here).
+        row = dtypes.OUTPUT.get(array.dtype.name)
         if row is None or sys.byteorder != "little":
             return None
         code = row.wire

@@ -62,20 +62,24 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> npt.NDArray[np.floating]:
         """Embed ids; returns ``[B,S,D]`` (``[B,S_max,D]`` for ragged input, padded with
-        the padding id's row) or ``[N,D]`` with ``layout="flat"``.
+        the padding id's row) or ``[N,D]`` with ``layout="flat"``. With
+        ``sequence_first=True`` a 2-D array of ids is ``[S,B]`` and the answer ``[S,B,D]``
+        (``[S_max,B,D]`` for ragged input; see ``codec``).
 
+        ``dtype``: "float32", "float16" or "bfloat16" (an ``ml_dtypes.bfloat16`` array).
         The array is a read-only view of the received bytes (zero-copy); ``.copy()`` it
         to write. ``model`` names the model for this call (None: the client's
         ``model_name``; "": the server's default). ``timeout_s`` overrides the client's
         default for this call.
         """
         call, deadline, model_name = self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first
         )
         if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -92,13 +96,14 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         request_id: str = "",
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
         call, deadline, model_name = self._start_embed(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first
         )
         if self._wants_chunked(model_name, call):
             result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
@@ -133,6 +138,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[npt.NDArray[np.floating]]:
@@ -145,7 +151,12 @@ class EmbeddingClient(ClientBase):
         every input of the stream.
         """
         results = self.embed_stream_results(
-            inputs, dtype, layout=layout, model=model, timeout_s=timeout_s
+            inputs,
+            dtype,
+            layout=layout,
+            sequence_first=sequence_first,
+            model=model,
+            timeout_s=timeout_s,
         )
         for result in results:
             yield result.hidden_states
@@ -157,6 +168,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[False] = ...,
@@ -169,6 +181,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
+        sequence_first: bool = ...,
         model: str | None = ...,
         timeout_s: float | None = ...,
         return_exceptions: Literal[True],
@@ -180,6 +193,7 @@ class EmbeddingClient(ClientBase):
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
+        sequence_first: bool = False,
         model: str | None = None,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
@@ -187,7 +201,7 @@ class EmbeddingClient(ClientBase):
         """Like :meth:`embed_stream`, yielding results; with ``return_exceptions=True`` a
         failed input yields its EmbeddingError in its place and the stream goes on."""
         self._check_open()
-        book = StreamBook(dtype, layout, self._model(model), return_exceptions)
+        book = StreamBook(dtype, layout, self._model(model), return_exceptions, sequence_first)
 
         def requests() -> Iterator[bytes]:
             try:
@@ -238,11 +252,12 @@ class EmbeddingClient(ClientBase):
         model: str | None,
         timeout_s: float | None,
         request_id: str,
+        sequence_first: bool,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """The call encoded, its deadline, and the model it is for."""
         self._check_open()
         call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id
+            ids, dtype, layout, model, timeout_s, request_id, sequence_first
         )
         return call, deadline, model_name
 

@@ -68,8 +68,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "float16"],
-        help="storage dtype of the table (output is float32 either way)",
+        choices=["float32", "float16", "bfloat16"],
+        help="storage dtype of the table: float16 and bfloat16 take half the bytes (float16 "
+        "must hold the table's largest value; bfloat16 has float32's range and 8 bits of "
+        "precision, and keeps a bfloat16 checkpoint exactly). Answers are float32 unless a "
+        "request asks for another dtype",
     )
     parser.add_argument(
         "--scale",

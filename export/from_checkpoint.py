@@ -18,10 +18,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
-from tokembed.export.errors import ExportError
+from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.manifest import (
     INPUT_NAME,
     MODEL_NAME,
@@ -168,15 +169,22 @@ def _check_parity(
         got: np.ndarray = session.run([OUTPUT_NAME], {INPUT_NAME: ids})[0]
         return got
 
+    taken: dict[str, Any] = {}
+
     def reference(ids: np.ndarray) -> np.ndarray:
         # TokenEmbedding's computation: the float32 row times the scale, in torch.
-        with torch.no_grad():
-            rows = matrix.take(ids).to(torch.float32) * scale
+        rows = matrix.take(ids)
         # A mapped file's pages read for these rows (and mapped around them) go with the
         # slice, instead of adding up to the whole matrix over the check.
         matrix.release()
-        want: np.ndarray = rows.numpy()
+        taken.update(ids=ids, rows=rows)
+        with torch.no_grad():
+            want: np.ndarray = (rows.to(torch.float32) * scale).numpy()
         return want
+
+    def answers(ids: np.ndarray, got: np.ndarray) -> None:
+        assert taken["ids"] is ids, "This is a bug: answers follows reference, per slice."
+        _check_answers(taken.pop("rows"), got, weight_dtype, scale, ids.size)
 
     # The session, and its mapping of the table, go with this call's frame: before the
     # files are hashed and moved.
@@ -189,4 +197,53 @@ def _check_parity(
         slice_bytes=PARITY_SLICE_BYTES,
         d_model=d_model,
         seed=seed,
+        answers=answers,
     )
+
+
+# What an answer may be asked for (the server's ``core.dtypes.OUTPUT_DTYPES``), and how
+# the server rounds the graph's float32 rows into each: to nearest even, as numpy's
+# float16 and ml_dtypes' bfloat16 do. The same check as ``onnx_export._check_answers``,
+# on the checkpoint's rows of one slice.
+_ANSWER_DTYPES = {
+    "float32": (torch.float32, np.dtype(np.float32)),
+    "float16": (torch.float16, np.dtype(np.float16)),
+    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16)),
+}
+
+
+def _check_answers(
+    rows: torch.Tensor, got: np.ndarray, weight_dtype: str, scale: float, ids_checked: int
+) -> None:
+    """Each answer dtype, bit for bit: the graph's float32 rows rounded to it as the
+    server rounds them, against torch's answer in that dtype: the rows as stored (widened
+    exactly, times the scale in float32, as ``StoredAs`` computes) cast to the dtype; and
+    in the table's own dtype also ``embedding(ids) * scale`` computed in that dtype, as a
+    model stored so computes it. ``rows``: the checkpoint's rows, as read."""
+    stored = rows.to(torch.float32).to(_TORCH_DTYPES[weight_dtype])
+    with torch.no_grad():
+        reference = stored.to(torch.float32) * scale
+        for name, (torch_dtype, numpy_dtype) in _ANSWER_DTYPES.items():
+            # A float32 answer past float16's largest rounds to infinity, in torch too.
+            with np.errstate(over="ignore"):
+                ours = _bits(got.astype(numpy_dtype))
+            theirs = [("the stored table's float32 answer", reference.to(torch_dtype))]
+            if name == weight_dtype:
+                theirs.append((f"embedding(ids) * scale in {name}", stored * scale))
+            for what, answer in theirs:
+                bits = _bits(answer.contiguous().view(_SAME_WIDTH[answer.element_size()]).numpy())
+                if not np.array_equal(ours, bits):
+                    raise ParityError(
+                        f"{name} answers differ from torch's ({what}) in "
+                        f"{int(np.count_nonzero(ours != bits))} of {ours.size} values over "
+                        f"{ids_checked} ids"
+                    )
+
+
+# numpy has no bfloat16 of its own: tensors are read through an integer of their width.
+_SAME_WIDTH = {2: torch.int16, 4: torch.int32}
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    """The values' bit patterns, as unsigned integers of their width."""
+    return values.view(np.dtype(f"u{values.dtype.itemsize}"))

@@ -85,10 +85,14 @@ class TokenEmbedding(nn.Module):
 
 
 class StoredAs(nn.Module):
-    """The same computation with the table stored in another dtype (float16 halves it).
+    """The same computation with the table stored in another dtype (float16 or bfloat16
+    halves it).
 
-    The look-up happens in the stored dtype and the row is widened to float32 before the
-    scale, so the output stays float32 and the only error is the table's rounding.
+    The look-up happens in the stored dtype and the row is widened to float32 (exactly)
+    before the scale, so the output stays float32 and the only error is the table's
+    rounding. Rounded to the stored dtype, that output is what ``embedding(ids) * scale``
+    computed in the stored dtype gives (torch multiplies a half or bfloat16 tensor by a
+    Python float in float32, then rounds): the export checks both, bit for bit.
     """
 
     def __init__(self, module: TokenEmbedding, dtype: torch.dtype) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -41,7 +42,7 @@ from tokembed.export.staging import (
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The packages whose versions the manifest records.
 _PRODUCERS = ("torch", "onnx", "onnxscript", "onnxruntime")
 
@@ -68,8 +69,8 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
     check_out_dir(out_dir, options.force)
     name = options.name if options.name is not None else model_name_for(out_dir)
     module = module.eval()
-    if options.weight_dtype == "float16":
-        _check_fits_float16(module)
+    if options.weight_dtype != "float32":
+        _check_fits(module, options.weight_dtype)
     staging = make_staging_dir(out_dir)
     try:
         exported = _export_graph(module, options.weight_dtype, staging / MODEL_NAME)
@@ -99,12 +100,13 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
     return manifest
 
 
-def _check_fits_float16(module: TokenEmbedding) -> None:
+def _check_fits(module: TokenEmbedding, weight_dtype: str) -> None:
     largest = float(module.embedding.weight.detach().abs().max())
-    if largest > float(torch.finfo(torch.float16).max):
+    finfo = torch.finfo(_TORCH_DTYPES[weight_dtype])
+    if largest > float(finfo.max):
         raise ExportError(
-            f"the table's largest magnitude {largest:g} does not fit float16 "
-            f"(max {torch.finfo(torch.float16).max:g}); export as float32"
+            f"the table's largest magnitude {largest:g} does not fit {weight_dtype} "
+            f"(max {finfo.max:g}); export as float32"
         )
 
 
@@ -161,15 +163,21 @@ def parity_tolerance(module: TokenEmbedding, weight_dtype: str) -> float:
     """float32 must match exactly: the graph does the same two IEEE operations as torch.
 
     float16 rounds each weight by at most 2**-11 of its magnitude (2**-25 absolute for
-    subnormals); the float32 scale then adds at most one ulp on each side.
+    subnormals), bfloat16 by at most 2**-8 (its subnormals are float32's, 2**-134 apart);
+    the float32 scale then adds at most one ulp on each side.
     """
     if weight_dtype == "float32":
         return 0.0
     largest = float(module.embedding.weight.detach().abs().max())
+    if weight_dtype == "bfloat16":
+        return module.scale * (largest * (2**-8 + 2**-22) + 2**-133)
     return module.scale * (largest * (2**-11 + 2**-22) + 2**-24)
 
 
 def _check_parity(module: TokenEmbedding, model_path: Path, weight_dtype: str, seed: int) -> Parity:
+    """The graph against torch: its float32 answer within the table's rounding of the
+    float32 module (0 for a float32 table), and every answer dtype bit for bit (see
+    ``_check_answers``). Raises ``ParityError`` naming what differs."""
     import onnxruntime as ort
 
     ids = parity_ids(module.vocab_size, module.d_model, module.padding_idx, seed)
@@ -188,4 +196,60 @@ def _check_parity(module: TokenEmbedding, model_path: Path, weight_dtype: str, s
             f"ONNX output differs from torch by {error:g} (tolerance {tolerance:g} for "
             f"{weight_dtype} weights) over {ids.size} ids"
         )
+    _check_answers(module, weight_dtype, ids, got)
     return Parity(max_abs_error=error, tolerance=tolerance, ids_checked=int(ids.size))
+
+
+# What an answer may be asked for (the server's ``core.dtypes.OUTPUT_DTYPES``), and how
+# the server rounds the graph's float32 rows into each: to nearest even, as numpy's
+# float16 and ml_dtypes' bfloat16 do (tests/server/test_answer_casts.py proves the
+# server's casts give these bits).
+_ANSWER_DTYPES = {
+    "float32": (torch.float32, np.dtype(np.float32)),
+    "float16": (torch.float16, np.dtype(np.float16)),
+    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16)),
+}
+
+
+def _check_answers(
+    module: TokenEmbedding, weight_dtype: str, ids: np.ndarray, got: np.ndarray
+) -> None:
+    """Each answer dtype, bit for bit: the graph's float32 rows, rounded to it as the
+    server rounds them, against torch's answer in that dtype. torch's answer is the table
+    as exported (``StoredAs``: the row widened exactly, times the scale in float32) cast
+    to the dtype; and in the table's own dtype, also torch's ``embedding(ids) * scale``
+    computed in that dtype, as a model stored so computes it."""
+    stored: torch.nn.Module = module
+    if weight_dtype != "float32":
+        stored = StoredAs(module, _TORCH_DTYPES[weight_dtype]).eval()
+    torch_ids = torch.from_numpy(ids)
+    with torch.no_grad():
+        reference = stored(torch_ids)
+        for name, (torch_dtype, numpy_dtype) in _ANSWER_DTYPES.items():
+            # A float32 answer past float16's largest rounds to infinity, in torch too.
+            with np.errstate(over="ignore"):
+                ours = got.astype(numpy_dtype)
+            theirs = [("the stored table's float32 answer", reference.to(torch_dtype))]
+            if name == weight_dtype:
+                table = stored.weight if isinstance(stored, StoredAs) else module.embedding.weight
+                native = torch.nn.functional.embedding(torch_ids, table) * module.scale
+                theirs.append((f"embedding(ids) * scale in {name}", native))
+            for what, answer in theirs:
+                bits = _torch_bits(answer)
+                if not np.array_equal(_bits(ours), bits):
+                    differ = int(np.count_nonzero(_bits(ours) != bits))
+                    raise ParityError(
+                        f"{name} answers differ from torch's ({what}) in {differ} of "
+                        f"{ours.size} values over {ids.size} ids"
+                    )
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    """The values' bit patterns, as unsigned integers of their width."""
+    return values.view(np.dtype(f"u{values.dtype.itemsize}"))
+
+
+def _torch_bits(values: torch.Tensor) -> np.ndarray:
+    """A tensor's bit patterns (numpy has no bfloat16: read through an integer view)."""
+    integer = {2: torch.int16, 4: torch.int32}[values.element_size()]
+    return _bits(values.contiguous().view(integer).numpy())

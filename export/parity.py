@@ -64,6 +64,7 @@ def check_in_slices(
     slice_bytes: int,
     d_model: int,
     seed: int = 0,
+    answers: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> Parity:
     """Compare ``run`` (the exported graph on ``[2, n]`` ids) with ``reference`` (the
     expected float32 ``[n, D]`` rows of flat ids) over ``ids``, a slice at a time: the
@@ -74,6 +75,8 @@ def check_in_slices(
     one region of the table (a reference that reads a memory-mapped file then maps a
     region per slice, not the whole file: see ``weights.CheckpointMatrix.release``); each
     slice is shuffled (seeded) before it is run, so the graph still sees ids out of order.
+    ``answers``, when given, is called with each slice's flat ids and the graph's answer
+    for them, after ``reference``, for checks of its own (raising ``ParityError``).
     """
     flat = np.sort(ids.reshape(-1))
     if flat.size % 2:
@@ -98,6 +101,8 @@ def check_in_slices(
             error = piece_error
             break
         error = max(error, piece_error)
+        if answers is not None:
+            answers(piece, got.reshape(-1, d_model))
     if not error <= tolerance:
         raise ParityError(
             f"ONNX output differs from torch by {error:g} (tolerance {tolerance:g} for "

@@ -2,11 +2,12 @@
 
 The backend is decided here, once per model, by its kind (``BACKENDS``), and reported
 in GetModelInfo and the logs. For a ``token`` model:
-- ``table`` on CPU when the model's ``[V, D]`` float32 rows fit ``float32_table_max_bytes``:
-  the model runs once over the whole vocabulary and look-ups slice its rows (a float16
-  table too when it fits ``float16_table_max_bytes``; else float16 answers are cast);
+- ``table`` on CPU when ``Settings.tables`` keeps tables for it: the model runs once over
+  the whole vocabulary and look-ups slice its rows (a float32 table when it fits
+  ``float32_table_max_bytes``, float16 and bfloat16 ones beside it where they fit theirs;
+  a bfloat16 model keeps its bfloat16 table alone and runs for its other answers);
   models whose files are byte for byte the same (an encoder's and a decoder's entrance
-  exported from one tied matrix) share these tables (``_RowTables``);
+  exported from one tied matrix) share these tables, and that session (``_Shared``);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch.
 """
 
@@ -20,6 +21,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,11 +38,12 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
-from tokembed.server.core.dtypes import FLOAT32, DType
+from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.settings import Settings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Tables are computed (and cast) this many bytes of rows at a time, so that loading needs
 # no second full-size temporary.
@@ -124,100 +127,133 @@ def _token_backend(model: ModelDir, settings: Settings) -> Backend:
         cpu_arena=False,
     )
     casts = output_casts(at_load)
-    if settings.float32_table_bytes(vocab_size, d_model) and expects_cpu(settings.device):
-        with _ROW_TABLES.lock:
-            tables = _row_tables(model, settings, at_load, casts)
-        if tables is not None:
-            return TableBackend(
-                tables, casts=casts, padding_id=manifest.padding_idx, execution_provider=CPU
-            )
     per_batch = dataclasses.replace(
         at_load, cpu_arena=True, batch_output_bytes=settings.max_batch_tokens * d_model * 4
     )
+    kept = settings.tables(vocab_size, d_model, manifest.weight_dtype)
+    if kept and expects_cpu(settings.device):
+        with _SHARED.lock:
+            tables = _row_tables(model, [OUTPUT_DTYPES[name] for name in kept], at_load, casts)
+            if tables is not None and FLOAT32 not in tables:
+                # No float32 table (a bfloat16 model): the model stays to run for answers
+                # in other dtypes, a session its twins share too.
+                found = _SHARED.get(model, "session")
+                runs = found[0] if found is not None else ModelSession(model, per_batch)
+                _SHARED.keep(model, "session", runs)
+        if tables is not None:
+            if FLOAT32 in tables:
+                return TableBackend(
+                    tables, casts=casts, padding_id=manifest.padding_idx, execution_provider=CPU
+                )
+            return TableBackend(
+                tables,
+                casts=casts,
+                padding_id=manifest.padding_idx,
+                execution_provider=CPU,
+                session=runs,
+                mapped_bytes=model.weight_bytes,
+            )
     session = ModelSession(model, per_batch)
     backend = OnnxRuntimeBackend(session, padding_id=manifest.padding_idx, casts=casts)
     backend.warm_up(settings.max_batch_tokens)
     return backend
 
 
-class _RowTables:
-    """The row tables computed at load, by the bytes they are computed from, so that two
-    model directories that are byte for byte the same model hold one copy of each table.
+class _Shared:
+    """What loading computes for a model, by the bytes it is computed from, so that two
+    model directories that are byte for byte the same model hold one copy of it: each
+    row table, and the session a bfloat16 model keeps to run.
 
     An encoder's and a decoder's entrance exported from one tied matrix are two model
     directories (two names) with identical files: the same graph, the same table. A
     table is the output of its model's files and nothing else (the padding id, which
     the manifest alone holds, only picks a row of it), and ``load_model_dir`` has checked
-    every file against the sha256 its manifest records before any table is computed:
-    equal recorded hashes of every file are equal bytes, never a guess. Held weakly: a
-    table goes when the last model serving it is unloaded.
+    every file against the sha256 its manifest records before anything is computed:
+    equal recorded hashes of every file are equal bytes, never a guess. Held weakly: what
+    is shared goes when the last model using it is unloaded.
     """
 
     def __init__(self) -> None:
-        # Held while a table is computed, so that a model loading beside its twin waits
-        # for the twin's table instead of computing a second one.
+        # Held while tables are computed, so that a model loading beside its twin waits
+        # for the twin's tables instead of computing a second set.
         self.lock = threading.Lock()
-        self._tables: weakref.WeakValueDictionary[tuple[object, ...], np.ndarray] = (
+        self._kept: weakref.WeakValueDictionary[tuple[object, ...], Any] = (
             weakref.WeakValueDictionary()
         )
         self._computed_for: dict[tuple[object, ...], Path] = {}
 
     @staticmethod
-    def _key(model: ModelDir, dtype: DType) -> tuple[object, ...]:
+    def _key(model: ModelDir, what: str) -> tuple[object, ...]:
         files = sorted((name, entry.sha256, entry.size_bytes)
                        for name, entry in model.manifest.files.items())  # fmt: skip
-        return (model.kind.name, dtype.name, *files)
+        return (model.kind.name, what, *files)
 
-    def get(self, model: ModelDir, dtype: DType) -> tuple[np.ndarray, Path] | None:
-        """The table already computed for a model with these files, and for which one."""
-        key = self._key(model, dtype)
-        table = self._tables.get(key)
-        return None if table is None else (table, self._computed_for[key])
+    def get(self, model: ModelDir, what: str) -> tuple[Any, Path] | None:
+        """What was computed for a model with these files already, and for which one."""
+        key = self._key(model, what)
+        kept = self._kept.get(key)
+        return None if kept is None else (kept, self._computed_for[key])
 
-    def keep(self, model: ModelDir, dtype: DType, table: np.ndarray) -> np.ndarray:
-        key = self._key(model, dtype)
-        self._tables[key] = table
-        self._computed_for[key] = model.path
-        weakref.finalize(table, self._computed_for.pop, key, None)
-        return table
+    def keep(self, model: ModelDir, what: str, value: T) -> T:
+        key = self._key(model, what)
+        if key not in self._kept:
+            self._kept[key] = value
+            self._computed_for[key] = model.path
+            weakref.finalize(value, self._computed_for.pop, key, None)
+        return value
 
 
-_ROW_TABLES = _RowTables()
+_SHARED = _Shared()
 
 
 def _row_tables(
-    model: ModelDir, settings: Settings, at_load: SessionOptions, casts: dict[DType, Cast]
+    model: ModelDir, dtypes: list[DType], at_load: SessionOptions, casts: dict[DType, Cast]
 ) -> dict[DType, np.ndarray] | None:
-    """The model's float32 rows and the cast tables its settings keep: those computed for
-    a model with the same files already (``_RowTables``), else computed here. None when
-    the session does not run on the CPU."""
-    shared = _ROW_TABLES.get(model, FLOAT32)
-    if shared is not None:
-        rows, computed_for = shared
+    """The model's row tables in ``dtypes``: those computed for a model with the same
+    files already (``_Shared``), else computed here (the float32 rows by the model and the
+    others cast from them; without float32, a bfloat16 model, each the model's rows cast
+    a chunk at a time). None when the session does not run on the CPU."""
+    tables: dict[DType, np.ndarray] = {}
+    session: ModelSession | None = None
+    shared_with: Path | None = None
+    for dtype in sorted(dtypes, key=lambda d: d != FLOAT32):  # the others cast from float32
+        found = _SHARED.get(model, dtype.name)
+        if found is not None:
+            tables[dtype], shared_with = found
+            continue
+        if dtype != FLOAT32 and FLOAT32 in tables:
+            rows = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+        else:
+            if session is None:
+                session = ModelSession(model, at_load)
+                if session.provider != CPU:
+                    return None
+            if dtype == FLOAT32:
+                rows = session.every_row(_CHUNK_BYTES)
+            else:
+                rows = _rows_in(session, casts[dtype], dtype)
+        tables[dtype] = _SHARED.keep(model, dtype.name, rows)
+    if shared_with is not None:
         logger.info(
             "%s: the same files as %s (by sha256); its row tables are shared, not computed again",
-            model.path, computed_for,
+            model.path, shared_with,
         )  # fmt: skip
-    else:
-        session = ModelSession(model, at_load)
-        if session.provider != CPU:
-            return None
-        rows = _ROW_TABLES.keep(model, FLOAT32, session.every_row(_CHUNK_BYTES))
-    tables = {FLOAT32: rows}
-    vocab_size, d_model = rows.shape
-    for dtype, cast in casts.items():
-        if settings.cast_table_bytes(vocab_size, d_model, dtype.itemsize):
-            kept = _ROW_TABLES.get(model, dtype)
-            tables[dtype] = (
-                kept[0]
-                if kept is not None
-                else _ROW_TABLES.keep(model, dtype, _cast_in_chunks(rows, cast, dtype))
-            )
     return tables
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
 BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {"token": _token_backend}
+
+
+def _rows_in(session: ModelSession, cast: Cast, dtype: DType) -> np.ndarray:
+    """The model's rows of every id cast to ``dtype``, computed a chunk at a time (the
+    float32 rows are never whole in memory)."""
+    out = np.empty((session.vocab_size, session.d_model), dtype=dtype.numpy)
+    step = max(1, _CHUNK_BYTES // (session.d_model * 4))
+    for start in range(0, session.vocab_size, step):
+        stop = min(session.vocab_size, start + step)
+        out[start:stop] = cast(session.run(np.arange(start, stop, dtype=np.int64)))
+    return out
 
 
 def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: DType) -> np.ndarray:

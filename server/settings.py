@@ -98,6 +98,14 @@ class Settings:
         "with the table backend, keep a float16 table too (V x D x 2 bytes) for float16 "
         "answers if it is at most this big; else they are cast from the float32 rows",
     )
+    bfloat16_table_max_bytes: int = _setting(
+        512 * MiB,
+        "with the table backend, keep a bfloat16 table too (V x D x 2 bytes) for bfloat16 "
+        "answers if it is at most this big; else they are cast from the float32 rows. A "
+        "model stored in bfloat16 keeps this table alone, no float32 one: it is served by "
+        "the table backend when this table fits (and --float32-table-max-bytes is not 0), "
+        "its float32 and float16 answers computed by the model per answer",
+    )
     memory_trim_interval_s: float = _setting(
         1.0,
         "hand free heap memory back to the OS this often, so resident memory follows what "
@@ -145,20 +153,33 @@ class Settings:
         """gRPC message limit: the largest output plus room for the envelope."""
         return self.max_output_bytes_per_request + MiB
 
-    def float16_table_bytes(self, vocab_size: int, d_model: int) -> int:
-        """Bytes of the float16 row table kept on CPU for this model's shape (0: none)."""
-        return self.cast_table_bytes(vocab_size, d_model, 2)
+    def tables(self, vocab_size: int, d_model: int, weight_dtype: str) -> dict[str, int]:
+        """The row tables the table backend keeps on CPU for a model of this shape and
+        weight dtype: their bytes by answer dtype; empty when it keeps none (the model is
+        then served by the onnxruntime backend). The one place this is decided.
 
-    def cast_table_bytes(self, vocab_size: int, d_model: int, itemsize: int) -> int:
-        """Bytes of a row table in an output dtype other than float32 (float16), kept
-        beside the float32 one if at most float16_table_max_bytes (0: none)."""
-        table = vocab_size * d_model * itemsize
-        return table if table <= self.float16_table_max_bytes else 0
-
-    def float32_table_bytes(self, vocab_size: int, d_model: int) -> int:
-        """Bytes of the float32 row table kept on CPU for this model's shape (0: none)."""
-        table = vocab_size * d_model * 4
-        return table if table <= self.float32_table_max_bytes else 0
+        A float32 or float16 model: its float32 table when it fits, then a float16 and a
+        bfloat16 table each where it fits. A bfloat16 model: its bfloat16 table alone,
+        when it fits (its float32 and float16 answers are runs of the model, whose
+        weights onnxruntime maps from the file rather than copying them), so that it takes
+        V x D x 2 bytes of memory rather than a float32 table's V x D x 4 besides.
+        """
+        cells = vocab_size * d_model
+        if self.float32_table_max_bytes == 0:
+            return {}
+        if weight_dtype == "bfloat16":
+            fits = cells * 2 <= self.bfloat16_table_max_bytes
+            return {"bfloat16": cells * 2} if fits else {}
+        if cells * 4 > self.float32_table_max_bytes:
+            return {}
+        kept = {"float32": cells * 4}
+        for name, budget in (
+            ("float16", self.float16_table_max_bytes),
+            ("bfloat16", self.bfloat16_table_max_bytes),
+        ):
+            if cells * 2 <= budget:
+                kept[name] = cells * 2
+        return kept
 
     @property
     def max_request_bytes(self) -> int:
@@ -202,6 +223,7 @@ class Settings:
             "inter_op_threads",
             "inline_compute_max_tokens",
             "float16_table_max_bytes",
+            "bfloat16_table_max_bytes",
             "float32_table_max_bytes",
             "max_connection_age_s",
             "memory_trim_interval_s",

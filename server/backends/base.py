@@ -58,7 +58,7 @@ class ArrayRows(Rows):
                              f"shape {array.shape}")  # fmt: skip
         self._rows = len(array)
         self._row_bytes = array.shape[1] * array.itemsize
-        self._bytes = array.data.cast("B") if array.size else memoryview(b"")
+        self._bytes = byte_view(array)
 
     def pieces(self, start: int, stop: int) -> list[Buffer]:
         size = self._row_bytes
@@ -66,6 +66,15 @@ class ArrayRows(Rows):
 
     def __len__(self) -> int:
         return self._rows
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, as a flat memoryview of it (no copy). A
+    bfloat16 one (numpy kind "V": ml_dtypes') through a uint8 view of it, since the buffer
+    protocol knows no bfloat16."""
+    if not array.size:
+        return memoryview(b"")
+    return (array.view(np.uint8) if array.dtype.kind == "V" else array).data.cast("B")
 
 
 class Backend(ABC):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 
@@ -29,12 +30,17 @@ class DType:
 
 FLOAT32 = DType("float32", np.dtype("<f4"), "FP32")
 FLOAT16 = DType("float16", np.dtype("<f2"), "FP16")
+# ml_dtypes' type (onnx's too): numpy has none. Its values are stored in native order,
+# little-endian on every machine the server runs on.
+BFLOAT16 = DType("bfloat16", np.dtype(ml_dtypes.bfloat16), "BF16")
 INT64 = DType("int64", np.dtype("<i8"), "INT64")
 INT32 = DType("int32", np.dtype("<i4"), "INT32")
 
 # What an answer may be asked for. float32 is what a model computes; every other row is
-# the float32 rows cast (``backends.sessions.output_casts``), once per table or answer.
-OUTPUT_DTYPES: dict[str, DType] = {dtype.name: dtype for dtype in (FLOAT32, FLOAT16)}
+# the float32 rows rounded to nearest even (``backends.sessions.output_casts``), once per
+# table or answer: what torch's ``.to(dtype)`` of the float32 answer gives, and for a
+# table stored in that dtype, torch's ``embedding(ids) * scale`` computed in it.
+OUTPUT_DTYPES: dict[str, DType] = {dtype.name: dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16)}
 # What ids may be sent as.
 ID_DTYPES: dict[str, DType] = {dtype.name: dtype for dtype in (INT64, INT32)}
 

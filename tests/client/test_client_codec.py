@@ -191,9 +191,9 @@ def test_output_dtype_and_fields() -> None:
     assert output_dtype_code(np.dtype("float32")) == pb.DTYPE_FLOAT32
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float64", "bfloat16", "fp32", 3])
+@pytest.mark.parametrize("dtype", ["int8", "float64", "fp32", "bf16", 3])
 def test_bad_output_dtype(dtype: Any) -> None:
-    with pytest.raises(InvalidInputError, match="float32 or float16"):
+    with pytest.raises(InvalidInputError, match="float32, float16 or bfloat16"):
         encode_request(encode_ids([[1]]), dtype=dtype)
 
 

@@ -102,7 +102,9 @@ def llama() -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("form", FORMATS)
 def test_llama(llama, form, tmp_path, start_server):
-    """LlamaModel.forward starts ``inputs_embeds = self.embed_tokens(input_ids)``, an
+    """As float32 and float16 tables (the bfloat16 one, as it ships: below).
+
+    LlamaModel.forward starts ``inputs_embeds = self.embed_tokens(input_ids)``, an
     ``nn.Embedding`` in bfloat16 with no scale; the rotary position embedding is applied
     inside attention, later. Compared: ``model.model.embed_tokens``.
 
@@ -135,36 +137,31 @@ def test_llama(llama, form, tmp_path, start_server):
         assert 0 < error <= half.parity.tolerance
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="TODO(issue 25.1): bfloat16 tables come with issue25a's `--dtype bfloat16`; "
-    "once merged this passes, and strict xfail fails the run: remove this mark",
-)
-def test_llama_in_bfloat16(llama, tmp_path, start_server):
-    """The Llama exported as it ships, bfloat16 (V x D x 2 bytes): its bfloat16 answers
-    are the library's rows bit for bit, and its float32 answers those rows widened."""
-    index = _save(llama, tmp_path / "llama", "safetensors")
-    out = tmp_path / "bf16"
-    argv = ["export", "--out", str(out), "--weights", str(index)]
-    argv += ["--key", "model.embed_tokens.weight", "--scale", "none", "--dtype", "bfloat16"]
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse refuses a --dtype it does not offer
-        code = exc.code if isinstance(exc.code, int) else 2
-    assert code == 0, "--dtype bfloat16 is refused"
-    manifest = Manifest.read(out)
+@pytest.mark.parametrize("form", FORMATS)
+def test_llama_in_bfloat16(llama, form, tmp_path, start_server):
+    """The Llama exported as it ships, bfloat16 (V x D x 2 bytes, the checkpoint's bits):
+    compared with ``model.model.embed_tokens`` run in bfloat16, its bfloat16 answers are
+    the library's rows bit for bit, its float32 answers those rows widened and its float16
+    answers those rows rounded to float16."""
+    index = _save(llama, tmp_path / "llama", form)
+    key = "model.embed_tokens.weight"
+    flags = ["--scale", "none", "--dtype", "bfloat16", "--output-projection", "lm_head.weight"]
+    manifest = _export(index, key, tmp_path / "bf16", "llama", *flags)
     assert manifest.weight_dtype == "bfloat16"
-    assert (out / "model.onnx.data").stat().st_size == V * D * 2
+    assert manifest.parity.max_abs_error == 0.0  # bfloat16 kept exactly
+    assert manifest.tie == Tie("lm_head.weight", False, "different values", [key])
+    assert (tmp_path / "bf16" / "model.onnx.data").stat().st_size == V * D * 2
     ids = _ids()
     rows = _library(llama.model.embed_tokens, ids)
-    server = start_server(out)
+    assert rows.dtype == torch.bfloat16
+    server = start_server(tmp_path / "bf16")
     with EmbeddingClient(server.target) as client:
         got = client.embed(ids, "bfloat16")
         assert str(got.dtype) == "bfloat16"
         np.testing.assert_array_equal(got.view(np.uint16), rows.view(torch.int16).numpy().view(
             np.uint16))  # fmt: skip
         np.testing.assert_array_equal(client.embed(ids), rows.float().numpy())
+        np.testing.assert_array_equal(client.embed(ids, "float16"), rows.to(torch.float16).numpy())
 
 
 # --- T5: one shared table, no scale, tied to lm_head ---------------------------------------

@@ -260,16 +260,24 @@ def _bad_enum(rng: random.Random, valid: range) -> int:
             return value
 
 
+# Each enum's values, as the proto defines them today (values past them are unknown).
+_DTYPES = range(0, max(pb.DType.values()) + 1)
+_RAGGED_LAYOUTS = range(0, max(pb.RaggedLayout.values()) + 1)
+_LAYOUTS = range(0, max(pb.Layout.values()) + 1)
+
+
 def bad_enum(rng: random.Random) -> BadCase:
-    choice = rng.randrange(3)
+    choice = rng.randrange(4)
     if choice == 0:
         ids = _ids(rng)
-        raw = encode(ids, dtype=_bad_enum(rng, range(0, 5)))
+        raw = encode(ids, dtype=_bad_enum(rng, _DTYPES))
     elif choice == 1:
-        raw = encode(_ids(rng), output_dtype=_bad_enum(rng, range(0, 5)))
-    else:  # the layout is only read for ragged input
+        raw = encode(_ids(rng), output_dtype=_bad_enum(rng, _DTYPES))
+    elif choice == 2:  # the ragged layout is only read for ragged input
         flat, lengths = _ragged(rng)
-        raw = encode(flat, lengths=lengths, layout=_bad_enum(rng, range(0, 3)))
+        raw = encode(flat, lengths=lengths, layout=_bad_enum(rng, _RAGGED_LAYOUTS))
+    else:
+        raw = encode(_ids(rng), order=_bad_enum(rng, _LAYOUTS))
     return BadCase("bad_enum", _maybe_unknown(rng, raw), INVALID, "invalid_input")
 
 

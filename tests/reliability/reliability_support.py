@@ -47,14 +47,17 @@ def encode(
     layout: int = pb.RAGGED_LAYOUT_UNSPECIFIED,
     model_name: str = "",
     request_id: str = "",
+    order: int = pb.LAYOUT_UNSPECIFIED,
 ) -> bytes:
-    """An ``EmbedRequest`` as wire bytes; any field may be given a value that is wrong."""
+    """An ``EmbedRequest`` as wire bytes; any field may be given a value that is wrong
+    (``layout``: the ragged layout; ``order``: the Layout field, batch- or sequence-first)."""
     request = pb.EmbedRequest(
         lengths=list(lengths),
         output_dtype=output_dtype,  # type: ignore[arg-type]
         ragged_layout=layout,  # type: ignore[arg-type]
         model_name=model_name,
         request_id=request_id,
+        layout=order,  # type: ignore[arg-type]
     )
     if ids is not None or data is not None or shape is not None:
         request.input_ids.dtype = dtype  # type: ignore[assignment]

@@ -317,7 +317,7 @@ BAD_REQUESTS: dict[str, tuple[EmbedInput | Refused, type[EmbedError], str, str]]
         "outside", "small",
     ),
     "id-dtype": (EmbedInput("uint8", (1, 2), b"\x01\x02"), InvalidInput, "uint8", "small"),
-    "output-dtype": (rectangular([[1]], "bfloat16"), InvalidInput, "bfloat16", "small"),
+    "output-dtype": (rectangular([[1]], "float64"), InvalidInput, "float64", "small"),
     "lengths": (
         EmbedInput("int64", (3,), np.arange(3, dtype="<i8").tobytes(), (2, 2)),
         InvalidInput, "lengths sum", "small",

@@ -9,7 +9,13 @@ import pytest
 
 from tokembed.server.core.dataplane import Refused, Request
 from tokembed.server.core.errors import InvalidInput, TooLarge
-from tokembed.server.core.operations.embed import FLAT, PADDED, validate
+from tokembed.server.core.operations.embed import (
+    BATCH_FIRST,
+    FLAT,
+    PADDED,
+    SEQUENCE_FIRST,
+    validate,
+)
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
@@ -39,6 +45,7 @@ def test_every_field_is_read() -> None:
         model_name="small",
         model_version="2",
         request_id="abc",
+        layout=pb.LAYOUT_SEQUENCE_FIRST,
     )
     call = parsed(message)
     got = call.body
@@ -48,6 +55,7 @@ def test_every_field_is_read() -> None:
     assert got.lengths == (1, 2)
     assert got.output_dtype == "float16"
     assert got.layout == FLAT
+    assert got.order == SEQUENCE_FIRST
     assert (call.model_name, call.model_version, call.request_id) == ("small", "2", "abc")
     assert got.more_ids is None  # tokembed.v1 carries no other ids (yet)
 
@@ -63,12 +71,17 @@ def test_every_field_is_read() -> None:
         ("output", pb.DTYPE_UNSPECIFIED, "float32"),
         ("output", pb.DTYPE_FLOAT32, "float32"),
         ("output", pb.DTYPE_FLOAT16, "float16"),
+        ("output", pb.DTYPE_BFLOAT16, "bfloat16"),
         ("output", pb.DTYPE_INT32, "DTYPE_INT32"),
         ("output", 9, "9 (unknown DType value)"),
         ("layout", pb.RAGGED_LAYOUT_UNSPECIFIED, PADDED),
         ("layout", pb.RAGGED_LAYOUT_PADDED, PADDED),
         ("layout", pb.RAGGED_LAYOUT_FLAT, FLAT),
         ("layout", 7, "7 (unknown RaggedLayout value)"),
+        ("order", pb.LAYOUT_UNSPECIFIED, BATCH_FIRST),
+        ("order", pb.LAYOUT_BATCH_FIRST, BATCH_FIRST),
+        ("order", pb.LAYOUT_SEQUENCE_FIRST, SEQUENCE_FIRST),
+        ("order", 7, "7 (unknown Layout value)"),
     ],
 )
 def test_enums_are_mapped_and_unknown_values_named(field: str, value: int, name: str) -> None:
@@ -79,6 +92,9 @@ def test_enums_are_mapped_and_unknown_values_named(field: str, value: int, name:
     elif field == "output":
         message.output_dtype = value  # type: ignore[assignment]
         assert parsed(message).body.output_dtype == name
+    elif field == "order":
+        message.layout = value  # type: ignore[assignment]
+        assert parsed(message).body.order == name
     else:
         message.ragged_layout = value  # type: ignore[assignment]
         assert parsed(message).body.layout == name
@@ -94,6 +110,7 @@ def test_enums_are_mapped_and_unknown_values_named(field: str, value: int, name:
         ),
         ({"output_dtype": 9}, "output_dtype 9 (unknown DType value)"),
         ({"lengths": [1], "ragged_layout": 7}, "ragged_layout 7 (unknown RaggedLayout value)"),
+        ({"layout": 7}, "layout 7 (unknown Layout value) is not supported"),
     ],
 )
 def test_unknown_enum_values_are_named_in_the_validation_error(

@@ -579,7 +579,7 @@ def assert_model_info(info: pb.ModelInfo, model: ServedModel, max_message_bytes:
         assert info.padding_id == manifest.padding_idx
     assert info.weight_dtype == manifest.weight_dtype
     assert list(info.input_dtypes) == [pb.DTYPE_INT64, pb.DTYPE_INT32]
-    assert list(info.output_dtypes) == [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16]
+    assert list(info.output_dtypes) == [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16]
     assert info.execution_provider == model.backend.execution_provider
     assert info.backend == model.backend.kind
     assert info.model_sha256 == model.model.model_sha256 and len(info.model_sha256) == 64

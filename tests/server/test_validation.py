@@ -19,11 +19,13 @@ from tokembed.server.core.operations.embed import (
     EMBED,
     FLAT,
     PADDED,
+    SEQUENCE_FIRST,
     EmbedInput,
     IdsInput,
     validate,
 )
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
+from tokembed.server.core.types import Timings
 from tokembed.server.loading import LoadedModel
 
 from support.fixtures import SMALL_D, SMALL_V
@@ -120,7 +122,7 @@ def test_unsupported_ids_dtype_is_named(dtype: str, model: ServedModel) -> None:
     assert "int64 or int32" in str(error.value)
 
 
-@pytest.mark.parametrize("dtype", ["DTYPE_INT64", "9 (unknown DType value)", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["DTYPE_INT64", "9 (unknown DType value)", "float64"])
 def test_unsupported_output_dtype_is_named(dtype: str, model: ServedModel) -> None:
     with pytest.raises(InvalidInput, match=re.escape(f"output_dtype {dtype} is not supported")):
         validate(request([[1]], output_dtype=dtype), model)
@@ -318,3 +320,60 @@ def test_valid_request_becomes_a_job(model: ServedModel) -> None:
     assert EMBED.validate(request([[5, 6, 7], [8, 9, 10]]), model).look_up.ids.values() == (
         job.look_up.ids.values()
     )
+
+
+# --- sequence-first
+
+
+def test_sequence_first_ids_are_s_by_b(model: ServedModel) -> None:
+    job = validate(request([[1, 2, 3], [4, 5, 6]], order=SEQUENCE_FIRST), model)  # [S=2, B=3]
+    assert (job.batch, job.seq_len, job.tokens) == (3, 2, 6)
+    assert job.answer_shape(D) == (2, 3, D)
+    assert job.look_up.ids.values() == [1, 2, 3, 4, 5, 6]  # looked up in the ids' order
+
+
+def test_sequence_first_ragged_is_padded_s_max_by_b(model: ServedModel) -> None:
+    job = validate(request([1, 2, 3, 4], lengths=(3, 1), order=SEQUENCE_FIRST), model)
+    assert job.answer_shape(D) == (3, 2, D)
+    assert job.output_bytes == 3 * 2 * D * 4  # padding counted, as batch-first
+
+
+def test_sequence_first_flat_is_refused(model: ServedModel) -> None:
+    with pytest.raises(
+        InvalidInput, match=re.escape("FLAT answers [N, D], which has no batch axis")
+    ):
+        validate(request([1, 2, 3], lengths=(2, 1), layout=FLAT, order=SEQUENCE_FIRST), model)
+
+
+def test_sequence_first_shape_and_bound_messages_name_s_by_b(model: ServedModel) -> None:
+    with pytest.raises(InvalidInput, match=re.escape("must be [S, B] (sequence-first)")):
+        validate(request([1, 2], order=SEQUENCE_FIRST), model)
+    # The index is in the request's own [S, B] shape.
+    with pytest.raises(InvalidInput, match=re.escape(f"input_ids[2,0] = {V} ")):
+        validate(request([[1, 2], [3, 4], [V, 5]], order=SEQUENCE_FIRST), model)
+
+
+def test_sequence_first_answers_are_the_rows_reordered_position_by_position(
+    model: ServedModel,
+) -> None:
+    """A ragged sequence-first answer is the batch-first one transposed: the rows at
+    position 0 of each sequence, then at 1, padding where a sequence has ended."""
+    ids = [7, 8, 9, 20, 30, 31]  # sequences [7, 8, 9], [20], [30, 31]
+    for order, shape in ((SEQUENCE_FIRST, (3, 3, D)), ("batch_first", (3, 3, D))):
+        job = validate(request(ids, lengths=(3, 1, 2), order=order), model)
+        (rows,) = EMBED.compute(model.backend, [job])
+        answer = EMBED.answer(job, rows, Timings(0.0, 0.0, 1, 6), model)
+        assert answer.shape == shape
+        array = np.frombuffer(b"".join(answer.pieces), dtype=np.float32).reshape(shape)
+        if order == SEQUENCE_FIRST:
+            sequence_first = array
+        else:
+            batch_first = array
+    np.testing.assert_array_equal(sequence_first, batch_first.transpose(1, 0, 2))
+    pad = model.backend.pad_row(FLOAT32)
+    assert sequence_first[1, 1].tobytes() == pad and sequence_first[2, 2].tobytes() == pad
+
+
+def test_an_unknown_layout_is_named(model: ServedModel) -> None:
+    with pytest.raises(InvalidInput, match=re.escape("layout sideways is not supported")):
+        validate(request([[1]], order="sideways"), model)

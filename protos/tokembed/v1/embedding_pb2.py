@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokembed/v1/embedding.proto\x12\x0btokembed.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xe2\x01\n\x0c\x45mbedRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12(\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\x30\n\rragged_layout\x18\x04 \x01(\x0e\x32\x19.tokembed.v1.RaggedLayout\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\"\x7f\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x62\x61tch_requests\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x05 \x01(\x04\"\xb2\x01\n\rEmbedResponse\x12*\n\rhidden_states\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x13\x45mbedStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.tokembed.v1.ErrorH\x00\x42\x08\n\x06result\"F\n\nEmbedChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponse\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokembed.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x9e\x01\n\x06Limits\x12\x1e\n\x16max_tokens_per_request\x18\x01 \x01(\x04\x12$\n\x1cmax_output_bytes_per_request\x18\x02 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_delay_seconds\x18\x05 \x01(\x01\"\xd9\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x17\n\npadding_id\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cweight_dtype\x18\x07 \x01(\t\x12(\n\x0cinput_dtypes\x18\x08 \x03(\x0e\x32\x12.tokembed.v1.DType\x12)\n\routput_dtypes\x18\t \x03(\x0e\x32\x12.tokembed.v1.DType\x12\x1a\n\x12\x65xecution_provider\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.tokembed.v1.Limits\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\tB\r\n\x0b_padding_id*f\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT64\x10\x01\x12\x0f\n\x0b\x44TYPE_INT32\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04*_\n\x0cRaggedLayout\x12\x1d\n\x19RAGGED_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14RAGGED_LAYOUT_PADDED\x10\x01\x12\x16\n\x12RAGGED_LAYOUT_FLAT\x10\x02\x32\x81\x03\n\x10\x45mbeddingService\x12>\n\x05\x45mbed\x12\x19.tokembed.v1.EmbedRequest\x1a\x1a.tokembed.v1.EmbedResponse\x12N\n\x0b\x45mbedStream\x12\x19.tokembed.v1.EmbedRequest\x1a .tokembed.v1.EmbedStreamResponse(\x01\x30\x01\x12\x44\n\x0c\x45mbedChunked\x12\x19.tokembed.v1.EmbedRequest\x1a\x17.tokembed.v1.EmbedChunk0\x01\x12H\n\x0cGetModelInfo\x12 .tokembed.v1.GetModelInfoRequest\x1a\x16.tokembed.v1.ModelInfo\x12M\n\nListModels\x12\x1e.tokembed.v1.ListModelsRequest\x1a\x1f.tokembed.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokembed/v1/embedding.proto\x12\x0btokembed.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x87\x02\n\x0c\x45mbedRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12(\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\x30\n\rragged_layout\x18\x04 \x01(\x0e\x32\x19.tokembed.v1.RaggedLayout\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12#\n\x06layout\x18\x08 \x01(\x0e\x32\x13.tokembed.v1.Layout\"\x7f\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x62\x61tch_requests\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x05 \x01(\x04\"\xb2\x01\n\rEmbedResponse\x12*\n\rhidden_states\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x13\x45mbedStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.tokembed.v1.ErrorH\x00\x42\x08\n\x06result\"F\n\nEmbedChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponse\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokembed.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x9e\x01\n\x06Limits\x12\x1e\n\x16max_tokens_per_request\x18\x01 \x01(\x04\x12$\n\x1cmax_output_bytes_per_request\x18\x02 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_delay_seconds\x18\x05 \x01(\x01\"\xd9\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x17\n\npadding_id\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cweight_dtype\x18\x07 \x01(\t\x12(\n\x0cinput_dtypes\x18\x08 \x03(\x0e\x32\x12.tokembed.v1.DType\x12)\n\routput_dtypes\x18\t \x03(\x0e\x32\x12.tokembed.v1.DType\x12\x1a\n\x12\x65xecution_provider\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.tokembed.v1.Limits\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\tB\r\n\x0b_padding_id*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT64\x10\x01\x12\x0f\n\x0b\x44TYPE_INT32\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05*_\n\x0cRaggedLayout\x12\x1d\n\x19RAGGED_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14RAGGED_LAYOUT_PADDED\x10\x01\x12\x16\n\x12RAGGED_LAYOUT_FLAT\x10\x02*S\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_BATCH_FIRST\x10\x01\x12\x19\n\x15LAYOUT_SEQUENCE_FIRST\x10\x02\x32\x81\x03\n\x10\x45mbeddingService\x12>\n\x05\x45mbed\x12\x19.tokembed.v1.EmbedRequest\x1a\x1a.tokembed.v1.EmbedResponse\x12N\n\x0b\x45mbedStream\x12\x19.tokembed.v1.EmbedRequest\x1a .tokembed.v1.EmbedStreamResponse(\x01\x30\x01\x12\x44\n\x0c\x45mbedChunked\x12\x19.tokembed.v1.EmbedRequest\x1a\x17.tokembed.v1.EmbedChunk0\x01\x12H\n\x0cGetModelInfo\x12 .tokembed.v1.GetModelInfoRequest\x1a\x16.tokembed.v1.ModelInfo\x12M\n\nListModels\x12\x1e.tokembed.v1.ListModelsRequest\x1a\x1f.tokembed.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokembed.v1.embedding_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1584
-  _globals['_DTYPE']._serialized_end=1686
-  _globals['_RAGGEDLAYOUT']._serialized_start=1688
-  _globals['_RAGGEDLAYOUT']._serialized_end=1783
+  _globals['_DTYPE']._serialized_start=1621
+  _globals['_DTYPE']._serialized_end=1743
+  _globals['_RAGGEDLAYOUT']._serialized_start=1745
+  _globals['_RAGGEDLAYOUT']._serialized_end=1840
+  _globals['_LAYOUT']._serialized_start=1842
+  _globals['_LAYOUT']._serialized_end=1925
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=116
   _globals['_EMBEDREQUEST']._serialized_start=119
-  _globals['_EMBEDREQUEST']._serialized_end=345
-  _globals['_TIMINGS']._serialized_start=347
-  _globals['_TIMINGS']._serialized_end=474
-  _globals['_EMBEDRESPONSE']._serialized_start=477
-  _globals['_EMBEDRESPONSE']._serialized_end=655
-  _globals['_ERROR']._serialized_start=657
-  _globals['_ERROR']._serialized_end=711
-  _globals['_EMBEDSTREAMRESPONSE']._serialized_start=713
-  _globals['_EMBEDSTREAMRESPONSE']._serialized_end=829
-  _globals['_EMBEDCHUNK']._serialized_start=831
-  _globals['_EMBEDCHUNK']._serialized_end=901
-  _globals['_GETMODELINFOREQUEST']._serialized_start=903
-  _globals['_GETMODELINFOREQUEST']._serialized_end=967
-  _globals['_LISTMODELSREQUEST']._serialized_start=969
-  _globals['_LISTMODELSREQUEST']._serialized_end=988
-  _globals['_LISTMODELSRESPONSE']._serialized_start=990
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1073
-  _globals['_LIMITS']._serialized_start=1076
-  _globals['_LIMITS']._serialized_end=1234
-  _globals['_MODELINFO']._serialized_start=1237
-  _globals['_MODELINFO']._serialized_end=1582
-  _globals['_EMBEDDINGSERVICE']._serialized_start=1786
-  _globals['_EMBEDDINGSERVICE']._serialized_end=2171
+  _globals['_EMBEDREQUEST']._serialized_end=382
+  _globals['_TIMINGS']._serialized_start=384
+  _globals['_TIMINGS']._serialized_end=511
+  _globals['_EMBEDRESPONSE']._serialized_start=514
+  _globals['_EMBEDRESPONSE']._serialized_end=692
+  _globals['_ERROR']._serialized_start=694
+  _globals['_ERROR']._serialized_end=748
+  _globals['_EMBEDSTREAMRESPONSE']._serialized_start=750
+  _globals['_EMBEDSTREAMRESPONSE']._serialized_end=866
+  _globals['_EMBEDCHUNK']._serialized_start=868
+  _globals['_EMBEDCHUNK']._serialized_end=938
+  _globals['_GETMODELINFOREQUEST']._serialized_start=940
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1004
+  _globals['_LISTMODELSREQUEST']._serialized_start=1006
+  _globals['_LISTMODELSREQUEST']._serialized_end=1025
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1027
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1110
+  _globals['_LIMITS']._serialized_start=1113
+  _globals['_LIMITS']._serialized_end=1271
+  _globals['_MODELINFO']._serialized_start=1274
+  _globals['_MODELINFO']._serialized_end=1619
+  _globals['_EMBEDDINGSERVICE']._serialized_start=1928
+  _globals['_EMBEDDINGSERVICE']._serialized_end=2313
 # @@protoc_insertion_point(module_scope)

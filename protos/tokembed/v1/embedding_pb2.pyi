@@ -39,6 +39,8 @@ class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType
     DTYPE_INT32: _DType.ValueType  # 2
     DTYPE_FLOAT32: _DType.ValueType  # 3
     DTYPE_FLOAT16: _DType.ValueType  # 4
+    DTYPE_BFLOAT16: _DType.ValueType  # 5
+    """bfloat16: float32's sign, exponent and top 7 fraction bits (numpy: ml_dtypes.bfloat16)."""
 
 class DType(_DType, metaclass=_DTypeEnumTypeWrapper): ...
 
@@ -47,6 +49,8 @@ DTYPE_INT64: DType.ValueType  # 1
 DTYPE_INT32: DType.ValueType  # 2
 DTYPE_FLOAT32: DType.ValueType  # 3
 DTYPE_FLOAT16: DType.ValueType  # 4
+DTYPE_BFLOAT16: DType.ValueType  # 5
+"""bfloat16: float32's sign, exponent and top 7 fraction bits (numpy: ml_dtypes.bfloat16)."""
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
 class _RaggedLayout:
@@ -82,6 +86,40 @@ RAGGED_LAYOUT_FLAT: RaggedLayout.ValueType  # 2
 Sequence b owns rows [sum(lengths[:b]), sum(lengths[:b+1])).
 """
 Global___RaggedLayout: _TypeAlias = RaggedLayout  # noqa: Y015
+
+class _Layout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Layout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LAYOUT_UNSPECIFIED: _Layout.ValueType  # 0
+    """BATCH_FIRST."""
+    LAYOUT_BATCH_FIRST: _Layout.ValueType  # 1
+    """input_ids [B, S], hidden_states [B, S, D] ([B, S_max, D] for padded ragged answers)."""
+    LAYOUT_SEQUENCE_FIRST: _Layout.ValueType  # 2
+    """input_ids [S, B], hidden_states [S, B, D]: hidden_states[s, b] is the row of
+    input_ids[s, b] (the batch-first answer of the transposed ids, transposed). Ragged
+    input (flat ids and lengths, as ever) is answered [S_max, B, D]: hidden_states[s, b]
+    is position s of sequence b, or padding (as for RAGGED_LAYOUT_PADDED) past its length.
+    A FLAT ragged answer has no batch axis to order: asking for both is INVALID_ARGUMENT.
+    """
+
+class Layout(_Layout, metaclass=_LayoutEnumTypeWrapper):
+    """The order of the batch and sequence axes, of the ids and of the answer."""
+
+LAYOUT_UNSPECIFIED: Layout.ValueType  # 0
+"""BATCH_FIRST."""
+LAYOUT_BATCH_FIRST: Layout.ValueType  # 1
+"""input_ids [B, S], hidden_states [B, S, D] ([B, S_max, D] for padded ragged answers)."""
+LAYOUT_SEQUENCE_FIRST: Layout.ValueType  # 2
+"""input_ids [S, B], hidden_states [S, B, D]: hidden_states[s, b] is the row of
+input_ids[s, b] (the batch-first answer of the transposed ids, transposed). Ragged
+input (flat ids and lengths, as ever) is answered [S_max, B, D]: hidden_states[s, b]
+is position s of sequence b, or padding (as for RAGGED_LAYOUT_PADDED) past its length.
+A FLAT ragged answer has no batch axis to order: asking for both is INVALID_ARGUMENT.
+"""
+Global___Layout: _TypeAlias = Layout  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
@@ -124,8 +162,13 @@ class EmbedRequest(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     output_dtype: Global___DType.ValueType
-    """FLOAT32 (the default when unspecified) or FLOAT16 (half the bytes)."""
+    """FLOAT32 (the default when unspecified), FLOAT16 or BFLOAT16 (half the bytes). Each is
+    what torch computes: the row widened to float32 exactly, times the scale in float32,
+    rounded to nearest even into the dtype asked for (for a bfloat16 table and a bfloat16
+    answer, exactly torch's `embedding(ids) * scale` in bfloat16).
+    """
     ragged_layout: Global___RaggedLayout.ValueType
     """Only read for ragged input."""
     model_name: _builtins.str
@@ -136,11 +179,14 @@ class EmbedRequest(_message.Message):
     """Optional: echoed back in the response and the server's logs."""
     model_version: _builtins.str
     """The version of `model_name` to embed with; empty: the newest version served."""
+    layout: Global___Layout.ValueType
+    """Batch-first (the default) or sequence-first ids and answer."""
     @_builtins.property
     def input_ids(self) -> Global___Tensor:
         """Token ids, int64 or int32 (dtype must be set: DTYPE_UNSPECIFIED is refused), each
         in [0, V).
-          Rectangular input: shape [B, S], and `lengths` empty.
+          Rectangular input: shape [B, S] ([S, B] with LAYOUT_SEQUENCE_FIRST), and
+                             `lengths` empty.
           Ragged input:      shape [N] (all sequences concatenated) and `lengths` [B]
                              with sum(lengths) == N and every length >= 1.
         """
@@ -157,10 +203,11 @@ class EmbedRequest(_message.Message):
         model_name: _builtins.str = ...,
         request_id: _builtins.str = ...,
         model_version: _builtins.str = ...,
+        layout: Global___Layout.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "lengths", b"lengths", "model_name", b"model_name", "model_version", b"model_version", "output_dtype", b"output_dtype", "ragged_layout", b"ragged_layout", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "layout", b"layout", "lengths", b"lengths", "model_name", b"model_name", "model_version", b"model_version", "output_dtype", b"output_dtype", "ragged_layout", b"ragged_layout", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -221,7 +268,8 @@ class EmbedResponse(_message.Message):
     @_builtins.property
     def hidden_states(self) -> Global___Tensor:
         """[B, S, D] for rectangular input; for ragged input [B, S_max, D] or [N, D] (see
-        RaggedLayout). float32 unless float16 was asked for.
+        RaggedLayout); [S, B, D] and [S_max, B, D] with LAYOUT_SEQUENCE_FIRST. In the
+        output_dtype asked for.
         """
 
     @_builtins.property
@@ -453,7 +501,7 @@ class ModelInfo(_message.Message):
     padding_id: _builtins.int
     """Unset when the model has no padding id."""
     weight_dtype: _builtins.str
-    """Storage dtype of the table: float32 or float16."""
+    """Storage dtype of the table: float32, float16 or bfloat16."""
     execution_provider: _builtins.str
     """The onnxruntime execution provider actually in use, e.g. "CPUExecutionProvider"."""
     model_sha256: _builtins.str

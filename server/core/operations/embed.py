@@ -1,4 +1,5 @@
-"""The embed operation: ids ``[B,S]`` (or ragged) in, ``hidden_states [B,S,D]`` out.
+"""The embed operation: ids ``[B,S]`` (or ragged) in, ``hidden_states [B,S,D]`` out; or
+sequence-first, ``[S,B]`` in and ``[S,B,D]`` out (ragged: ``[S_max,B,D]``).
 
 Validation runs before a request can join a batch, so a bad request fails alone, with a
 message naming the offending value. It checks ids against their bound itself:
@@ -25,6 +26,9 @@ from tokembed.server.core.types import Answer, Buffer, Timings, TokenIds
 
 PADDED = "padded"
 FLAT = "flat"
+# The order of the batch and sequence axes, of the ids and of the answer.
+BATCH_FIRST = "batch_first"
+SEQUENCE_FIRST = "sequence_first"
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class EmbedInput:
     output_dtype: str = "float32"
     layout: str = PADDED
     more_ids: dict[str, IdsInput] | None = None
+    order: str = BATCH_FIRST  # or SEQUENCE_FIRST, or whatever else was sent (refused)
 
 
 @dataclass(slots=True)
@@ -61,6 +66,7 @@ class EmbedJob:
     layout: str
     output_bytes: int
     tokens: int
+    sequence_first: bool = False  # ids [S, B], answer [S, B, D] (ragged: [S_max, B, D])
 
     @property
     def output_dtype(self) -> DType:
@@ -68,12 +74,14 @@ class EmbedJob:
 
     @property
     def padded(self) -> bool:
-        """Ragged input answered [B, S_max, D]: rows of padding after each sequence."""
+        """Ragged input answered [B, S_max, D] (or [S_max, B, D]): with padding rows."""
         return self.lengths is not None and self.layout == PADDED
 
     def answer_shape(self, d_model: int) -> tuple[int, ...]:
         if self.lengths is not None and self.layout == FLAT:
             return (self.tokens, d_model)
+        if self.sequence_first:
+            return (self.seq_len, self.batch, d_model)
         return (self.batch, self.seq_len, d_model)
 
 
@@ -87,15 +95,23 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         return backend.look_up_batch([job.look_up for job in jobs])
 
     def answer(self, job: EmbedJob, result: Rows, timings: Timings, model: ServedModel) -> Answer:
-        """The answer's shape and pieces: the rows, with padding rows after each sequence
-        of a padded ragged answer."""
+        """The answer's shape and pieces: the rows in the order of the ids (rectangular
+        answers, batch- or sequence-first alike, and flat ones), with padding rows after
+        each sequence of a padded ragged answer, or, sequence-first, position by position:
+        the sequences' rows at position 0, then at 1, padding where one has ended."""
         if len(result) != job.tokens:
             raise Internal(f"this is a bug: the look-up gave {len(result)} rows for "
                            f"{job.tokens} ids")  # fmt: skip
-        if job.padded:
+        if job.padded and job.sequence_first:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
-            pieces: list[Buffer] = []
+            pieces = _positions_first(
+                result, job.lengths, job.seq_len, pad, model.d_model * job.output_dtype.itemsize
+            )
+        elif job.padded:
+            assert job.lengths is not None
+            pad = model.backend.pad_row(job.output_dtype)
+            pieces = []
             offset = 0
             for length in job.lengths:
                 pieces += result.pieces(offset, offset + length)
@@ -112,6 +128,30 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
 EMBED = Embed()
 
 
+def _positions_first(
+    result: Rows, lengths: tuple[int, ...], seq_len: int, pad: Buffer, row_bytes: int
+) -> list[Buffer]:
+    """A ragged answer's pieces in ``[S_max, B]`` order: row by row (a backend's pieces
+    may hold several rows of one sequence; they are split into rows, as views)."""
+    rows: list[Buffer] = []
+    for piece in result.pieces(0, len(result)):
+        if len(piece) == row_bytes:
+            rows.append(piece)
+        else:
+            view = memoryview(piece)
+            rows += [view[i : i + row_bytes] for i in range(0, len(view), row_bytes)]
+    starts = [0] * len(lengths)
+    for index in range(1, len(lengths)):
+        starts[index] = starts[index - 1] + lengths[index - 1]
+    pieces: list[Buffer] = []
+    for position in range(seq_len):
+        pieces += [
+            rows[start + position] if position < length else pad
+            for start, length in zip(starts, lengths, strict=True)
+        ]
+    return pieces
+
+
 def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
     id_dtype = ID_DTYPES.get(request.ids_dtype)
     if id_dtype is None:
@@ -120,13 +160,24 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
         )
     output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
     if output_dtype is None:
+        *others, last = OUTPUT_DTYPES
         raise InvalidInput(
             f"output_dtype {request.output_dtype} is not supported; ask for "
-            f"{' or '.join(OUTPUT_DTYPES)}"
+            f"{', '.join(others)} or {last}"
         )
     # The layout only shapes ragged answers (the proto says so); ignore it otherwise.
     if request.lengths and request.layout not in (PADDED, FLAT):
         raise InvalidInput(f"ragged_layout {request.layout} is not supported; use PADDED or FLAT")
+    if request.order not in (BATCH_FIRST, SEQUENCE_FIRST):
+        raise InvalidInput(
+            f"layout {request.order} is not supported; use BATCH_FIRST or SEQUENCE_FIRST"
+        )
+    sequence_first = request.order == SEQUENCE_FIRST
+    if sequence_first and request.lengths and request.layout == FLAT:
+        raise InvalidInput(
+            "ragged_layout FLAT answers [N, D], which has no batch axis to put second: "
+            "SEQUENCE_FIRST ragged answers are PADDED ([S_max, B, D])"
+        )
 
     shape = request.shape
     if shape and min(shape) < 0:
@@ -134,12 +185,13 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
     if request.lengths:
         batch, seq_len, tokens = _ragged_geometry(shape, request.lengths)
     else:
+        axes = "[S, B] (sequence-first)" if sequence_first else "[B, S]"
         if len(shape) != 2:
             raise InvalidInput(
-                f"input_ids shape {list(shape)} must be [B, S] (or [N] with lengths for ragged "
+                f"input_ids shape {list(shape)} must be {axes} (or [N] with lengths for ragged "
                 "input)"
             )
-        batch, seq_len = shape
+        batch, seq_len = (shape[1], shape[0]) if sequence_first else (shape[0], shape[1])
         tokens = batch * seq_len
         if tokens == 0:
             raise InvalidInput(f"input_ids shape {list(shape)} is empty; send at least one id")
@@ -170,6 +222,7 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
     return EmbedJob(
         LookUp(ids, output_dtype, more), batch, seq_len,
         tuple(request.lengths) if request.lengths else None, layout, output_bytes, tokens,
+        sequence_first,
     )  # fmt: skip
 
 

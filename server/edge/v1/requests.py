@@ -16,7 +16,13 @@ from google.protobuf.message import DecodeError
 from tokembed.server.core.dataplane import Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import InvalidInput, TooLarge
-from tokembed.server.core.operations.embed import FLAT, PADDED, EmbedInput
+from tokembed.server.core.operations.embed import (
+    BATCH_FIRST,
+    FLAT,
+    PADDED,
+    SEQUENCE_FIRST,
+    EmbedInput,
+)
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -34,6 +40,11 @@ _LAYOUT_NAMES = {
     pb.RAGGED_LAYOUT_UNSPECIFIED: PADDED,
     pb.RAGGED_LAYOUT_PADDED: PADDED,
     pb.RAGGED_LAYOUT_FLAT: FLAT,
+}
+_ORDER_NAMES = {
+    pb.LAYOUT_UNSPECIFIED: BATCH_FIRST,
+    pb.LAYOUT_BATCH_FIRST: BATCH_FIRST,
+    pb.LAYOUT_SEQUENCE_FIRST: SEQUENCE_FIRST,
 }
 
 EmbedCall = Request[EmbedInput]
@@ -95,6 +106,7 @@ def parse_embed(data: bytes) -> EmbedCall | Refused:
                 _LAYOUT_NAMES.get(request.ragged_layout)
                 or _enum_name(pb.RaggedLayout, request.ragged_layout)
             ),
+            order=_ORDER_NAMES.get(request.layout) or _enum_name(pb.Layout, request.layout),
         ),
         request.request_id,
     )
