@@ -46,16 +46,21 @@ def _files(model_dir: Path) -> dict[str, object]:
     return files
 
 
-def test_twins_answer_from_one_table(tmp_path, start_server, caplog):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_twins_answer_from_one_table(tmp_path, start_server, caplog, dtype):
     """Functional: both names answer exactly, the load log says the second shares the
-    first's tables, and a model that differs in one value is not taken for a twin."""
+    first's tables, and a model that differs in one value is not taken for a twin. A
+    bfloat16 model keeps its bfloat16 table alone and runs for its other answers: its
+    twins share the table and that session."""
     table = torch.randn(500, 32, generator=torch.Generator().manual_seed(4))
+    table = table.to(getattr(torch, dtype)).float()  # the values the table holds
     weights = _checkpoint(tmp_path / "model.safetensors", table)
-    encoder = _export(weights, tmp_path / "encoder", "encoder")
-    decoder = _export(weights, tmp_path / "decoder", "decoder")
+    encoder = _export(weights, tmp_path / "encoder", "encoder", "--dtype", dtype)
+    decoder = _export(weights, tmp_path / "decoder", "decoder", "--dtype", dtype)
     other_table = table.clone()
     other_table[123, 7] += 1.0
-    other = _export(_checkpoint(tmp_path / "other.safetensors", other_table), tmp_path / "o", "o")
+    other_weights = _checkpoint(tmp_path / "other.safetensors", other_table)
+    other = _export(other_weights, tmp_path / "o", "o", "--dtype", dtype)
     assert _files(encoder) == _files(decoder) != _files(other)
 
     with caplog.at_level(logging.INFO, logger="tokembed.server.loading"):
