@@ -226,7 +226,7 @@ def test_storage_tolerance_is_the_exporters():
     weight = torch.randn(10, 48) * 3
     module = TokenEmbedding(10, 48, weight=weight)
     largest = float(weight.abs().max())
-    for dtype in ("float32", "float16"):
+    for dtype in ("float32", "float16", "bfloat16"):
         assert storage_tolerance(dtype, largest, module.scale) == parity_tolerance(module, dtype)
 
 
