@@ -72,7 +72,7 @@ def _expected(table: torch.Tensor, stored: str, scale: float) -> np.ndarray:
     return result
 
 
-@pytest.mark.parametrize("stored", ["float32", "float16"])
+@pytest.mark.parametrize("stored", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("source", ["bfloat16", "float16", "float32", "float64"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_every_row_as_the_module_computes_it(tmp_path, capsys, bitwise_equal, suffix, source,
