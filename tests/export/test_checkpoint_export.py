@@ -214,8 +214,16 @@ def test_check_in_slices_compares_every_slice():
 
     with pytest.raises(ParityError, match="differs from torch by nan"):
         check_in_slices(nan, _rows, ids, **kwargs)
-    parity = check_in_slices(lambda b: _rows(b).reshape(2, -1, 4), _rows, ids, **kwargs)
-    assert (parity.max_abs_error, parity.ids_checked) == (0.0, 1000)
+    answered: list[int] = []
+
+    def answers(piece: np.ndarray, got: np.ndarray) -> None:
+        np.testing.assert_array_equal(got, _rows(piece))  # each slice's own answer
+        answered.extend(piece.tolist())
+
+    good = check_in_slices(lambda b: _rows(b).reshape(2, -1, 4), _rows, ids, **kwargs,
+                           answers=answers)  # fmt: skip
+    assert (good.max_abs_error, good.ids_checked) == (0.0, 1000)
+    assert sorted(answered) == list(range(1000))
 
 
 def test_storage_tolerance_is_the_exporters():
