@@ -9,6 +9,7 @@ from pathlib import Path
 from tokembed.export import kind_cli
 from tokembed.export.errors import ExportError
 from tokembed.export.kinds import TOKEN
+from tokembed.export.manifest import Manifest
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 
@@ -54,9 +55,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--weights",
         type=Path,
         default=None,
-        help="checkpoint: a torch state_dict (.pt/.pth/.bin) or .safetensors",
+        help="checkpoint: a torch state_dict (.pt/.pth/.bin), .safetensors, or a sharded "
+        "checkpoint's *.safetensors.index.json / pytorch_model.bin.index.json (only the "
+        "shard holding --key is read)",
     )
     parser.add_argument("--key", default=None, help="key of the [V,D] matrix in --weights")
+    parser.add_argument(
+        "--output-projection",
+        default=None,
+        metavar="KEY",
+        help="key of the model's output projection in --weights (lm_head.weight): whether it "
+        "is tied to --key, and how that is known, is recorded in the manifest",
+    )
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -109,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError("--key needs --weights")
     if args.weights is not None and args.key is None:
         raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
+    if args.output_projection is not None and args.weights is None:
+        raise ExportError("--output-projection needs --weights")
     # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
     # ValueError deep inside the export, which would surface as a traceback.
     if not 0 <= args.seed < 2**64:
@@ -141,25 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if kind != TOKEN:  # the segment and factorized kinds (BERT's, ALBERT's)
         random_sizes = (vocab_size, d_model) if args.weights is None else None
         return kind_cli.run(args, kind, name, random_sizes)
-    source: dict[str, object]
     if args.weights is not None:
-        from tokembed.export.hashing import sha256_file
-        from tokembed.export.weights import load_matrix
-
-        table = load_matrix(args.weights, args.key)
-        vocab_size, d_model = (int(n) for n in table.shape)
-        for flag, given, actual in (
-            ("--vocab-size", args.vocab_size, vocab_size),
-            ("--d-model", args.d_model, d_model),
-        ):
-            if given is not None and given != actual:
-                raise ExportError(f"{flag} {given} disagrees with the checkpoint's {actual}")
-        source = {
-            "kind": "checkpoint",
-            "file": args.weights.name,
-            "key": args.key,
-            "sha256": sha256_file(args.weights, label=f"hashing {args.weights.name}"),
-        }
+        manifest = _from_checkpoint(args, name)
     else:
         try:
             table = random_table(vocab_size, d_model, args.seed, args.padding_idx)
@@ -169,30 +164,78 @@ def run(args: argparse.Namespace) -> int:
                 f"cannot allocate a [{vocab_size}, {d_model}] float32 table "
                 f"({vocab_size * d_model * 4 / 2**30:,.1f} GiB): out of memory"
             ) from exc
-        source = {"kind": "random", "seed": args.seed, "init": "normal(0,1)"}
-    _check_padding(args.padding_idx, vocab_size)
-    scale = args.scale if args.scale is not None else "sqrt"
-    module = TokenEmbedding(
-        vocab_size, d_model, scale=scale, padding_idx=args.padding_idx, weight=table
-    )
-    manifest = export_model(
-        module,
-        ExportOptions(
-            out_dir=args.out,
-            name=name,
-            version=args.model_version,
-            weight_dtype=args.dtype,
-            force=args.force,
-            seed=args.seed,
-            source=source,
-        ),
-    )
+        scale = args.scale if args.scale is not None else "sqrt"
+        module = TokenEmbedding(
+            vocab_size, d_model, scale=scale, padding_idx=args.padding_idx, weight=table
+        )
+        manifest = export_model(
+            module,
+            ExportOptions(
+                out_dir=args.out,
+                name=name,
+                version=args.model_version,
+                weight_dtype=args.dtype,
+                force=args.force,
+                seed=args.seed,
+                source={"kind": "random", "seed": args.seed, "init": "normal(0,1)"},
+            ),
+        )
     print(
         f"exported {manifest.name} v{manifest.version}: V={manifest.vocab_size} "
         f"D={manifest.d_model} scale={manifest.scale:g} weights={manifest.weight_dtype} "
         f"max_abs_error={manifest.parity.max_abs_error:g} -> {args.out}"
     )
+    if manifest.tie is not None:
+        tie = manifest.tie
+        state = "tied to" if tie.tied else "not tied to"
+        print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
     return 0
+
+
+def _from_checkpoint(args: argparse.Namespace, name: str) -> Manifest:
+    """The matrix at --key, streamed from the checkpoint (``export.from_checkpoint``): the
+    file is opened and checked first, then hashed and exported."""
+    from tokembed.export.from_checkpoint import export_checkpoint
+    from tokembed.export.hashing import sha256_file
+    from tokembed.export.module import resolve_scale
+    from tokembed.export.weights import find_tie, open_matrix
+
+    with open_matrix(args.weights, args.key) as matrix:
+        vocab_size, d_model = matrix.shape
+        for flag, given, actual in (
+            ("--vocab-size", args.vocab_size, vocab_size),
+            ("--d-model", args.d_model, d_model),
+        ):
+            if given is not None and given != actual:
+                raise ExportError(f"{flag} {given} disagrees with the checkpoint's {actual}")
+        _check_padding(args.padding_idx, vocab_size)
+        scale = resolve_scale(args.scale if args.scale is not None else "sqrt", d_model)
+        tie = None
+        if args.output_projection is not None:
+            tie = find_tie(matrix, args.weights, args.output_projection)
+        source: dict[str, object] = {
+            "kind": "checkpoint",
+            "file": args.weights.name,
+            "key": args.key,
+            "sha256": sha256_file(args.weights, label=f"hashing {args.weights.name}"),
+        }
+        if matrix.index is not None:
+            # The index names the shard; the shard holds the bytes.
+            source["shard"] = matrix.file.name
+            source["shard_sha256"] = sha256_file(matrix.file, label=f"hashing {matrix.file.name}")
+        return export_checkpoint(
+            matrix,
+            args.out,
+            scale=scale,
+            padding_idx=args.padding_idx,
+            weight_dtype=args.dtype,
+            name=name,
+            version=args.model_version,
+            force=args.force,
+            seed=args.seed,
+            source=source,
+            tie=tie,
+        )
 
 
 def _builtin(args: argparse.Namespace) -> int:

@@ -44,6 +44,24 @@ class Parity:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """Weight tying: whether the exported table is also the model's output projection.
+
+    Recorded when the export is told the projection's key (``--output-projection``), so
+    that an operation from vectors back to ids can use this same table when ``tied``
+    (the projection's logits are ``h @ E.T``, ``E`` the unscaled table) and knows that
+    it may not when it is not.
+    """
+
+    output_projection: str  # the key of the model's output projection in the checkpoint
+    tied: bool  # whether that projection is this table
+    evidence: str  # how the exporter knows (shared storage, equal values, config.json...)
+    # The checkpoint's keys that name this very table: the exported one first, then the
+    # others stored as one tensor with it (torch files store tied weights once).
+    keys: list[str]
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     version: str
@@ -67,12 +85,14 @@ class Manifest:
     # and a factorized model's inner width D' (its table is [V, D'], projected to D).
     type_vocab_size: int | None = None
     factor_dim: int | None = None
+    # Written only when known (``Tie``); manifests without it say nothing about a tie.
+    tie: Tie | None = None
 
     def to_json(self) -> str:
         fields = asdict(self)
-        # A size a kind does not have is left out, not written as null: a token model's
-        # manifest stays what it was before kinds had sizes of their own.
-        for key in _KIND_SIZES:
+        # A size a kind does not have, or a tie not known, is left out, not written as
+        # null: a token model's manifest stays what it was before these fields existed.
+        for key in (*_KIND_SIZES, "tie"):
             if fields[key] is None:
                 del fields[key]
         return json.dumps(fields, indent=2, sort_keys=True) + "\n"
@@ -132,6 +152,7 @@ class Manifest:
             kind=reader.text("kind") if reader.get("kind") is not None else "token",
             type_vocab_size=reader.optional_integer("type_vocab_size"),
             factor_dim=reader.optional_integer("factor_dim"),
+            tie=_tie(reader.obj("tie"), f"{where}: tie") if reader.get("tie") is not None else None,
         )
 
 
@@ -141,6 +162,21 @@ _KIND_SIZES = ("type_vocab_size", "factor_dim")
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tie(raw: dict[str, Any], where: str) -> Tie:
+    reader = _Reader(raw, where)
+    tied, keys = reader.get("tied"), reader.get("keys")
+    if not isinstance(tied, bool):
+        raise ModelDirError(f"{where}: field 'tied' must be true or false, got {tied!r}")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        raise ModelDirError(f"{where}: field 'keys' must be a non-empty list of keys, got {keys!r}")
+    return Tie(
+        output_projection=reader.text("output_projection"),
+        tied=tied,
+        evidence=reader.text("evidence"),
+        keys=keys,
+    )
 
 
 def _tensor_spec(raw: dict[str, Any], where: str) -> TensorSpec:

@@ -9,7 +9,9 @@ has the same two ways:
   fit theirs; a bfloat16 model keeps its bfloat16 table alone and runs for its other
   answers). A ``token`` model's rows are ``[V, D]``; a ``factorized`` one's too (its matmul
   is done once per id, at load); a ``segment`` one's are ``[T * V, D]``, one per (id,
-  type) (``backends.segment`` says why);
+  type) (``backends.segment`` says why); models whose files are byte for byte the same
+  (an encoder's and a decoder's entrance exported from one tied matrix) share these
+  tables, and a bfloat16 model's session (``_Shared``);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch (for a factorized
   model a matmul, which is why requests batch).
 """
@@ -17,10 +19,14 @@ has the same two ways:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -42,6 +48,9 @@ from tokembed.server.backends.table import TableBackend
 from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.settings import Settings
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Tables are computed (and cast) this many bytes of rows at a time, so that loading needs
 # no second full-size temporary.
@@ -165,36 +174,31 @@ def _table_or_runtime(
         "onnxruntime": model.weight_bytes + 2 * batch_output_bytes,
     }
     if kept and expects_cpu(settings.device):
-        session = ModelSession(model, at_load)
-        if session.provider == CPU:
-            dtypes = [OUTPUT_DTYPES[name] for name in kept]
-            if FLOAT32 in dtypes:
-                tables = {FLOAT32: compute_rows(session)}
-                for dtype in dtypes:
-                    if dtype != FLOAT32:
-                        tables[dtype] = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
-                table = TableBackend(
-                    tables,
-                    casts=casts,
-                    padding_id=manifest.padding_idx,
-                    execution_provider=session.provider,
-                )
-            else:
-                # No float32 table (a bfloat16 model): each table is the model's rows cast
-                # a chunk at a time, and the model stays to run for answers in other dtypes.
-                if model.kind.name != TOKEN:  # the exporter writes no such model
-                    raise ServerConfigError(
-                        f"a {model.kind.name} model with {manifest.weight_dtype} weights "
-                        "cannot be served yet"
-                    )
-                table = TableBackend(
-                    {dtype: _rows_in(session, casts[dtype], dtype) for dtype in dtypes},
-                    casts=casts,
-                    padding_id=manifest.padding_idx,
-                    execution_provider=session.provider,
-                    session=ModelSession(model, per_batch),
-                    mapped_bytes=model.weight_bytes,
-                )
+        if manifest.weight_dtype == "bfloat16" and model.kind.name != TOKEN:
+            # Its tables would be rows cast a chunk at a time by id: a token model's.
+            raise ServerConfigError(
+                f"a {model.kind.name} model with bfloat16 weights cannot be served yet"
+            )
+        runs: ModelSession | None = None
+        with _SHARED.lock:
+            tables = _row_tables(
+                model, [OUTPUT_DTYPES[name] for name in kept], at_load, casts, compute_rows
+            )
+            if tables is not None and FLOAT32 not in tables:
+                # No float32 table (a bfloat16 model): the model stays to run for answers
+                # in other dtypes, a session its twins share too.
+                found = _SHARED.get(model, "session")
+                runs = found[0] if found is not None else ModelSession(model, per_batch)
+                _SHARED.keep(model, "session", runs)
+        if tables is not None:
+            table = TableBackend(
+                tables,
+                casts=casts,
+                padding_id=manifest.padding_idx,
+                execution_provider=CPU,
+                session=runs,
+                mapped_bytes=model.weight_bytes if runs is not None else 0,
+            )
             backend = table if wrap is None else wrap(table)
             backend.serving_memory = serving_memory
             return backend
@@ -218,6 +222,92 @@ def _table_way_bytes(settings: Settings, rows: int, d_model: int, model: ModelDi
         return cells * 2 + model.weight_bytes
     budgets = (settings.float16_table_max_bytes, settings.bfloat16_table_max_bytes)
     return cells * 4 + sum(cells * 2 for budget in budgets if cells * 2 <= budget)
+
+
+class _Shared:
+    """What loading computes for a model, by the bytes it is computed from, so that two
+    model directories that are byte for byte the same model hold one copy of it: each
+    row table, and the session a bfloat16 model keeps to run.
+
+    An encoder's and a decoder's entrance exported from one tied matrix are two model
+    directories (two names) with identical files: the same graph, the same table. A
+    table is the output of its model's files and nothing else (the padding id, which
+    the manifest alone holds, only picks a row of it), and ``load_model_dir`` has checked
+    every file against the sha256 its manifest records before anything is computed:
+    equal recorded hashes of every file are equal bytes, never a guess. Held weakly: what
+    is shared goes when the last model using it is unloaded.
+    """
+
+    def __init__(self) -> None:
+        # Held while tables are computed, so that a model loading beside its twin waits
+        # for the twin's tables instead of computing a second set.
+        self.lock = threading.Lock()
+        self._kept: weakref.WeakValueDictionary[tuple[object, ...], Any] = (
+            weakref.WeakValueDictionary()
+        )
+        self._computed_for: dict[tuple[object, ...], Path] = {}
+
+    @staticmethod
+    def _key(model: ModelDir, what: str) -> tuple[object, ...]:
+        files = sorted((name, entry.sha256, entry.size_bytes)
+                       for name, entry in model.manifest.files.items())  # fmt: skip
+        return (model.kind.name, what, *files)
+
+    def get(self, model: ModelDir, what: str) -> tuple[Any, Path] | None:
+        """What was computed for a model with these files already, and for which one."""
+        key = self._key(model, what)
+        kept = self._kept.get(key)
+        return None if kept is None else (kept, self._computed_for[key])
+
+    def keep(self, model: ModelDir, what: str, value: T) -> T:
+        key = self._key(model, what)
+        if key not in self._kept:
+            self._kept[key] = value
+            self._computed_for[key] = model.path
+            weakref.finalize(value, self._computed_for.pop, key, None)
+        return value
+
+
+_SHARED = _Shared()
+
+
+def _row_tables(
+    model: ModelDir,
+    dtypes: list[DType],
+    at_load: SessionOptions,
+    casts: dict[DType, Cast],
+    compute_rows: Callable[[ModelSession], np.ndarray],
+) -> dict[DType, np.ndarray] | None:
+    """The model's row tables in ``dtypes``: those computed for a model with the same
+    files already (``_Shared``), else computed here (the float32 rows by the model and the
+    others cast from them; without float32, a bfloat16 model, each the model's rows cast
+    a chunk at a time). None when the session does not run on the CPU."""
+    tables: dict[DType, np.ndarray] = {}
+    session: ModelSession | None = None
+    shared_with: Path | None = None
+    for dtype in sorted(dtypes, key=lambda d: d != FLOAT32):  # the others cast from float32
+        found = _SHARED.get(model, dtype.name)
+        if found is not None:
+            tables[dtype], shared_with = found
+            continue
+        if dtype != FLOAT32 and FLOAT32 in tables:
+            rows = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+        else:
+            if session is None:
+                session = ModelSession(model, at_load)
+                if session.provider != CPU:
+                    return None
+            if dtype == FLOAT32:
+                rows = compute_rows(session)
+            else:
+                rows = _rows_in(session, casts[dtype], dtype)
+        tables[dtype] = _SHARED.keep(model, dtype.name, rows)
+    if shared_with is not None:
+        logger.info(
+            "%s: the same files as %s (by sha256); its row tables are shared, not computed again",
+            model.path, shared_with,
+        )  # fmt: skip
+    return tables
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.

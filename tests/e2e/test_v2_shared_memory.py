@@ -38,8 +38,8 @@ from tokembed.client import (
     SharedMemoryUnavailableError,
 )
 
-from support.fixtures import SMALL_D, SMALL_V
 from support.backends import HookedLoader
+from support.fixtures import SMALL_D, SMALL_V
 
 MODEL = "small"
 SHM_ROOT = Path("/dev/shm")
