@@ -1,10 +1,11 @@
 """The modules one request enters on the server, in the order first entered.
 
-    python scripts/walk.py MODEL_DIR [embed|stream|chunked] [--onnxruntime]
+    python scripts/walk.py MODEL_DIR [embed|stream|chunked|v2] [--onnxruntime]
 
 Starts the real server in this process (port 0, no metrics port), sends a few warm-up
 requests through the real client, then profiles the server's threads for one tiny
-request ([1, 8] ids; [1, 64] for chunked) and prints every ``tokembed.server`` module
+request ([1, 8] ids; [1, 64] for chunked; ``v2``: a ModelInfer through tritonclient)
+and prints every ``tokembed.server`` module
 whose code ran for it. docs/architecture.md quotes what it prints.
 """
 
@@ -31,7 +32,9 @@ IDS = [[1, 2, 3, 4, 5, 6, 7, 8]]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
-    parser.add_argument("rpc", nargs="?", default="embed", choices=("embed", "stream", "chunked"))
+    parser.add_argument(
+        "rpc", nargs="?", default="embed", choices=("embed", "stream", "chunked", "v2")
+    )
     parser.add_argument("--onnxruntime", action="store_true", help="the onnxruntime backend")
     args = parser.parse_args()
     overrides: dict[str, Any] = {"float32_table_max_bytes": 0} if args.onnxruntime else {}
@@ -69,6 +72,15 @@ def main() -> int:
 
 
 def _one(client: EmbeddingClient, rpc: str) -> None:
+    if rpc == "v2":
+        import tritonclient.grpc as triton  # a dev dependency: the V2 protocol's own client
+
+        with triton.InferenceServerClient(client.target) as v2:
+            ids = np.array(IDS, dtype=np.int64)
+            given = triton.InferInput("input_ids", list(ids.shape), "INT64")
+            given.set_data_from_numpy(ids)
+            v2.infer("", [given])
+        return
     if rpc == "stream":
         list(client.embed_stream([IDS]))
     elif rpc == "chunked":
