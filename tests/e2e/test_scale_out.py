@@ -27,8 +27,12 @@ def _served(server: ServerProcess) -> float:
 def test_round_robin_spreads_over_three_servers_and_survives_losing_one(
     small_model_dir: Path, small_rows: np.ndarray
 ) -> None:
-    servers = [ServerProcess(serve_args(small_model_dir)).start() for _ in range(3)]
+    servers: list[ServerProcess] = []
     try:
+        # Each one killed in the end, even if a later one fails to start.
+        for _ in range(3):
+            servers.append(ServerProcess(serve_args(small_model_dir)))
+            servers[-1].start()
         target = "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
         errors: list[BaseException] = []
         done = [0]
