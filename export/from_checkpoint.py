@@ -33,6 +33,7 @@ from tokembed.export.manifest import (
     TensorSpec,
     Tie,
 )
+from tokembed.export.module import check_table_sizes
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 from tokembed.export.parity import check_in_slices, parity_ids, storage_tolerance
@@ -76,12 +77,7 @@ def export_checkpoint(
     if weight_dtype not in WEIGHT_DTYPES or weight_dtype not in _TORCH_DTYPES:
         raise ExportError(f"--dtype must be one of {list(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     vocab_size, d_model = matrix.shape
-    if vocab_size <= 0:
-        raise ExportError(f"vocab size must be positive, got {vocab_size}")
-    if d_model <= 0:
-        raise ExportError(f"d_model must be positive, got {d_model}")
-    if padding_idx is not None and not 0 <= padding_idx < vocab_size:
-        raise ExportError(f"padding id {padding_idx} is outside [0, {vocab_size})")
+    check_table_sizes(vocab_size, d_model, padding_idx)
     check_out_dir(out_dir, force)
     name = name if name is not None else model_name_for(out_dir)
     staging = make_staging_dir(out_dir)

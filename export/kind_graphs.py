@@ -24,14 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from tokembed import __version__
 from tokembed.export.kinds import TOKEN_TYPE_IDS
-from tokembed.export.manifest import INPUT_NAME, MODEL_NAME, OUTPUT_NAME
+from tokembed.export.manifest import INPUT_NAME, OUTPUT_NAME
+from tokembed.export.table_graph import DATA_NAME, SCALE_NAME, save_graph
 
-# The opset the token kind's graphs use; onnxruntime >= 1.17 runs it.
-OPSET = 20
-DATA_NAME = f"{MODEL_NAME}.data"
-SCALE_NAME = "scale"
 # Each table starts on a page in the data file, so that onnxruntime can map it.
 _ALIGN = 4096
 _ONNX_TYPES = {np.dtype("<f4"): 1, np.dtype("<f2"): 10}  # TensorProto.FLOAT, FLOAT16
@@ -125,7 +121,6 @@ def _write(
     extra: list[Any],
     directory: Path,
 ) -> int:
-    import onnx
     from onnx import TensorProto, helper
 
     initializers = [*_write_tables(tables, directory / DATA_NAME), *extra]
@@ -137,18 +132,7 @@ def _write(
         OUTPUT_NAME, TensorProto.FLOAT, ["batch", "sequence", d_model]
     )
     graph = helper.make_graph(nodes, "tokembed", inputs, [output], initializer=initializers)
-    opsets = [helper.make_opsetid("", OPSET)]
-    model = helper.make_model(
-        graph, opset_imports=opsets, producer_name="tokembed", producer_version=__version__
-    )
-    # The oldest IR version that carries this opset: an older onnxruntime refuses IR
-    # versions it does not know.
-    model.ir_version = helper.find_min_ir_version_for(opsets)
-    model_path = directory / MODEL_NAME
-    model_path.write_bytes(model.SerializeToString())
-    # Given a path, the checker follows the external data too (and never loads it whole).
-    onnx.checker.check_model(str(model_path))
-    return OPSET
+    return save_graph(graph, directory)
 
 
 def _write_tables(tables: list[Table], data_path: Path) -> list[Any]:

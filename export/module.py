@@ -31,6 +31,16 @@ def resolve_scale(scale: str | float, d_model: int) -> float:
     return value
 
 
+def check_table_sizes(vocab_size: int, d_model: int, padding_idx: int | None) -> None:
+    """A ``[V, D]`` table's sizes and its padding id, before anything is built from them."""
+    if vocab_size <= 0:
+        raise ExportError(f"vocab size must be positive, got {vocab_size}")
+    if d_model <= 0:
+        raise ExportError(f"d_model must be positive, got {d_model}")
+    if padding_idx is not None and not 0 <= padding_idx < vocab_size:
+        raise ExportError(f"padding id {padding_idx} is outside [0, {vocab_size})")
+
+
 class TokenEmbedding(nn.Module):
     """The input-embedding layer of a Transformer.
 
@@ -50,12 +60,7 @@ class TokenEmbedding(nn.Module):
         weight: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        if vocab_size <= 0:
-            raise ExportError(f"vocab size must be positive, got {vocab_size}")
-        if d_model <= 0:
-            raise ExportError(f"d_model must be positive, got {d_model}")
-        if padding_idx is not None and not 0 <= padding_idx < vocab_size:
-            raise ExportError(f"padding id {padding_idx} is outside [0, {vocab_size})")
+        check_table_sizes(vocab_size, d_model, padding_idx)
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.scale = resolve_scale(scale, d_model)

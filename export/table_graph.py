@@ -15,13 +15,15 @@ memory (torch's exporter holds the table two or three times over while it export
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tokembed import __version__
 from tokembed.export.manifest import INPUT_NAME, MODEL_NAME, OUTPUT_NAME
 
-# The opset torch's exporter writes today; onnxruntime >= 1.17 runs it.
+# The opset torch's exporter writes today, for every graph written here and in
+# kind_graphs; onnxruntime >= 1.17 runs it.
 OPSET = 20
 DATA_NAME = f"{MODEL_NAME}.data"
 TABLE_NAME = "embedding.weight"
@@ -95,6 +97,16 @@ def write_graph(
         ],
         initializer=initializers,
     )
+    return save_graph(graph, directory)
+
+
+def save_graph(graph: Any, directory: Path) -> int:
+    """Write ``graph`` (an ``onnx.GraphProto`` whose tables are external data already in
+    ``directory``) as ``directory/model.onnx`` at ``OPSET``, check it, and return the opset.
+    Every graph the exporter writes by hand goes through here."""
+    import onnx
+    from onnx import helper
+
     opsets = [helper.make_opsetid("", OPSET)]
     model = helper.make_model(
         graph, opset_imports=opsets, producer_name="tokembed", producer_version=__version__

@@ -269,6 +269,16 @@ def _more_ids(
     return more
 
 
+def request_over_limit(size: int, max_bytes: int, max_tokens: int) -> TooLarge:
+    """A request of ``size`` bytes, over ``max_bytes`` (what ``max_tokens`` ids allow):
+    refused before it is decoded, by every front end."""
+    return TooLarge(
+        f"the request is {size} bytes, over the limit of {max_bytes} bytes that "
+        f"max_tokens_per_request={max_tokens} allows; split it, or raise "
+        "--max-tokens-per-request (TOKEMBED_MAX_TOKENS_PER_REQUEST)"
+    )
+
+
 def _check_data_size(
     name: str, data: bytes, shape: tuple[int, ...], dtype: DType, tokens: int
 ) -> None:

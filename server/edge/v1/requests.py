@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from tokembed.export.kinds import TOKEN_TYPE_IDS
 from tokembed.server.core.dataplane import Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
-from tokembed.server.core.errors import InvalidInput, TooLarge
+from tokembed.server.core.errors import InvalidInput
 from tokembed.server.core.operations.embed import (
     BATCH_FIRST,
     FLAT,
@@ -24,6 +24,7 @@ from tokembed.server.core.operations.embed import (
     SEQUENCE_FIRST,
     EmbedInput,
     IdsInput,
+    request_over_limit,
 )
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -75,13 +76,7 @@ class EmbedParser:
 
     def __call__(self, data: bytes) -> EmbedCall | Refused:
         if len(data) > self._max_bytes:
-            return Refused(
-                TooLarge(
-                    f"the request is {len(data)} bytes, over the limit of {self._max_bytes} "
-                    f"bytes that max_tokens_per_request={self._max_tokens} allows; split it, "
-                    "or raise --max-tokens-per-request (TOKEMBED_MAX_TOKENS_PER_REQUEST)"
-                )
-            )
+            return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         return parse_embed(data)
 
 

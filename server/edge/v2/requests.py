@@ -27,8 +27,14 @@ from google.protobuf.message import DecodeError
 from tokembed.export.manifest import INPUT_NAME, OUTPUT_NAME
 from tokembed.server.core.dataplane import Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
-from tokembed.server.core.errors import EmbedError, InvalidInput, TooLarge
-from tokembed.server.core.operations.embed import FLAT, PADDED, EmbedInput, IdsInput
+from tokembed.server.core.errors import EmbedError, InvalidInput
+from tokembed.server.core.operations.embed import (
+    FLAT,
+    PADDED,
+    EmbedInput,
+    IdsInput,
+    request_over_limit,
+)
 from tokembed.v2 import grpc_service_pb2 as pb
 
 # The V2 datatype names, by the rows of the server's dtype table (``core.dtypes``): a row
@@ -80,13 +86,7 @@ class InferParser:
 
     def __call__(self, data: bytes) -> InferCall | Refused:
         if len(data) > self._max_bytes:
-            return Refused(
-                TooLarge(
-                    f"the request is {len(data)} bytes, over the limit of {self._max_bytes} "
-                    f"bytes that max_tokens_per_request={self._max_tokens} allows; split it, "
-                    "or raise --max-tokens-per-request (TOKEMBED_MAX_TOKENS_PER_REQUEST)"
-                )
-            )
+            return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
             request = pb.ModelInferRequest.FromString(data)
         except DecodeError as exc:
