@@ -16,7 +16,7 @@ MB = 1e6
 
 # What each endpoint of a cell is (bench/cells.py measures them), in the order the cells
 # come; printed before a run, and written into its table. docs/benchmarks/README.md has a
-# row for each (tests/bench/test_bench_legend.py checks it).
+# row for each (tests/bench/test_bench_outputs.py checks it).
 ENDPOINTS: dict[str, str] = {
     "floor": "a bare gRPC endpoint (bench/floor.py) answering a pre-encoded response of the "
     "same size, called by a bare gRPC client with no deadline: what any Python gRPC service "
