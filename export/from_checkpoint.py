@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from tokembed.export.checkpoint_files import CheckpointMatrix
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.manifest import (
     INPUT_NAME,
@@ -44,7 +45,6 @@ from tokembed.export.staging import (
     producer_versions,
 )
 from tokembed.export.table_graph import DATA_NAME, write_graph
-from tokembed.export.weights import CheckpointMatrix
 
 logger = logging.getLogger(__name__)
 
