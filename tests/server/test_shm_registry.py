@@ -66,10 +66,10 @@ from tokembed.server.edge.v2.shm import (
     SHM_ROOT,
     RegionExists,
     RegionNotFound,
-    SharedMemoryError,
     SharedMemoryOff,
     SharedMemoryRegistry,
 )
+from tokembed.server.edge.v2.shm_region import SharedMemoryError
 
 pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this system")
 

@@ -28,7 +28,8 @@ from tokembed.server.core.dataplane import Refused, Sink
 from tokembed.server.core.errors import EmbedError, InvalidInput
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.v2.requests import InputSource, contents_of
-from tokembed.server.edge.v2.shm import SharedMemoryRegistry, Window
+from tokembed.server.edge.v2.shm import SharedMemoryRegistry
+from tokembed.server.edge.v2.shm_region import Window
 from tokembed.v2 import grpc_service_pb2 as pb
 
 REGION = "shared_memory_region"

@@ -1,0 +1,207 @@
+"""A registered shared-memory region and the windows requests use of it: copies by
+``pread`` / ``pwritev`` on the object's descriptor, never a mapping, each checked against
+the object as it is at that moment. Why it is done this way: shm.py's docstring
+(Security), which also says how regions are named and registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokembed.server.core.errors import Cancelled, InvalidInput
+from tokembed.server.core.types import Buffer
+
+# Buffers one pwritev takes (Linux: 1024); sysconf says -1 where it sets no limit.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 0
+_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024
+
+
+class SharedMemoryError(InvalidInput):
+    """A registration, or a request's use of a region, that cannot be honoured."""
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+class Region:
+    """One registered window of a shared-memory object, and the descriptor it is read and
+    written through."""
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int) -> None:
+        self.name = name
+        self.key = key
+        self.offset = offset
+        self.byte_size = byte_size
+        self._fd = fd
+        # Copies run on the loop and on worker threads; the descriptor is closed by
+        # whichever of the last copy and the unregistration comes later.
+        self._lock = threading.Lock()
+        self._copies = 0
+        self._closed = False
+        # Requests using the region (on the event loop alone); unregistering waits for 0.
+        self.users = 0
+        self._idle: asyncio.Event | None = None
+
+    @property
+    def status(self) -> RegionStatus:
+        return RegionStatus(self.name, self.key, self.offset, self.byte_size)
+
+    # --- the requests using it (event loop)
+
+    def hold(self) -> None:
+        self.users += 1
+
+    def let_go(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_unused(self) -> None:
+        if self.users:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    # --- copies (any thread)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the window (both checked by the caller against
+        the window; checked here against the object as it is now)."""
+        fd = self._begin_copy()
+        try:
+            self._check_object(fd)
+            data = os.pread(fd, size, self.offset + offset)
+        except OSError as exc:
+            raise SharedMemoryError(
+                f"cannot read region {self.name!r}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            self._end_copy()
+        if len(data) != size:  # the object shrank after the check: the read came up short
+            raise SharedMemoryError(
+                f"region {self.name!r} shrank while it was read ({len(data)} of {size} "
+                "bytes); register it again"
+            )
+        return data
+
+    def write(self, offset: int, pieces: Sequence[Buffer]) -> None:
+        """The bytes of ``pieces``, joined, at ``offset`` of the window (the caller checked
+        that they fit it)."""
+        fd = self._begin_copy()
+        try:
+            self._check_object(fd)
+            _pwrite_all(fd, pieces, self.offset + offset)
+        except OSError as exc:
+            raise SharedMemoryError(
+                f"cannot write region {self.name!r}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            self._end_copy()
+
+    def _check_object(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        end = self.offset + self.byte_size
+        if size < end:
+            raise SharedMemoryError(
+                f"region {self.name!r} is no longer what was registered: its object is now "
+                f"{size} bytes, the window ends at byte {end}; register it again"
+            )
+
+    def _begin_copy(self) -> int:
+        with self._lock:
+            if self._closed:
+                raise SharedMemoryError(f"region {self.name!r} was unregistered")
+            self._copies += 1
+            return self._fd
+
+    def _end_copy(self) -> None:
+        with self._lock:
+            self._copies -= 1
+            close = self._closed and self._copies == 0
+        if close:
+            os.close(self._fd)
+
+    def close(self) -> None:
+        """No more copies; the descriptor goes once the last one running has returned."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            close = self._copies == 0
+        if close:
+            os.close(self._fd)
+
+
+class Window:
+    """Part of a region one tensor of a request is read from or written into."""
+
+    __slots__ = ("byte_size", "offset", "region")
+
+    def __init__(self, region: Region, offset: int, byte_size: int) -> None:
+        self.region: Region | None = region
+        self.offset = offset
+        self.byte_size = byte_size
+
+    @property
+    def name(self) -> str:
+        return self._held().name
+
+    def read(self, max_bytes: int) -> bytes:
+        """The window's bytes (an input's), if at most ``max_bytes`` (the request's limit:
+        checked before anything is allocated)."""
+        if self.byte_size > max_bytes:
+            raise SharedMemoryError(
+                f"shared_memory_byte_size {self.byte_size} of an input is over the "
+                f"{max_bytes} bytes a request may carry"
+            )
+        return self._held().read(self.offset, self.byte_size)
+
+    def write(self, pieces: Sequence[Buffer], nbytes: int) -> None:
+        """An answer of ``nbytes`` (its ``pieces`` joined) at the start of the window."""
+        region = self._held()
+        if nbytes > self.byte_size:
+            raise SharedMemoryError(
+                f"the output is {nbytes} bytes, over the shared_memory_byte_size "
+                f"{self.byte_size} given for it in region {region.name!r}"
+            )
+        region.write(self.offset, pieces)
+
+    def release(self) -> None:
+        """The request is done with the window (idempotent; on the event loop)."""
+        region, self.region = self.region, None
+        if region is not None:
+            region.let_go()
+
+    def _held(self) -> Region:
+        region = self.region
+        if region is None:  # its call ended (the caller left) before the copy
+            raise Cancelled("the call ended before its shared-memory window was used")
+        return region
+
+
+def _pwrite_all(fd: int, pieces: Sequence[Buffer], position: int) -> None:
+    """Write every byte of ``pieces`` at ``position``: at most IOV_MAX buffers a call,
+    and on from where a short write stopped."""
+    views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.pwritev(fd, batch, position)
+        if written <= 0:
+            raise OSError(0, "the write made no progress")
+        position += written
+        done = 0
+        while done < len(batch) and written >= len(batch[done]):
+            written -= len(batch[done])
+            done += 1
+        rest = views[done:]
+        if written:
+            rest[0] = rest[0][written:]
+        views = rest
