@@ -55,7 +55,9 @@ from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
 from tokembed.server.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
-from tokembed.server.metrics import Metrics, ModelLabels, start_metrics_server
+from tokembed.server.metrics import Metrics
+from tokembed.server.metrics_http import start_metrics_server
+from tokembed.server.model_metrics import ModelLabels
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2
 

@@ -1,4 +1,6 @@
-"""Every Prometheus metric of the server, in one place.
+"""The Prometheus metrics of the server: what the calls and batches update, and the
+process's own. The series of what is served, read at each scrape: model_metrics.py;
+``/metrics`` itself: metrics_http.py.
 
 Prefix ``tokembed_``, base units in the names. Metrics live on a registry that is passed
 in, never the global one, so tests and several servers in one process do not collide.
@@ -9,13 +11,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,12 +24,11 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from tokembed.server.core.calls import OUTCOMES, FrontEnd
+from tokembed.server.model_metrics import ModelLabels, ModelsCollector
 from tokembed.server.request_metrics import (
     CounterFamily,
     CounterSeries,
@@ -96,69 +95,6 @@ class PendingUpdates(Collector):
     def lock(self) -> threading.Lock:
         """Held while updates are applied: whoever reads what they change holds it too."""
         return self._applying
-
-
-@dataclass(frozen=True)
-class ModelLabels:
-    """A served model version, as ``tokembed_model_info`` labels it."""
-
-    name: str
-    version: str
-    vocab_size: int
-    d_model: int
-    dtype: str
-    execution_provider: str
-    backend: str
-
-
-class ModelsCollector(Collector):
-    """The series that describe what is served, read from the repository at each scrape
-    (models come and go): ``tokembed_model_info``, ``tokembed_queued_tokens`` and
-    ``tokembed_ready``."""
-
-    def __init__(
-        self,
-        models: Callable[[], list[tuple[ModelLabels, int]]],
-        ready: Callable[[], bool],
-    ) -> None:
-        self._models = models
-        self._ready = ready
-
-    def collect(self) -> Iterator[Metric]:
-        info = GaugeMetricFamily(
-            "tokembed_model_info", "A served model version (value 1)", labels=_INFO_LABELS
-        )
-        queued = GaugeMetricFamily(
-            "tokembed_queued_tokens", "Tokens waiting in a model's batcher for a batch",
-            labels=["model"],
-        )  # fmt: skip
-        tokens_by_model: dict[str, int] = {}
-        for labels, queued_tokens in self._models():
-            info.add_metric(
-                [labels.name, labels.version, str(labels.vocab_size), str(labels.d_model),
-                 labels.dtype, labels.execution_provider, labels.backend],
-                1.0,
-            )  # fmt: skip
-            tokens_by_model[labels.name] = tokens_by_model.get(labels.name, 0) + queued_tokens
-        for name, tokens in tokens_by_model.items():
-            queued.add_metric([name], float(tokens))
-        ready = GaugeMetricFamily(
-            "tokembed_ready",
-            "1 when every model is loaded and warmed and the server is not draining",
-            value=1.0 if self._ready() else 0.0,
-        )
-        return iter([info, queued, ready])
-
-    def describe(self) -> Iterator[Metric]:
-        return iter([
-            GaugeMetricFamily("tokembed_model_info", "", labels=_INFO_LABELS),
-            GaugeMetricFamily("tokembed_queued_tokens", "", labels=["model"]),
-            GaugeMetricFamily("tokembed_ready", ""),
-        ])  # fmt: skip
-
-
-_INFO_LABELS = ["name", "version", "vocab_size", "d_model", "dtype", "execution_provider",
-                "backend"]  # fmt: skip
 
 
 class _ModelSeries:
@@ -451,44 +387,3 @@ class Metrics:
     def track_inflight(self, active_requests: Callable[[], int]) -> None:
         # Read at scrape time: no update at all on the request path.
         self.inflight.set_function(lambda: float(active_requests()))
-
-
-# How often the /metrics thread looks for a stop request: prometheus_client's own
-# start_http_server polls every 0.5 s, which every drain (and every test's server stop)
-# then waited for.
-METRICS_STOP_POLL_S = 0.05
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes are not news: log none of them."""
-
-
-def start_metrics_server(
-    registry: CollectorRegistry, host: str, port: int
-) -> tuple[Callable[[], None], int]:
-    """Serve ``/metrics`` on its own port; return (stop, bound port). As
-    prometheus_client's start_http_server, but stopped within METRICS_STOP_POLL_S."""
-    family, *_, where = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-
-    class Server(ThreadingWSGIServer):
-        address_family = family  # IPv6 hosts too
-
-    httpd = make_server(
-        str(where[0]), port, make_wsgi_app(registry), Server, handler_class=_QuietHandler
-    )
-    thread = threading.Thread(
-        target=httpd.serve_forever, kwargs={"poll_interval": METRICS_STOP_POLL_S},
-        name="tokembed-metrics", daemon=True,
-    )  # fmt: skip
-    thread.start()
-
-    def stop() -> None:
-        httpd.shutdown()
-        httpd.server_close()
-        if thread is not threading.current_thread():
-            thread.join(timeout=5)
-
-    return stop, int(httpd.server_port)
