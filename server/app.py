@@ -12,7 +12,8 @@
                   in-flight ones finish within the grace period, close
 
 Tests and embedders use ``TokembedServer`` directly, on port 0; ``tokembed serve``
-adds signal handling around it (``serve``).
+adds signal handling around it (``serve``). What the gRPC server holds and where it
+listens: edge/grpc_server.py.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
-from tokembed import __version__
 from tokembed.server.core.admission import OutputBudget
 from tokembed.server.core.calls import Calls
 from tokembed.server.core.dataplane import DataPlane
@@ -40,26 +39,19 @@ from tokembed.server.core.repository import ModelHandle, Repository
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.default_model import ensure_default_model
-from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
-from tokembed.server.edge.listening import check_port_free, tls_credentials
-from tokembed.server.edge.v1.requests import EmbedParser
+from tokembed.server.edge.grpc_server import bind, build_grpc_server
 from tokembed.server.edge.v1.servicer import (
     FRONT_END,
     SERVICE_NAME,
-    EmbeddingServicer,
-    generic_handler,
 )
 from tokembed.server.edge.v2 import servicer as v2
-from tokembed.server.edge.v2.requests import InferParser
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
-from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
 from tokembed.server.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
 from tokembed.server.memory import release_free_memory, trim_forever
 from tokembed.server.metrics import Metrics
 from tokembed.server.metrics_http import start_metrics_server
 from tokembed.server.model_metrics import ModelLabels
 from tokembed.server.settings import Settings
-from tokembed.v1 import embedding_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -121,66 +113,12 @@ class TokembedServer:
         await asyncio.get_running_loop().run_in_executor(
             None, check_model_dirs, settings.model_dir, settings.default_model
         )
-        interceptors = []
-        if settings.auth_token_file is not None:
-            token = read_token(settings.auth_token_file)
-            interceptors.append(BearerTokenInterceptor(token, on_reject=self._unauthenticated))
-        options: list[tuple[str, int]] = []
-        if settings.max_connection_age_s > 0:
-            # GOAWAY after this age; calls in flight get the grace period to finish.
-            options.append(
-                ("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000))
-            )
-            options.append(("grpc.max_connection_age_grace_ms", int(settings.grace_s * 1000)))
-        self._server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                *options,
-                ("grpc.max_send_message_length", settings.max_message_bytes),
-                # Above the largest valid request: a larger one reaches our deserializer,
-                # which refuses it by its size (see EmbedParser), and it is answered and
-                # counted like every other refusal.
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-                # Several processes may share one port only when asked (--workers).
-                ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
-                # Clients keep long streams alive with a ping a minute; gRPC's default
-                # server policy (one per 5 minutes) would close them for "too many pings".
-                ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
-            ],
-        )
-        servicer = EmbeddingServicer(
-            self.dataplane, chunk_bytes=settings.stream_chunk_bytes,
-            max_message_bytes=settings.max_message_bytes,
-            parse=EmbedParser(settings.max_request_bytes, settings.max_tokens_per_request),
+        self._server = build_grpc_server(
+            settings, self.dataplane, self.shared_memory, self.metrics.model_totals, self.health,
+            on_unauthenticated=self._unauthenticated,
         )  # fmt: skip
-        # The Open Inference Protocol on the same port: another front end over the same
-        # data plane.
-        inference = v2.InferenceServicer(
-            self.dataplane,
-            parse=InferParser(
-                settings.max_request_bytes, settings.max_tokens_per_request,
-                source=SharedMemoryInputs(self.shared_memory, settings.max_request_bytes),
-            ),
-            max_message_bytes=settings.max_message_bytes, version=__version__,
-            statistics=self.metrics.model_totals, shared_memory=self.shared_memory,
-            extensions=(*v2.EXTENSIONS, "system_shared_memory")
-            if self.shared_memory.enabled else v2.EXTENSIONS,
-        )  # fmt: skip
-        self._server.add_generic_rpc_handlers(
-            [generic_handler(servicer), v2.generic_handler(inference)]
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            [
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self._server,
-        )
-        _ = embedding_pb2  # the descriptor pool must hold our service for reflection
         await self._set_health(NOT_SERVING)
-        self.port = self._bind(self._server, settings)
+        self.port = bind(self._server, settings)
         await self._server.start()
         if settings.metrics_port >= 0:
             try:
@@ -203,24 +141,6 @@ class TokembedServer:
             if self.shared_memory.enabled else "",
         )  # fmt: skip
         self._loading = asyncio.ensure_future(self._load_all())
-
-    def _bind(self, server: grpc.aio.Server, settings: Settings) -> int:
-        address = f"{settings.host}:{settings.port}"
-        # Checked first, so that the mistake is one line of ours and not gRPC's C-core log
-        # lines and a RuntimeError.
-        credentials = tls_credentials(settings)
-        if settings.workers == 1:  # workers share the port on purpose (SO_REUSEPORT)
-            check_port_free(settings.host, settings.port)
-        try:
-            if credentials is not None:
-                port = server.add_secure_port(address, credentials)
-            else:
-                port = server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpcio raises where it used to return 0
-            raise ServerConfigError(f"cannot listen on {address}: {exc}") from exc
-        if port == 0:
-            raise ServerConfigError(f"cannot listen on {address}")
-        return int(port)
 
     async def _load_all(self) -> None:
         started = time.perf_counter()

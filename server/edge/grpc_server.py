@@ -1,0 +1,115 @@
+"""The gRPC server: its options, interceptors and services (tokembed.v1, the Open
+Inference Protocol, health, reflection), and the address it listens on. server/app.py runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokembed import __version__
+from tokembed.server.core.dataplane import DataPlane
+from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
+from tokembed.server.edge.listening import check_port_free, tls_credentials
+from tokembed.server.edge.v1.requests import EmbedParser
+from tokembed.server.edge.v1.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
+from tokembed.server.edge.v2 import servicer as v2
+from tokembed.server.edge.v2.requests import InferParser
+from tokembed.server.edge.v2.shm import SharedMemoryRegistry
+from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
+from tokembed.server.metrics import ModelTotals
+from tokembed.server.settings import Settings
+from tokembed.v1 import embedding_pb2
+
+
+def build_grpc_server(
+    settings: Settings,
+    dataplane: DataPlane,
+    shared_memory: SharedMemoryRegistry,
+    statistics: Callable[[str], ModelTotals | None],
+    health_servicer: health.aio.HealthServicer,
+    *,
+    on_unauthenticated: Callable[[str], None],
+) -> grpc.aio.Server:
+    """Both front ends over ``dataplane``, health and reflection, on a server not yet
+    bound (``bind``); ``on_unauthenticated(method)`` hears of each call the bearer-token
+    check refuses."""
+    interceptors = []
+    if settings.auth_token_file is not None:
+        token = read_token(settings.auth_token_file)
+        interceptors.append(BearerTokenInterceptor(token, on_reject=on_unauthenticated))
+    options: list[tuple[str, int]] = []
+    if settings.max_connection_age_s > 0:
+        # GOAWAY after this age; calls in flight get the grace period to finish.
+        options.append(("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)))
+        options.append(("grpc.max_connection_age_grace_ms", int(settings.grace_s * 1000)))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            *options,
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            # Above the largest valid request: a larger one reaches our deserializer,
+            # which refuses it by its size (see EmbedParser), and it is answered and
+            # counted like every other refusal.
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            # Several processes may share one port only when asked (--workers).
+            ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
+            # Clients keep long streams alive with a ping a minute; gRPC's default
+            # server policy (one per 5 minutes) would close them for "too many pings".
+            ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+        ],
+    )
+    servicer = EmbeddingServicer(
+        dataplane, chunk_bytes=settings.stream_chunk_bytes,
+        max_message_bytes=settings.max_message_bytes,
+        parse=EmbedParser(settings.max_request_bytes, settings.max_tokens_per_request),
+    )  # fmt: skip
+    # The Open Inference Protocol on the same port: another front end over the same
+    # data plane.
+    inference = v2.InferenceServicer(
+        dataplane,
+        parse=InferParser(
+            settings.max_request_bytes, settings.max_tokens_per_request,
+            source=SharedMemoryInputs(shared_memory, settings.max_request_bytes),
+        ),
+        max_message_bytes=settings.max_message_bytes, version=__version__,
+        statistics=statistics, shared_memory=shared_memory,
+        extensions=(*v2.EXTENSIONS, "system_shared_memory")
+        if shared_memory.enabled else v2.EXTENSIONS,
+    )  # fmt: skip
+    server.add_generic_rpc_handlers([generic_handler(servicer), v2.generic_handler(inference)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    _ = embedding_pb2  # the descriptor pool must hold our service for reflection
+    return server
+
+
+def bind(server: grpc.aio.Server, settings: Settings) -> int:
+    """Listen on ``settings``' address (TLS when configured); return the bound port."""
+    address = f"{settings.host}:{settings.port}"
+    # Checked first, so that the mistake is one line of ours and not gRPC's C-core log
+    # lines and a RuntimeError.
+    credentials = tls_credentials(settings)
+    if settings.workers == 1:  # workers share the port on purpose (SO_REUSEPORT)
+        check_port_free(settings.host, settings.port)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises where it used to return 0
+        raise ServerConfigError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise ServerConfigError(f"cannot listen on {address}")
+    return int(port)
