@@ -20,10 +20,8 @@ from tokembed.client._config import (
     METHOD_EMBED_STREAM,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
-    Deadline,
-    RetryPolicy,
-    give_up,
 )
+from tokembed.client._retry import Deadline, RetryPolicy, give_up
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
 from tokembed.client.results import EmbedResult
 from tokembed.v1 import embedding_pb2 as pb

@@ -23,7 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tokembed.client import codec, decode
-from tokembed.client._config import ClientBase, Deadline
+from tokembed.client._config import ClientBase
+from tokembed.client._retry import Deadline
 from tokembed.client._shared import Attempts, Health, Methods, StreamBook
 from tokembed.client.errors import EmbeddingError
 from tokembed.client.results import EmbedResult, ModelInfo, ModelList

@@ -170,7 +170,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _client(args: argparse.Namespace, *, retries: int | None = None) -> EmbeddingClient:
-    from tokembed.client._config import DEFAULT_RETRIES
+    from tokembed.client._retry import DEFAULT_RETRIES
     from tokembed.client.errors import EmbeddingError
     from tokembed.client.sync import EmbeddingClient
 
