@@ -319,14 +319,10 @@ BACKENDS: dict[str, Callable[[ModelDir, Settings], Backend]] = {
 
 
 def _rows_in(session: ModelSession, cast: Cast, dtype: DType) -> np.ndarray:
-    """The model's rows of every id cast to ``dtype``, computed a chunk at a time (the
-    float32 rows are never whole in memory)."""
+    """The model's rows of every id cast to ``dtype`` (the float32 rows are never whole
+    in memory)."""
     out = np.empty((session.vocab_size, session.d_model), dtype=dtype.numpy)
-    step = max(1, _CHUNK_BYTES // (session.d_model * 4))
-    for start in range(0, session.vocab_size, step):
-        stop = min(session.vocab_size, start + step)
-        out[start:stop] = cast(session.run(np.arange(start, stop, dtype=np.int64)))
-    return out
+    return session.rows_into(out, _CHUNK_BYTES, cast)
 
 
 def _cast_in_chunks(table: np.ndarray, cast: Cast, dtype: DType) -> np.ndarray:

@@ -75,12 +75,7 @@ def every_combination(
     computed ``chunk_bytes`` of rows at a time."""
     vocab_size, d_model = session.vocab_size, session.d_model
     table = np.empty((type_vocab_size * vocab_size, d_model), dtype=np.float32)
-    step = max(1, chunk_bytes // (d_model * 4))
     for type_id in range(type_vocab_size):
-        offset = type_id * vocab_size
-        for start in range(0, vocab_size, step):
-            stop = min(vocab_size, start + step)
-            ids = np.arange(start, stop, dtype=np.int64)
-            types = np.full(stop - start, type_id, dtype=np.int64)
-            table[offset + start : offset + stop] = session.run(ids, {types_input: types})
+        rows = table[type_id * vocab_size : (type_id + 1) * vocab_size]
+        session.rows_into(rows, chunk_bytes, constants={types_input: type_id})
     return table

@@ -77,11 +77,28 @@ class ModelSession:
     def every_row(self, chunk_bytes: int = 8 * 1024 * 1024) -> np.ndarray:
         """The model's row of every id: float32 ``[V, D]``, computed in chunks."""
         table = np.empty((self.vocab_size, self.d_model), dtype=np.float32)
+        return self.rows_into(table, chunk_bytes)
+
+    def rows_into(
+        self,
+        out: np.ndarray,
+        chunk_bytes: int,
+        cast: Cast | None = None,
+        constants: Mapping[str, int] | None = None,
+    ) -> np.ndarray:
+        """The model's row of every id into ``out`` (``[V, D]``), ``chunk_bytes`` of float32
+        rows at a time (so that they are never whole in memory), each chunk through
+        ``cast`` if given; the kind's further inputs held at ``constants`` (absent: 0)."""
         step = max(1, chunk_bytes // (self.d_model * 4))
         for start in range(0, self.vocab_size, step):
             stop = min(self.vocab_size, start + step)
-            table[start:stop] = self.run(np.arange(start, stop, dtype=np.int64))
-        return table
+            more = {
+                name: np.full(stop - start, value, dtype=np.int64)
+                for name, value in (constants or {}).items()
+            }
+            rows = self.run(np.arange(start, stop, dtype=np.int64), more)
+            out[start:stop] = rows if cast is None else cast(rows)
+        return out
 
 
 Cast = Callable[[np.ndarray], np.ndarray]

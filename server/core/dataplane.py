@@ -60,6 +60,15 @@ class Request(Generic[R]):
 
 
 @dataclass(slots=True)
+class ModelQuery:
+    """A request naming a model ("": the default one) and a version ("": the newest):
+    what a model's info, metadata and readiness are asked with, in every protocol."""
+
+    model_name: str
+    model_version: str
+
+
+@dataclass(slots=True)
 class Refused:
     """Bytes a front end could not translate into a request: the error to answer with."""
 

@@ -43,7 +43,3 @@ INT32 = DType("int32", np.dtype("<i4"), "INT32")
 OUTPUT_DTYPES: dict[str, DType] = {dtype.name: dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16)}
 # What ids may be sent as.
 ID_DTYPES: dict[str, DType] = {dtype.name: dtype for dtype in (INT64, INT32)}
-
-
-def output_dtype(name: str) -> DType | None:
-    return OUTPUT_DTYPES.get(name)

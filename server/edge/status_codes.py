@@ -6,6 +6,8 @@ tell "too large, do not retry" from "overloaded, retry later" (both RESOURCE_EXH
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 
 from tokembed.server.core.errors import (
@@ -34,15 +36,20 @@ STATUS_BY_ERROR: dict[type[EmbedError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Internal: grpc.StatusCode.INTERNAL,
 }
-# Every code the table gives, by name (the metrics start a series at 0 for each).
-CODE_NAMES = tuple(dict.fromkeys(code.name for code in STATUS_BY_ERROR.values()))
+
+
+def status_in(
+    table: Mapping[type[EmbedError], grpc.StatusCode], error: EmbedError
+) -> grpc.StatusCode:
+    """The code ``table`` gives ``error``'s class, or its nearest base's (else INTERNAL)."""
+    for cls in type(error).__mro__:
+        if cls in table:
+            return table[cls]
+    return grpc.StatusCode.INTERNAL
 
 
 def status_of(error: EmbedError) -> grpc.StatusCode:
-    for cls in type(error).__mro__:
-        if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls]
-    return grpc.StatusCode.INTERNAL
+    return status_in(STATUS_BY_ERROR, error)
 
 
 def status_name(error: EmbedError) -> str:

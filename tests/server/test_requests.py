@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokembed.server.core.dataplane import Refused, Request
+from tokembed.server.core.dataplane import ModelQuery, Refused, Request
 from tokembed.server.core.errors import InvalidInput, TooLarge
 from tokembed.server.core.operations.embed import (
     BATCH_FIRST,
@@ -20,7 +20,6 @@ from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
     EmbedParser,
-    ModelQuery,
     parse_embed,
     parse_list_models,
     parse_model_query,

@@ -16,7 +16,6 @@ from typing import NoReturn
 
 import numpy as np
 
-from tokembed.export.kinds import IdInput
 from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
@@ -218,7 +217,7 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
         _refuse_bound(model.inputs[0].name, ids, shape, model.bounds[0])
     more = None
     if request.more_ids or len(model.inputs) > 1:
-        more = _more_ids(request, model.inputs[1:], shape, tokens, model)
+        more = _more_ids(request, shape, tokens, model)
     return EmbedJob(
         LookUp(ids, output_dtype, more), batch, seq_len,
         tuple(request.lengths) if request.lengths else None, layout, output_bytes, tokens,
@@ -227,13 +226,10 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
 
 
 def _more_ids(
-    request: EmbedInput,
-    inputs: Sequence[IdInput],
-    shape: tuple[int, ...],
-    tokens: int,
-    model: ServedModel,
+    request: EmbedInput, shape: tuple[int, ...], tokens: int, model: ServedModel
 ) -> dict[str, TokenIds] | None:
     """The kind's further id inputs, validated as the ids are (absent optional ones: 0)."""
+    inputs = model.inputs[1:]
     given = dict(request.more_ids or {})
     unknown = sorted(set(given) - {spec.name for spec in inputs})
     if unknown:
@@ -244,7 +240,7 @@ def _more_ids(
     if not inputs:
         return None
     more: dict[str, TokenIds] = {}
-    for spec in inputs:
+    for spec, bound in zip(inputs, model.bounds[1:], strict=True):
         sent = given.get(spec.name)
         if sent is None:
             if not spec.optional:
@@ -262,7 +258,6 @@ def _more_ids(
             )
         _check_data_size(spec.name, sent.data, shape, dtype, tokens)
         ids = TokenIds(sent.data, dtype, tokens)
-        bound = spec.bound(model.model.manifest)
         if not within_bound(ids, bound):
             _refuse_bound(spec.name, ids, shape, bound)
         more[spec.name] = ids

@@ -9,12 +9,10 @@ error answer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from google.protobuf.message import DecodeError
 
 from tokembed.export.kinds import TOKEN_TYPE_IDS
-from tokembed.server.core.dataplane import Refused, Request
+from tokembed.server.core.dataplane import ModelQuery, Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import InvalidInput
 from tokembed.server.core.operations.embed import (
@@ -51,14 +49,6 @@ _ORDER_NAMES = {
 }
 
 EmbedCall = Request[EmbedInput]
-
-
-@dataclass(slots=True)
-class ModelQuery:
-    """GetModelInfo's request: which model ("" for the default one) and version."""
-
-    model_name: str
-    model_version: str
 
 
 class EmbedParser:

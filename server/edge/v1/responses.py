@@ -26,8 +26,8 @@ from tokembed.v1 import embedding_pb2 as pb
 
 _WIRE_DTYPES = {OUTPUT_DTYPES[name]: code for code, name in WIRE_OUTPUT_DTYPES.items()}
 
-_LEN = 2  # protobuf wire types: length-delimited, varint, 64-bit
-_VARINT = 0
+LEN = 2  # protobuf wire types: length-delimited, varint, 64-bit
+VARINT = 0
 _I64 = 1
 
 
@@ -76,7 +76,7 @@ def answer_metadata(
         varint(len(timing_fields)),
         timing_fields,  # always set, even if empty
         _model_fields(model_name, model_version),
-        _string_field(_REQUEST_ID_KEY, request_id),
+        string_field(_REQUEST_ID_KEY, request_id),
     ]
     return b"".join(parts)
 
@@ -86,7 +86,7 @@ def answer_metadata(
 
 def stream_answer(response_bytes: bytes) -> bytes:
     """Wrap encoded ``EmbedResponse`` bytes as ``EmbedStreamResponse.response``."""
-    return b"".join([_key(1, _LEN), varint(len(response_bytes)), response_bytes])
+    return b"".join([field_key(1, LEN), varint(len(response_bytes)), response_bytes])
 
 
 def stream_error(code: int, message: str, reason: str) -> bytes:
@@ -101,8 +101,8 @@ def chunk_header(answer: Answer, request_id: str, server_s: float) -> bytes:
         server_s,
     )  # fmt: skip
     tensor = _tensor_fields(answer.shape, answer.dtype)
-    header = b"".join([_key(1, _LEN), varint(len(tensor)), tensor, metadata])
-    return b"".join([_key(1, _LEN), varint(len(header)), header])
+    header = b"".join([field_key(1, LEN), varint(len(tensor)), tensor, metadata])
+    return b"".join([field_key(1, LEN), varint(len(header)), header])
 
 
 def chunk_slices(pieces: Sequence[Buffer], chunk_bytes: int) -> Iterator[bytes]:
@@ -216,7 +216,7 @@ _SMALL_VARINTS_LIMIT = 1 << 14
 _SMALL_VARINTS = tuple(_encode_varint(value) for value in range(_SMALL_VARINTS_LIMIT))
 
 
-def _key(field_number: int, wire_type: int) -> bytes:
+def field_key(field_number: int, wire_type: int) -> bytes:
     return varint(field_number << 3 | wire_type)
 
 
@@ -224,8 +224,8 @@ def _tensor_fields(shape: tuple[int, ...], dtype: DType) -> bytes:
     """A Tensor message's dtype and shape fields."""
     packed_shape = b"".join([varint(int(dim)) for dim in shape])
     return b"".join([
-        _key(1, _VARINT), varint(_WIRE_DTYPES[dtype]),
-        _key(2, _LEN), varint(len(packed_shape)), packed_shape,
+        field_key(1, VARINT), varint(_WIRE_DTYPES[dtype]),
+        field_key(2, LEN), varint(len(packed_shape)), packed_shape,
     ])  # fmt: skip
 
 
@@ -240,8 +240,8 @@ def _response_prefix(shape: tuple[int, ...], dtype: DType, nbytes: int) -> bytes
     key = (shape, dtype.name)
     prefix = _prefixes.get(key)
     if prefix is None:
-        tensor_header = b"".join([_tensor_fields(shape, dtype), _key(3, _LEN), varint(nbytes)])
-        prefix = b"".join([_key(1, _LEN), varint(len(tensor_header) + nbytes), tensor_header])
+        tensor_header = b"".join([_tensor_fields(shape, dtype), field_key(3, LEN), varint(nbytes)])
+        prefix = b"".join([field_key(1, LEN), varint(len(tensor_header) + nbytes), tensor_header])
         if len(_prefixes) < _PREFIXES_CACHED:  # a caller of endless shapes gets no more
             _prefixes[key] = prefix
     return prefix
@@ -254,7 +254,7 @@ _prefixes: dict[tuple[tuple[int, ...], str], bytes] = {}
 @functools.lru_cache(maxsize=64)
 def _model_fields(model_name: str, model_version: str) -> bytes:
     """The model's name and version fields: the same in every answer of a model."""
-    return _string_field(_MODEL_NAME_KEY, model_name) + _string_field(
+    return string_field(_MODEL_NAME_KEY, model_name) + string_field(
         _MODEL_VERSION_KEY, model_version
     )
 
@@ -267,7 +267,7 @@ def _varint_field(key: bytes, value: int) -> bytes:
     return key + varint(value) if value else b""
 
 
-def _string_field(key: bytes, value: str) -> bytes:
+def string_field(key: bytes, value: str) -> bytes:
     if not value:
         return b""
     encoded = value.encode("utf-8")
@@ -276,14 +276,14 @@ def _string_field(key: bytes, value: str) -> bytes:
 
 _pack_double = struct.Struct("<d").pack
 # EmbedResponse fields 2..6, Timings fields 1..5 (embedding.proto), EmbedChunk.data.
-_LENGTHS_KEY = _key(2, _LEN)
-_TIMINGS_KEY = _key(3, _LEN)
-_MODEL_NAME_KEY = _key(4, _LEN)
-_MODEL_VERSION_KEY = _key(5, _LEN)
-_REQUEST_ID_KEY = _key(6, _LEN)
-_QUEUE_SECONDS_KEY = _key(1, _I64)
-_COMPUTE_SECONDS_KEY = _key(2, _I64)
-_SERVER_SECONDS_KEY = _key(3, _I64)
-_BATCH_REQUESTS_KEY = _key(4, _VARINT)
-_BATCH_TOKENS_KEY = _key(5, _VARINT)
-_CHUNK_DATA_KEY = _key(2, _LEN)
+_LENGTHS_KEY = field_key(2, LEN)
+_TIMINGS_KEY = field_key(3, LEN)
+_MODEL_NAME_KEY = field_key(4, LEN)
+_MODEL_VERSION_KEY = field_key(5, LEN)
+_REQUEST_ID_KEY = field_key(6, LEN)
+_QUEUE_SECONDS_KEY = field_key(1, _I64)
+_COMPUTE_SECONDS_KEY = field_key(2, _I64)
+_SERVER_SECONDS_KEY = field_key(3, _I64)
+_BATCH_REQUESTS_KEY = field_key(4, VARINT)
+_BATCH_TOKENS_KEY = field_key(5, VARINT)
+_CHUNK_DATA_KEY = field_key(2, LEN)

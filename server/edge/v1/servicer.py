@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import grpc
 
 from tokembed.server.core.calls import Call, FrontEnd
-from tokembed.server.core.dataplane import DataPlane, Refused, Sink, StreamSink
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink, StreamSink
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.types import Answer, Buffer
@@ -28,7 +28,6 @@ from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
     EmbedParser,
-    ModelQuery,
     parse_list_models,
     parse_model_query,
 )

@@ -25,7 +25,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from tokembed.export.manifest import INPUT_NAME, OUTPUT_NAME
-from tokembed.server.core.dataplane import Refused, Request
+from tokembed.server.core.dataplane import ModelQuery, Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import EmbedError, InvalidInput
 from tokembed.server.core.operations.embed import (
@@ -60,14 +60,6 @@ class InferCall(Request[EmbedInput]):
 # An input's bytes, from the request: the input's message, and its entry of
 # raw_input_contents (None: the request has none). Raises ``EmbedError``.
 InputSource = Callable[["pb.ModelInferRequest.InferInputTensor", "bytes | None"], bytes]
-
-
-@dataclass(slots=True)
-class ModelQuery:
-    """A request naming a model ("": the default one) and a version ("": the newest)."""
-
-    model_name: str
-    model_version: str
 
 
 class InferParser:

@@ -19,29 +19,21 @@ from collections.abc import Iterable, Sequence
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer
-from tokembed.server.edge.v1.responses import varint
+from tokembed.server.edge.v1.responses import LEN, field_key, string_field, varint
 from tokembed.v2 import grpc_service_pb2 as pb
 from tokembed.v2 import model_config_pb2 as config_pb
 
-_LEN = 2  # protobuf wire types: length-delimited, varint
-_VARINT = 0
-
-
-def _key(field_number: int, wire_type: int) -> bytes:
-    return varint(field_number << 3 | wire_type)
-
-
 # ModelInferResponse fields 1, 2, 3, 5, 6; InferOutputTensor fields 1, 2, 3;
 # ModelStreamInferResponse field 2 (grpc_service.proto).
-_MODEL_NAME_KEY = _key(1, _LEN)
-_MODEL_VERSION_KEY = _key(2, _LEN)
-_ID_KEY = _key(3, _LEN)
-_OUTPUTS_KEY = _key(5, _LEN)
-_RAW_OUTPUT_KEY = _key(6, _LEN)
-_TENSOR_NAME_KEY = _key(1, _LEN)
-_TENSOR_DATATYPE_KEY = _key(2, _LEN)
-_TENSOR_SHAPE_KEY = _key(3, _LEN)
-_STREAM_RESPONSE_KEY = _key(2, _LEN)
+_MODEL_NAME_KEY = field_key(1, LEN)
+_MODEL_VERSION_KEY = field_key(2, LEN)
+_ID_KEY = field_key(3, LEN)
+_OUTPUTS_KEY = field_key(5, LEN)
+_RAW_OUTPUT_KEY = field_key(6, LEN)
+_TENSOR_NAME_KEY = field_key(1, LEN)
+_TENSOR_DATATYPE_KEY = field_key(2, LEN)
+_TENSOR_SHAPE_KEY = field_key(3, LEN)
+_STREAM_RESPONSE_KEY = field_key(2, LEN)
 
 
 # --- ModelInfer and ModelStreamInfer
@@ -53,7 +45,7 @@ def infer_response_parts(answer: Answer, output_name: str, request_id: str) -> l
     (its key and length, and the answer's pieces)."""
     return [
         _model_fields(answer.model_name, answer.model_version),
-        _string_field(_ID_KEY, request_id),
+        string_field(_ID_KEY, request_id),
         _output_prefix(output_name, answer.shape, answer.dtype, answer.nbytes),
         *answer.pieces,
     ]
@@ -78,7 +70,7 @@ def stream_error(message: str) -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def _model_fields(model_name: str, model_version: str) -> bytes:
-    return _string_field(_MODEL_NAME_KEY, model_name) + _string_field(
+    return string_field(_MODEL_NAME_KEY, model_name) + string_field(
         _MODEL_VERSION_KEY, model_version
     )
 
@@ -92,8 +84,8 @@ def _output_prefix(name: str, shape: tuple[int, ...], dtype: DType, nbytes: int)
     if prefix is None:
         packed_shape = b"".join([varint(int(dim)) for dim in shape])
         tensor = b"".join([
-            _string_field(_TENSOR_NAME_KEY, name),
-            _string_field(_TENSOR_DATATYPE_KEY, dtype.v2),
+            string_field(_TENSOR_NAME_KEY, name),
+            string_field(_TENSOR_DATATYPE_KEY, dtype.v2),
             _TENSOR_SHAPE_KEY, varint(len(packed_shape)), packed_shape,
         ])  # fmt: skip
         prefix = b"".join([_OUTPUTS_KEY, varint(len(tensor)), tensor, _RAW_OUTPUT_KEY,
@@ -105,13 +97,6 @@ def _output_prefix(name: str, shape: tuple[int, ...], dtype: DType, nbytes: int)
 
 _PREFIXES_CACHED = 4096
 _prefixes: dict[tuple[str, tuple[int, ...], str], bytes] = {}
-
-
-def _string_field(key: bytes, value: str) -> bytes:
-    if not value:
-        return b""
-    encoded = value.encode("utf-8")
-    return key + varint(len(encoded)) + encoded
 
 
 # --- the models, described

@@ -26,7 +26,7 @@ import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd
-from tokembed.server.core.dataplane import DataPlane, Refused, Sink, StreamSink
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink, StreamSink
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
@@ -37,7 +37,6 @@ from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
     InferParser,
-    ModelQuery,
     parse_message,
     parse_model_query,
 )
