@@ -117,11 +117,12 @@ def embed_call(
     the same shape (or the same sequence lengths), in the same order as the ids
     (``sequence_first`` too); None: every type is 0."""
     checked_layout = check_layout(layout, sequence_first)
+    answer_dtype = output_dtype(dtype)  # resolved once: encode_request takes its name
     encoded = encode_ids(ids, sequence_first=sequence_first)
     types = None if token_types is None else encode_token_types(token_types, encoded)
     request = encode_request(
         encoded,
-        dtype=dtype,
+        dtype=answer_dtype.name,
         layout=checked_layout,
         model_name=model_name,
         request_id=request_id,
@@ -131,7 +132,7 @@ def embed_call(
         request,
         encoded.leading_shape(checked_layout),
         encoded.output_rows(checked_layout),
-        output_itemsize(dtype),
+        answer_dtype.itemsize,
         sequence_first,
     )
 
@@ -375,7 +376,3 @@ def _checked_text(text: str, what: str) -> str:
     except UnicodeEncodeError as exc:
         raise client_invalid_input(f"{what} {text!r} is not valid Unicode text: {exc}") from exc
     return text
-
-
-def output_itemsize(dtype: Any) -> int:
-    return output_dtype(dtype).itemsize

@@ -141,20 +141,39 @@ def _server_s(call: Call) -> float:
     return time.perf_counter() - call.started
 
 
-class _UnarySink(Sink[bytes]):
-    """Embed: one EmbedResponse, returned by the handler; its bytes are gone when the
-    RPC ends (gRPC's documented done callback), sent or not."""
+class GrpcUnarySink(Sink[bytes]):
+    """A unary answer of a gRPC front end (each protocol says how it is framed): the
+    handler returns ``payload``; its bytes are gone when the RPC ends (gRPC's documented
+    done callback), sent or not."""
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
         self.payload = b""
 
-    def frame(self, answer: Answer, call: Call) -> bytes:
-        return responses.embed_response(answer, call.request_id, _server_s(call))
-
     async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
         self.payload = framed
         self._context.add_done_callback(lambda _context: sent())
+
+
+class GrpcStreamItemSink(StreamSink[bytes]):
+    """A gRPC stream's answers (or a request's error), each as the stream's next message
+    (each protocol says how they are framed)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        try:
+            await self._context.write(framed)
+        finally:
+            sent()
+
+
+class _UnarySink(GrpcUnarySink):
+    """Embed: one EmbedResponse."""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return responses.embed_response(answer, call.request_id, _server_s(call))
 
 
 class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
@@ -180,11 +199,8 @@ class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
             sent()
 
 
-class _StreamItemSink(StreamSink[bytes]):
+class _StreamItemSink(GrpcStreamItemSink):
     """EmbedStream: each answer (or a request's error) as the stream's next message."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
 
     def frame(self, answer: Answer, call: Call) -> bytes:
         return responses.stream_answer(
@@ -194,12 +210,6 @@ class _StreamItemSink(StreamSink[bytes]):
     def frame_error(self, error: EmbedError) -> bytes:
         code = status_of(error)
         return responses.stream_error(code.value[0], str(error), error.reason)
-
-    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
-        try:
-            await self._context.write(framed)
-        finally:
-            sent()
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:

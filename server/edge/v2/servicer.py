@@ -26,13 +26,13 @@ import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd
-from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink, StreamSink
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.status_codes import trailing_metadata
-from tokembed.server.edge.v1.servicer import deadline_of
+from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
@@ -281,39 +281,21 @@ def _statistics(name: str, totals: ModelTotals | None) -> pb.ModelStatistics:
 # --- the sinks: how this protocol frames an answer and hands it to gRPC
 
 
-class UnarySink(Sink[bytes]):
-    """ModelInfer: one ModelInferResponse, returned by the handler; its bytes are gone
-    when the RPC ends (gRPC's documented done callback), sent or not."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-        self.payload = b""
+class UnarySink(GrpcUnarySink):
+    """ModelInfer: one ModelInferResponse."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
         return responses.infer_response(answer, OUTPUT_NAME, call.request_id)
 
-    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
-        self.payload = framed
-        self._context.add_done_callback(lambda _context: sent())
 
-
-class StreamItemSink(StreamSink[bytes]):
+class StreamItemSink(GrpcStreamItemSink):
     """ModelStreamInfer: each answer (or a request's error) as the stream's next message."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
 
     def frame(self, answer: Answer, call: Call) -> bytes:
         return responses.stream_response(answer, OUTPUT_NAME, call.request_id)
 
     def frame_error(self, error: EmbedError) -> bytes:
         return responses.stream_error(str(error))
-
-    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
-        try:
-            await self._context.write(framed)
-        finally:
-            sent()
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
