@@ -23,7 +23,8 @@ from tokembed.server.core.types import Buffer, TokenIds
 
 class LookUp:
     """One request's look-up: its ids (already in range), the dtype of its answer, and
-    the kind's other id inputs by name."""
+    the kind's other id inputs by name (an optional one the request did not send is
+    absent, and computed as 0s)."""
 
     __slots__ = ("dtype", "ids", "more")
 

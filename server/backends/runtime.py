@@ -59,11 +59,16 @@ class OnnxRuntimeBackend(Backend):
         the rows sliced back per request."""
         if len(requests) == 1:
             return [self.look_up(requests[0])]
-        # Validation gives every request of a model the same further inputs.
+        # An optional input a request did not send is 0s (as ModelSession.run makes it).
+        names = {name for request in requests for name in request.more}
         more = {
-            name: np.concatenate([request.more[name].array() for request in requests])
-            for name in requests[0].more
-        }
+            name: np.concatenate([
+                request.more[name].array() if name in request.more
+                else np.zeros(request.ids.count, dtype=np.int64)
+                for request in requests
+            ])
+            for name in names
+        }  # fmt: skip
         rows = self._session.run(
             np.concatenate([request.ids.array() for request in requests]), more
         )

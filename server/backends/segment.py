@@ -46,7 +46,7 @@ class SegmentTableBackend(Backend):
 
     def look_up(self, request: LookUp) -> Rows:
         ids, types = request.ids, request.more.get(self._types_input)
-        if types is None:  # no types (the server's own look-ups): type 0, rows [0, V)
+        if types is None:  # no types sent (or the server's own look-ups): type 0, rows [0, V)
             return self._table.look_up(LookUp(ids, request.dtype))
         vocab_size = self._vocab_size
         if ids.count >= GATHER_MIN_ROWS:

@@ -127,6 +127,25 @@ def test_segment_batches_give_each_request_what_it_gets_alone(segment: dict[str,
         )
 
 
+def test_a_batch_mixing_requests_with_and_without_types_gives_each_its_own_rows(
+    segment: dict[str, Any],
+) -> None:
+    # Validation leaves types out when a request sends none: the batch fills them with 0s
+    # for that request alone.
+    served: Backend = segment["backends"]["onnxruntime"]
+    rng = np.random.default_rng(6)
+    with_types = (rng.integers(0, V, 5), rng.integers(1, T, 5))
+    without = rng.integers(0, V, 4)
+    together = served.look_up_batch([_look_up(*with_types), _look_up(without, None)])
+    assert (
+        _rows(together[0]).tobytes() == _segment_reference(segment["tables"], *with_types).tobytes()
+    )
+    assert (
+        _rows(together[1]).tobytes()
+        == _segment_reference(segment["tables"], without, np.zeros_like(without)).tobytes()
+    )
+
+
 def test_a_segment_look_up_without_types_is_type_zero(segment: dict[str, Any]) -> None:
     ids = np.array([0, 5, V - 1, PAD])
     want = _segment_reference(segment["tables"], ids, np.zeros_like(ids))

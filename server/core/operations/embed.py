@@ -228,7 +228,8 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
 def _more_ids(
     request: EmbedInput, shape: tuple[int, ...], tokens: int, model: ServedModel
 ) -> dict[str, TokenIds] | None:
-    """The kind's further id inputs, validated as the ids are (absent optional ones: 0)."""
+    """The kind's further id inputs, validated as the ids are. An optional one not sent
+    is left out: every backend computes it as 0s (``LookUp.more``)."""
     inputs = model.inputs[1:]
     given = dict(request.more_ids or {})
     unknown = sorted(set(given) - {spec.name for spec in inputs})
@@ -245,7 +246,6 @@ def _more_ids(
         if sent is None:
             if not spec.optional:
                 raise InvalidInput(f"{spec.name} is missing; model {model.name!r} needs it")
-            more[spec.name] = TokenIds(bytes(8 * tokens), ID_DTYPES["int64"], tokens)
             continue
         dtype = ID_DTYPES.get(sent.dtype)
         if dtype is None:
