@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tokembed.bench import harness, report
     from tokembed.bench import plan as plans
+    from tokembed.bench.targets import evaluate_targets, evaluate_v2_targets
 
     plan = plans.QUICK if args.quick else plans.FULL
     if args.duration_s is not None:
@@ -128,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
         main=main_section, v2=v2_section, mlserver_venv=mlserver_venv.resolve()
         if mlserver_venv is not None else None,
     )  # fmt: skip
-    main_targets = report.evaluate_targets(results) if main_section else []
-    targets = main_targets + (report.evaluate_v2_targets(results) if v2_section else [])
+    main_targets = evaluate_targets(results) if main_section else []
+    targets = main_targets + (evaluate_v2_targets(results) if v2_section else [])
     args.out = output_dir(args.out, quick=args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("v2" if args.v2 else "quick" if args.quick else "bench") + (

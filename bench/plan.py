@@ -12,7 +12,7 @@ MiB = 1 << 20
 # set (Dockerfile, Dockerfile.cuda, deploy/k8s; tests/deploy checks they all agree), so
 # that the bench measures the server as deployed. docs/deployment.md gives the figures.
 DEPLOYMENT_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304"}
-# The width at which the targets are judged (see report.evaluate_targets); the
+# The width at which the targets are judged (see targets.evaluate_targets); the
 # tiny c=64 and large cells that they compare are measured in turns at this width
 # (bench/cells.py).
 TARGETS_D_MODEL = 512

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from tokembed.bench.plan import QUICK, Cell, Results
-from tokembed.bench.report import V2_ENDPOINTS, evaluate_v2_targets, markdown
+from tokembed.bench.report import V2_ENDPOINTS, markdown
 from tokembed.bench.runner import Run
+from tokembed.bench.targets import evaluate_v2_targets
 
 
 def cell(target: str, workload: str, concurrency: int, rps: float, p50_ms: float) -> Cell:

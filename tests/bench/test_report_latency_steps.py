@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from tokembed.bench.plan import QUICK, Cell, Results
-from tokembed.bench.report import LATENCY_STEPS, MB, evaluate_targets, latency_steps, markdown
+from tokembed.bench.report import LATENCY_STEPS, latency_steps, markdown
 from tokembed.bench.runner import Run
+from tokembed.bench.targets import MB, evaluate_targets
 
 
 def tiny_cell(target: str, p50_ms: float, d: int = 512) -> Cell:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from tokembed.bench.plan import QUICK, Cell, Results
-from tokembed.bench.report import MB, evaluate_targets
 from tokembed.bench.runner import Run
+from tokembed.bench.targets import MB, evaluate_targets
 
 
 def cell(target: str, concurrency: int, answer_mb: float, peak_mb: float, d: int = 512) -> Cell:
