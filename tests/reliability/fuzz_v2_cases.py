@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import string
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -24,7 +24,7 @@ from reliability_support import varint
 
 from tokembed.v2 import grpc_service_pb2 as pb
 
-from support.fixtures import SMALL_V
+from support.fixtures import SMALL_PAD, SMALL_V
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -121,9 +121,10 @@ class ShmCase:
 
 @dataclass
 class Answers:
-    """The model's answers, by V2 datatype: each id's row as bytes (the reference rows)."""
+    """The model's answers: its reference rows in each V2 answer datatype (BF16 as the
+    bits of torch's cast), ``[V, D]``."""
 
-    rows: dict[str, np.ndarray] = field(default_factory=dict)  # datatype -> [V, D] array
+    rows: dict[str, np.ndarray]
 
     def of(self, datatype: str, ids: np.ndarray, lengths: list[int] | None, flat: bool) -> bytes:
         table = self.rows[datatype]
@@ -134,7 +135,7 @@ class Answers:
         start = 0
         for index, length in enumerate(lengths):
             out[index, :length] = table[ids[start : start + length]]
-            out[index, length:] = table[0]  # the small model's padding id is 0
+            out[index, length:] = table[SMALL_PAD]
             start += length
         return out.tobytes()
 
