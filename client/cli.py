@@ -245,14 +245,16 @@ def run_embed(args: argparse.Namespace) -> int:
             token_types=types,
         )
     hs = result.hidden_states
+    # Saved before anything is printed: a path that cannot be written is the one line.
+    saved = None if args.output is None else save_npy(args.output, hs)
     print(
         f"hidden_states {list(hs.shape)} {hs.dtype}, "
         f"model {result.model_name or '?'} {result.model_version}".rstrip()
     )
     if result.lengths is not None:
         print(f"lengths {result.lengths.tolist()}")
-    if args.output is not None:
-        print(save_npy(args.output, hs))
+    if saved is not None:
+        print(saved)
     else:
         with np.printoptions(precision=4, suppress=True, threshold=24, edgeitems=2, linewidth=100):
             print(hs[:2] if hs.ndim == 3 else hs)

@@ -78,6 +78,6 @@ def test_a_path_that_cannot_be_written_is_one_line(
     assert embed(real_server, "--ids", "5 6", "--output", str(out)) == 2
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
+    assert len(lines) == 1 and captured.out == "", captured
     assert lines[0].startswith(f"tokembed embed: error: cannot write --output {out}: ")
     assert "Traceback" not in captured.err + captured.out
