@@ -139,3 +139,15 @@ def test_inputs_that_do_not_fit_the_region_are_refused_before_sending(
         with pytest.raises(InvalidInputError, match=r"ids and token types \(96 bytes\)"):
             session.embed(ids[:, :4], token_types=np.zeros((2, 4), dtype=np.int32))
     assert server.metric("tokembed_requests_total", {"protocol": "v2", "method": "ModelInfer"}) == 0
+
+
+def test_the_client_names_each_dtype_as_the_server_does() -> None:
+    """The session names datatypes from the client's table; the server parses them by its
+    own: a row that disagreed would be refused, or answer another dtype."""
+    from tokembed.client import dtypes as client_dtypes
+    from tokembed.server.core import dtypes as server_dtypes
+
+    server = {**server_dtypes.OUTPUT_DTYPES, **server_dtypes.ID_DTYPES}
+    assert {row.name: row.v2 for row in client_dtypes.BY_WIRE.values()} == {
+        name: row.v2 for name, row in server.items()
+    }
