@@ -53,8 +53,8 @@ SHM_ROOT = Path("/dev/shm")
 SERVICE = "/inference.GRPCInferenceService/"
 DEFAULT_CAPACITY_BYTES = 64 << 20
 DEFAULT_PREFIX = "tokembed"
-# The answer starts at the first multiple of this after the ids (whole cache lines, and
-# every dtype's alignment).
+# Each input after the first, and the answer, starts at the first multiple of this after
+# what precedes it (whole cache lines, and every dtype's alignment).
 _ALIGN = 64
 # The inputs' names in V2 (a segment model's second input is its token types).
 INPUT_IDS = "input_ids"
