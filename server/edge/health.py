@@ -64,7 +64,10 @@ class HealthFrontEnd:
         """The health service, every name answered: for callers that may call the server."""
         return grpc.method_handlers_generic_handler(
             HEALTH_SERVICE,
-            {"Check": self._unary(self._check), "Watch": self._streaming(self._watch)},
+            {
+                "Check": self._unary(self._servicer.Check),
+                "Watch": self._streaming(self._servicer.Watch),
+            },
         )
 
     def unauthenticated(self) -> Mapping[str, grpc.RpcMethodHandler]:
@@ -73,12 +76,6 @@ class HealthFrontEnd:
             CHECK: self._unary(self._check_public),
             WATCH: self._streaming(self._watch_public),
         }
-
-    async def _check(self, request: Request, context: grpc.aio.ServicerContext) -> Response:
-        return await self._servicer.Check(request, context)
-
-    async def _watch(self, request: Request, context: grpc.aio.ServicerContext) -> None:
-        await self._servicer.Watch(request, context)
 
     async def _check_public(self, request: Request, context: grpc.aio.ServicerContext) -> Response:
         if request.service in self._public:
