@@ -86,8 +86,9 @@ def architecture_of(
     pad = config.get("pad_token_id")
     padding_idx = pad if isinstance(pad, int) and 0 <= pad < vocab_size else None
     if model_type in _GEMMA:
-        # torch.tensor(float) is float32, then cast to the weight's dtype: rounded twice.
-        in_float32 = np.float32(math.sqrt(d_model))
+        # torch.tensor(hidden_size**0.5) is float32, then cast to the weight's dtype:
+        # rounded twice.
+        in_float32 = np.float32(d_model**0.5)
         rounded = {name: float(in_float32.astype(dtype)) for name, dtype in _NUMPY_DTYPES.items()}
         scale = rounded.get(table_dtype, float(in_float32))
         rule = (

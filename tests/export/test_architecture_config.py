@@ -245,3 +245,19 @@ def test_an_unknown_architecture_keeps_the_flags_and_says_so(tmp_path, tokembed_
     assert proc.returncode == 0, proc.stderr
     assert Manifest.read(tmp_path / "out").scale == SQRT_D
     assert "'not-a-model'" in proc.stderr and "--scale" in proc.stderr
+
+
+def test_the_multimodal_gemma3_reads_its_text_config(tmp_path):
+    """``gemma3`` (Gemma3ForConditionalGeneration) keeps its language model's sizes and
+    padding id in ``text_config``; the table is that model's."""
+    from tokembed.export.architecture import Architecture, architecture_of
+
+    config = {"model_type": "gemma3", "pad_token_id": 9,
+              "text_config": {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": D,
+                              "pad_token_id": 0}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    found = architecture_of(tmp_path / "model.safetensors", (V, D), "bfloat16")
+    assert isinstance(found, Architecture)
+    assert (found.model_type, found.scale, found.padding_idx) == ("gemma3_text", 6.9375, 0)
+    # Another matrix than the word embedding (the sizes differ): nothing to say about it.
+    assert architecture_of(tmp_path / "model.safetensors", (V, 16), "bfloat16") is None
