@@ -278,6 +278,14 @@ class Settings:
             raise ServerConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.workers > 1 and self.port == 0:
             raise ServerConfigError("workers > 1 needs a fixed port to share")
+        if self.workers > 1 and self.shared_memory == "system":
+            # Each process would keep a registry of its own: N times the region cap, and
+            # an unregistration that reaches one process of N.
+            raise ServerConfigError(
+                f"--shared-memory system needs one process; got --workers {self.workers} "
+                "(each worker would keep regions of its own): use --workers 1, or run "
+                "replicas with shared memory off"
+            )
         if self.default_model is not None and not self.default_model:
             raise ServerConfigError("default_model must be a model's name, got ''")
         if not SHM_PREFIX.fullmatch(self.shared_memory_prefix) or ".." in (
