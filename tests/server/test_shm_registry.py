@@ -14,6 +14,11 @@ The attacks, each with the defence it hits (test name in brackets):
     [test_keys_outside_the_prefix_are_refused_unopened]
  3. a symbolic link under the prefix to a file elsewhere        -> O_NOFOLLOW: refused
     [test_a_link_under_the_prefix_is_not_followed]
+ 3b. a hard link under the prefix to another object (or an object with a second name)
+                                                                -> refused
+    [test_a_hard_link_under_the_prefix_is_refused]
+ 3c. an object owned by another user                            -> refused
+    [test_an_object_of_another_user_is_refused]
  4. a FIFO or a directory under the prefix                      -> refused, no hang
     [test_a_fifo_or_directory_under_the_prefix_is_refused]
  5. a key that names no object (hoping the server makes one)     -> refused, nothing made
@@ -199,6 +204,42 @@ def test_a_link_under_the_prefix_is_not_followed(objects: Objects, tmp_path: Pat
         registry(objects).register("r", f"/{link.name}", 0, 8)
     assert open_descriptors(secret) == 0
     assert secret.read_bytes() == b"s" * SIZE
+
+
+def test_a_hard_link_under_the_prefix_is_refused(objects: Objects) -> None:
+    """A hard link is not stopped by O_NOFOLLOW: an object with more than one name is
+    refused, whichever of its names is given (the link, or the object it links to)."""
+    target = objects.make("target", data=b"t" * SIZE)
+    link = SHM_ROOT / f"{objects.prefix}hardlink"
+    os.link(objects.path(target), link)
+    objects.made.append(link)
+    shm = registry(objects)
+    for key in (f"/{link.name}", target):
+        with pytest.raises(SharedMemoryError, match=f"{key!r} has 2 names"):
+            shm.register("r", key, 0, 8)
+    assert shm.status() == []
+    assert open_descriptors(objects.path(target)) == 0
+    assert objects.read(target, 0, SIZE) == b"t" * SIZE
+    # With the link gone, the object has one name again and registers.
+    link.unlink()
+    shm.register("r", target, 0, 8)
+    run(shm.unregister("r"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_an_object_of_another_user_is_refused(objects: Objects) -> None:
+    """Run as root, the test gives an object to another uid (a client's object the server
+    could open only through its rights): refused."""
+    key = objects.make("theirs", data=b"o" * SIZE)
+    os.chown(objects.path(key), 4242, -1)
+    shm = registry(objects)
+    with pytest.raises(SharedMemoryError, match=f"{key!r} belongs to uid 4242, not to"):
+        shm.register("r", key, 0, 8)
+    assert shm.status() == []
+    assert open_descriptors(objects.path(key)) == 0
+    os.chown(objects.path(key), os.geteuid(), -1)
+    shm.register("r", key, 0, 8)
+    run(shm.unregister("r"))
 
 
 def test_a_fifo_or_directory_under_the_prefix_is_refused(objects: Objects) -> None:

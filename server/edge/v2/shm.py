@@ -21,9 +21,11 @@ What this module does about each:
 - A key must name a POSIX shared-memory object (``/NAME``, one path component) whose name
   starts with ``--shared-memory-prefix``: no other ``/``, no ``..``, only letters, digits,
   ``.``, ``_``, ``-``. It is opened with ``O_NOFOLLOW`` (a symbolic link planted under
-  the prefix is refused), never ``O_CREAT``, and must be a regular file: the server
-  creates no object of its own, under the prefix or anywhere, so there is no internal
-  region whose name could leak.
+  the prefix is refused), never ``O_CREAT``, and must be a regular file with one name
+  (a hard link under the prefix to another object is refused: ``O_NOFOLLOW`` does not
+  stop those) owned by the server's user (the server opens it with its own rights): the
+  server creates no object of its own, under the prefix or anywhere, so there is no
+  internal region whose name could leak.
 - Every offset and size is a Python int (no fixed width, so no sum can wrap), checked
   non-negative, and checked against the object's real size (``fstat``) at registration
   and again before every copy.
@@ -231,9 +233,29 @@ class SharedMemoryRegistry:
                 f"cannot open shared-memory object {key!r}: {exc.strerror or exc}"
             ) from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SharedMemoryError(f"{key!r} is not a shared-memory object")
+            _check_opened(key, os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+
+def _check_opened(key: str, opened: os.stat_result) -> None:
+    """Refuse what was opened unless it is a client's object of the server's own user,
+    known by one name. Checked on the descriptor, so it is what the copies will use."""
+    if not stat.S_ISREG(opened.st_mode):
+        raise SharedMemoryError(f"{key!r} is not a shared-memory object")
+    # O_NOFOLLOW stops symbolic links only: a hard link under the prefix to an object
+    # elsewhere in SHM_ROOT would be opened with the server's rights.
+    if opened.st_nlink != 1:
+        raise SharedMemoryError(
+            f"{key!r} has {opened.st_nlink} names (hard links); register an object that has "
+            "one name only"
+        )
+    # The server opens objects read-write with its own rights: one of another user's that
+    # it can open (a mode too open) is not the caller's to hand it.
+    if opened.st_uid != os.geteuid():
+        raise SharedMemoryError(
+            f"{key!r} belongs to uid {opened.st_uid}, not to the server's user "
+            f"({os.geteuid()}); register objects made by the server's user"
+        )
