@@ -170,7 +170,9 @@ class Settings:
         "(after the leading /); letters, digits, '.', '_' and '-' only",
     )
     shared_memory_max_regions: int = _setting(
-        64, "regions registered at once (each holds an open file); past it registration fails"
+        64,
+        "regions registered at once (each holds an open file, one unregistered too until the "
+        "requests using it end); past it registration fails",
     )
 
     @property

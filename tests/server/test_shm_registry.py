@@ -40,6 +40,11 @@ The attacks, each with the defence it hits (test name in brackets):
     [test_an_answer_larger_than_its_window_is_refused]
 13. unregister while a request uses the region                  -> waits for it
     [test_unregister_waits_for_the_requests_using_it]
+13b. the unregistering call cancelled or timed out while it waits -> the region is closed
+    all the same once unused; shutdown reaches it; it counts against the cap until closed
+    [test_an_unregistration_that_ends_early_still_closes_the_region,
+    test_shutdown_closes_a_region_whose_unregistration_ended_early,
+    test_a_region_being_unregistered_counts_until_closed]
 14. unregister while a copy runs on a worker thread (its caller left) -> the descriptor
     outlives the copy [test_a_copy_in_progress_keeps_its_descriptor]
 15. registering more regions than allowed (descriptors)         -> refused, no leak
@@ -460,6 +465,84 @@ def test_unregister_waits_for_the_requests_using_it(objects: Objects) -> None:
 
     run(scenario())
     assert objects.read(key, 0, 8) == b"inflight"
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "timed out"])
+def test_an_unregistration_that_ends_early_still_closes_the_region(
+    objects: Objects, ending: str
+) -> None:
+    """The unregistering call is cancelled (its caller left) or times out while a request
+    holds the region: the region is still closed once that request lets it go."""
+    key = objects.make("a")
+
+    async def scenario() -> None:
+        shm = registry(objects)
+        shm.register("r", key, 0, SIZE)
+        window = shm.use("r", 0, 8)
+        unregistering = asyncio.ensure_future(
+            shm.unregister("r") if ending == "cancelled" else asyncio.wait_for(
+                shm.unregister("r"), 0.05
+            )
+        )  # fmt: skip
+        for _ in range(20):
+            await asyncio.sleep(0)
+        if ending == "cancelled":
+            unregistering.cancel()
+        with pytest.raises((asyncio.CancelledError, TimeoutError)):
+            await asyncio.wait_for(unregistering, 30)
+        assert shm.status() == []
+        assert open_descriptors(objects.path(key)) == 1  # the request still uses it
+        window.write([b"inflight"], 8)
+        window.release()
+        assert open_descriptors(objects.path(key)) == 0
+
+    run(scenario())
+    assert objects.read(key, 0, 8) == b"inflight"
+
+
+def test_shutdown_closes_a_region_whose_unregistration_ended_early(objects: Objects) -> None:
+    key = objects.make("a")
+
+    async def scenario() -> None:
+        shm = registry(objects)
+        shm.register("r", key, 0, SIZE)
+        window = shm.use("r", 0, 8)
+        unregistering = asyncio.ensure_future(shm.unregister("r"))
+        await asyncio.sleep(0)
+        unregistering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unregistering
+        await shm.close()
+        assert open_descriptors(objects.path(key)) == 0
+        window.release()  # the request ends after the server closed it: nothing to do
+
+    run(scenario())
+
+
+def test_a_region_being_unregistered_counts_until_closed(objects: Objects) -> None:
+    """It holds its descriptor until the request using it ends: it counts against
+    --shared-memory-max-regions until then, whatever became of its unregistration."""
+    key = objects.make("a")
+
+    async def scenario() -> None:
+        shm = registry(objects, max_regions=1)
+        shm.register("r0", key, 0, SIZE)
+        window = shm.use("r0", 0, 8)
+        unregistering = asyncio.ensure_future(shm.unregister("r0"))
+        await asyncio.sleep(0)
+        unregistering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unregistering
+        with pytest.raises(SharedMemoryError, match="1 regions are registered, the most"):
+            shm.register("r1", key, 0, SIZE)
+        assert open_descriptors(objects.path(key)) == 1
+        window.release()
+        shm.register("r1", key, 0, SIZE)
+        assert open_descriptors(objects.path(key)) == 1
+        await shm.unregister()
+        assert open_descriptors(objects.path(key)) == 0
+
+    run(scenario())
 
 
 class _HeldPieces(list[bytes]):

@@ -42,7 +42,10 @@ What this module does about each:
   region of a terabyte cannot make the server allocate one.
 - Unregistering waits for the requests using the region; the descriptor is closed only
   once the last copy into it has returned (a request whose caller left may still be
-  writing on a worker thread). Everything is unregistered when the server stops.
+  writing on a worker thread). The close is the region's own, made by the last request
+  to let it go, so an unregistering call cancelled or timed out while it waits leaks
+  nothing; until closed, the region counts against the cap below, and shutdown closes
+  it. Everything is unregistered when the server stops.
 - Error messages name only what the request itself named: never another region's name
   or key. (``SystemSharedMemoryStatus`` lists every region, as the protocol says, to
   whoever may call the server: the bearer token, when one is set, guards it as it guards
@@ -100,6 +103,9 @@ class SharedMemoryRegistry:
         self.max_regions = max_regions
         self._root = root
         self._regions: dict[str, Region] = {}
+        # Unregistered, and still used by a request: each holds its descriptor, so it
+        # counts against max_regions, and shutdown closes it, until it is closed.
+        self._leaving: set[Region] = set()
         self._closed = False
 
     # --- the RPCs
@@ -112,10 +118,11 @@ class SharedMemoryRegistry:
             raise SharedMemoryError(f"a region needs a name of 1 to {MAX_NAME_CHARS} characters")
         if name in self._regions:
             raise RegionExists(f"a region named {name!r} is registered already")
-        if len(self._regions) >= self.max_regions:
+        if self._descriptors_held() >= self.max_regions:
             raise SharedMemoryError(
                 f"{self.max_regions} regions are registered, the most this server takes "
-                "(--shared-memory-max-regions); unregister one first"
+                "(--shared-memory-max-regions); unregister one first (one unregistered "
+                "counts until the requests using it end)"
             )
         object_name = self._object_name(key)
         if offset < 0 or byte_size <= 0:
@@ -162,15 +169,22 @@ class SharedMemoryRegistry:
             gone = list(self._regions.values())
             self._regions.clear()
         for region in gone:
-            await region.wait_unused()
-            region.close()
+            # Closed by the request that lets it go last, should this call be cancelled
+            # while it waits for that.
+            region.retire()
+            if region.holds_descriptor:
+                self._leaving.add(region)
             logger.info("unregistered shared-memory region %r", region.name)
+        for region in gone:
+            await region.wait_unused()
 
     async def close(self) -> None:
-        """The server stops: every region unregistered (its requests are over by now)."""
+        """The server stops: every region closed, those still leaving too (their requests
+        are over by now)."""
         self._closed = True
-        gone = list(self._regions.values())
+        gone = [*self._regions.values(), *self._leaving]
         self._regions.clear()
+        self._leaving.clear()
         for region in gone:
             region.close()
         if gone:
@@ -193,6 +207,10 @@ class SharedMemoryRegistry:
             )
         region.hold()
         return Window(region, offset, byte_size)
+
+    def _descriptors_held(self) -> int:
+        self._leaving = {region for region in self._leaving if region.holds_descriptor}
+        return len(self._regions) + len(self._leaving)
 
     # --- keys
 
