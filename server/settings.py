@@ -159,9 +159,10 @@ class Settings:
         "off",
         "system: V2 clients on this host may register POSIX shared-memory regions "
         "(Triton's system shared-memory extension) to send ids and receive answers through "
-        "them; off: every registration is refused. Any caller that may call the server "
-        "(the bearer token, when one is set) may register any object under "
-        "shared_memory_prefix that the server's user can open (docs/security.md)",
+        "them; off: every registration is refused. A region is its registrant's (client "
+        "certificate, else token); any caller may register any object under "
+        "shared_memory_prefix owned by the server's user (docs/security.md). One process: "
+        "not with workers > 1",
         choices=("off", "system"),
     )
     shared_memory_prefix: str = _setting(

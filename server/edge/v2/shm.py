@@ -47,10 +47,17 @@ What this module does about each:
   nothing; until closed, the region counts against the cap below, and shutdown closes
   it. Everything is unregistered when the server stops.
 - Error messages name only what the request itself named: never another region's name
-  or key. (``SystemSharedMemoryStatus`` lists every region, as the protocol says, to
-  whoever may call the server: the bearer token, when one is set, guards it as it guards
-  registration; the V2 front end is behind the same interceptor as every method.)
-- At most ``--shared-memory-max-regions`` regions at once: each holds a descriptor.
+  or key.
+- A region is its owner's: the identity that registered it (edge/auth.py's
+  ``Identities``: the client certificate, else the bearer token, else one for everyone).
+  ``SystemSharedMemoryStatus`` lists, and requests and unregistrations reach, the
+  caller's regions alone; each owner has names of its own, so another's region is
+  neither replaced nor revealed (the answer is the one for a name never registered).
+  Triton's regions are server-wide: this is beyond it.
+- At most ``--shared-memory-max-regions`` regions at once, every owner's together: each
+  holds a descriptor.
+- One process: ``--workers N`` is refused with it (settings.py), as each process would
+  keep a registry of its own.
 """
 
 from __future__ import annotations
@@ -88,7 +95,12 @@ class RegionNotFound(SharedMemoryError):
 
 
 class SharedMemoryRegistry:
-    """The regions registered with this server, by name."""
+    """The regions registered with this server, by owner and name.
+
+    ``owner``: who calls, an opaque key from the front end's authentication (edge/auth.py's
+    ``Identities``). Each owner has names of its own: another owner's regions are neither
+    listed, used, unregistered nor replaced by it, and every answer about them is the
+    answer about a name never registered (the registry does not say they exist)."""
 
     def __init__(
         self,
@@ -102,7 +114,7 @@ class SharedMemoryRegistry:
         self.prefix = prefix
         self.max_regions = max_regions
         self._root = root
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[str, dict[str, Region]] = {}  # owner -> name -> region
         # Unregistered, and still used by a request: each holds its descriptor, so it
         # counts against max_regions, and shutdown closes it, until it is closed.
         self._leaving: set[Region] = set()
@@ -110,13 +122,13 @@ class SharedMemoryRegistry:
 
     # --- the RPCs
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, *, owner: str) -> None:
         """``SystemSharedMemoryRegister``: the window ``[offset, offset + byte_size)`` of the
-        object ``key``, under ``name``."""
+        object ``key``, under ``name``, for ``owner``."""
         self._check_on()
         if not name or len(name) > MAX_NAME_CHARS:
             raise SharedMemoryError(f"a region needs a name of 1 to {MAX_NAME_CHARS} characters")
-        if name in self._regions:
+        if name in self._regions.get(owner, {}):
             raise RegionExists(f"a region named {name!r} is registered already")
         if self._descriptors_held() >= self.max_regions:
             raise SharedMemoryError(
@@ -141,33 +153,38 @@ class SharedMemoryRegistry:
         except BaseException:
             os.close(fd)
             raise
-        self._regions[name] = Region(name, key, offset, byte_size, fd)
+        self._regions.setdefault(owner, {})[name] = Region(name, key, offset, byte_size, fd)
         logger.info(
             "registered shared-memory region %r: %s, %d bytes at offset %d",
             name, key, byte_size, offset,
         )  # fmt: skip
 
-    def status(self, name: str = "") -> list[RegionStatus]:
-        """``SystemSharedMemoryStatus``: the region ``name``, or every region for ``""``."""
+    def status(self, name: str = "", *, owner: str) -> list[RegionStatus]:
+        """``SystemSharedMemoryStatus``: ``owner``'s region ``name``, or every region of
+        ``owner``'s for ``""``."""
         self._check_on()
+        owned = self._regions.get(owner, {})
         if not name:
-            return [region.status for region in self._regions.values()]
-        region = self._regions.get(name)
+            return [region.status for region in owned.values()]
+        region = owned.get(name)
         if region is None:
             raise RegionNotFound(f"no region named {name!r} is registered")
         return [region.status]
 
-    async def unregister(self, name: str = "") -> None:
-        """``SystemSharedMemoryUnregister``: let the region ``name`` go (every region for
-        ``""``) once no request uses it. A name not registered is not an error (Triton's
-        behaviour: unregistering is idempotent)."""
+    async def unregister(self, name: str = "", *, owner: str) -> None:
+        """``SystemSharedMemoryUnregister``: let ``owner``'s region ``name`` go (every region
+        of ``owner``'s for ``""``) once no request uses it. A name not registered is not an
+        error (Triton's behaviour: unregistering is idempotent)."""
         self._check_on()
+        owned = self._regions.get(owner, {})
         if name:
-            region = self._regions.pop(name, None)
+            region = owned.pop(name, None)
             gone = [] if region is None else [region]
         else:
-            gone = list(self._regions.values())
-            self._regions.clear()
+            gone = list(owned.values())
+            owned.clear()
+        if not owned:
+            self._regions.pop(owner, None)
         for region in gone:
             # Closed by the request that lets it go last, should this call be cancelled
             # while it waits for that.
@@ -182,7 +199,8 @@ class SharedMemoryRegistry:
         """The server stops: every region closed, those still leaving too (their requests
         are over by now)."""
         self._closed = True
-        gone = [*self._regions.values(), *self._leaving]
+        gone = [region for owned in self._regions.values() for region in owned.values()]
+        gone += self._leaving
         self._regions.clear()
         self._leaving.clear()
         for region in gone:
@@ -192,12 +210,12 @@ class SharedMemoryRegistry:
 
     # --- requests
 
-    def use(self, name: str, offset: int, byte_size: int) -> Window:
-        """``byte_size`` bytes at ``offset`` of the region ``name``'s window, for one tensor
-        of a request (checked against the window); the region is held, and cannot go,
-        until ``Window.release``."""
+    def use(self, name: str, offset: int, byte_size: int, *, owner: str) -> Window:
+        """``byte_size`` bytes at ``offset`` of ``owner``'s region ``name``'s window, for one
+        tensor of a request (checked against the window); the region is held, and cannot
+        go, until ``Window.release``."""
         self._check_on()
-        region = self._regions.get(name)
+        region = self._regions.get(owner, {}).get(name)
         if region is None:
             raise RegionNotFound(f"no shared-memory region named {name!r} is registered")
         if offset < 0 or byte_size <= 0 or offset + byte_size > region.byte_size:
@@ -210,7 +228,7 @@ class SharedMemoryRegistry:
 
     def _descriptors_held(self) -> int:
         self._leaving = {region for region in self._leaving if region.holds_descriptor}
-        return len(self._regions) + len(self._leaving)
+        return sum(len(owned) for owned in self._regions.values()) + len(self._leaving)
 
     # --- keys
 
