@@ -75,6 +75,14 @@ class Unread:
 
     request: pb.ModelInferRequest
 
+    @property
+    def request_id(self) -> str:
+        return str(self.request.id)
+
+    @property
+    def outputs(self) -> Sequence[pb.ModelInferRequest.InferRequestedOutputTensor]:
+        return self.request.outputs
+
 
 class InferParser:
     """The deserializer of ModelInfer and ModelStreamInfer.

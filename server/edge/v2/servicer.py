@@ -174,14 +174,14 @@ class InferenceServicer:
         (a stream's answers are its messages; ModelInfer writes answers into regions)."""
         async for request in requests:
             if isinstance(request, InferCall | Unread) and any(
-                names_region(output.parameters) for output in _outputs(request)
+                names_region(output.parameters) for output in request.outputs
             ):
                 yield Refused(
                     InvalidInput(
                         f"output {OUTPUT_NAME} names a shared-memory region: ModelStreamInfer "
                         "answers in the stream; use ModelInfer for answers in shared memory"
                     ),
-                    _request_id(request),
+                    request.request_id,
                 )
             else:
                 yield self._read(request, context)
@@ -276,16 +276,6 @@ class InferenceServicer:
         """The versions of ``name`` that requests may name now."""
         return [h.version for h in self._dataplane.repository
                 if h.name == name and h.state.value == "ready"]  # fmt: skip
-
-
-def _outputs(
-    request: InferCall | Unread,
-) -> Sequence[pb.ModelInferRequest.InferRequestedOutputTensor]:
-    return request.outputs if isinstance(request, InferCall) else request.request.outputs
-
-
-def _request_id(request: InferCall | Unread) -> str:
-    return request.request_id if isinstance(request, InferCall) else request.request.id
 
 
 def _statistics(name: str, totals: ModelTotals | None) -> pb.ModelStatistics:
