@@ -122,6 +122,12 @@ class Settings:
         "hand free heap memory back to the OS this often, so resident memory follows what "
         "is live rather than the highest peak seen (0: never)",
     )
+    max_concurrent_streams: int = _setting(
+        100,
+        "calls open at once on one client connection (HTTP/2 streams); further calls wait "
+        "in the client until one ends. Bounds what one connection can make the server hold "
+        "before its calls are authenticated",
+    )
     # --- lifecycle and logs
     max_connection_age_s: float = _setting(
         0.0,
@@ -225,6 +231,16 @@ class Settings:
         """
         return self.max_tokens_per_request * (8 + 10) + MiB
 
+    @property
+    def max_receive_bytes(self) -> int:
+        """gRPC's receive limit: the largest valid request with a margin, so that a request
+        a little over ``max_request_bytes`` still reaches our parser (refused with our
+        message and counted) while anything larger is refused by gRPC before it is
+        buffered. Not the answer limit: a caller, authenticated or not, may make the
+        server hold this much per open call.
+        """
+        return self.max_request_bytes + MiB
+
     def __post_init__(self) -> None:
         # One directory may be given as it is (Settings(model_dir=path), as tests and
         # embedders write it): it is a tuple of one.
@@ -245,6 +261,7 @@ class Settings:
             "workers",
             "log_summary_interval_s",
             "shared_memory_max_regions",
+            "max_concurrent_streams",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -1,23 +1,23 @@
 """Optional bearer-token authentication, as a server interceptor; and who a call comes
 from (``Identities``), as far as authentication can tell.
 
-Every RPC but the health service must carry ``authorization: Bearer <token>``; the
-token is compared in constant time. Health checks stay open so orchestrators can probe.
+Every RPC must carry ``authorization: Bearer <token>``; the token is compared in
+constant time. The methods given as open (health, so that orchestrators can probe) answer a
+caller without it through the handlers given for them (edge/health: the overall status
+alone).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import grpc
 
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def read_token(path: Path) -> bytes:
@@ -31,11 +31,18 @@ def read_token(path: Path) -> bytes:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, token: bytes, on_reject: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        token: bytes,
+        on_reject: Callable[[str], None] | None = None,
+        open_methods: Mapping[str, grpc.RpcMethodHandler] | None = None,
+    ) -> None:
         """``on_reject(method)``: told of each refused call, by its full method name
-        ("/tokembed.v1.EmbeddingService/Embed")."""
+        ("/tokembed.v1.EmbeddingService/Embed"); ``open_methods``: by full method name,
+        the handler that answers a call without the token instead of refusing it."""
         self._expected = b"Bearer " + token
         self._on_reject = on_reject
+        self._open = dict(open_methods or {})
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(
@@ -57,8 +64,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if details.method.startswith(HEALTH_PREFIX):
-            return await continuation(details)
         presented = b""
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
@@ -66,6 +71,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 break
         if hmac.compare_digest(presented, self._expected):
             return await continuation(details)
+        if details.method in self._open:
+            return self._open[details.method]
         handler = await continuation(details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
             return handler
