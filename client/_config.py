@@ -224,7 +224,7 @@ def _host_is_loopback(host: str) -> bool:
 
 
 class ClientBase:
-    """The constructor both clients share; each subclass opens its channel its own way."""
+    """The constructor both clients share; each subclass makes its connection its own way."""
 
     def __init__(
         self,
@@ -291,7 +291,7 @@ class ClientBase:
         self._open()
 
     def _open(self) -> None:
-        """Open the channel (the asyncio client defers it to the event loop)."""
+        """Make the connection (the asyncio one opens its channel in the event loop)."""
 
     @property
     def target(self) -> str:
@@ -320,6 +320,7 @@ class ClientBase:
         token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """One Embed call's request, its deadline, and the model it is for."""
+        self._check_open()
         model_name = self._model(model)
         call = codec.embed_call(
             ids,
