@@ -68,8 +68,8 @@ INPUT_IDS = "input_ids"
 TOKEN_TYPE_IDS = "token_type_ids"
 # The codec encodes ids as int64 or int32: their rows, by width.
 _ID_DTYPES = {dtypes.INT64.itemsize: dtypes.INT64, dtypes.INT32.itemsize: dtypes.INT32}
-# A registration refused with these: the server cannot use the region (shared memory off,
-# another prefix, an object it cannot open), rather than the call failing.
+# A registration refused with these says that the server cannot use the region (its shared
+# memory off, another prefix, an object it cannot open): SharedMemoryUnavailableError.
 _UNUSABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 
 

@@ -26,8 +26,6 @@ _SYNC_NAMES = {
     "AsyncEmbeddingClient": "EmbeddingClient",
     "AsyncSharedMemorySession": "SharedMemorySession",
 }
-# The stream's inputs: the asyncio client also takes an async iterable.
-_INPUTS = {"Iterable[Any] | AsyncIterable[Any]": "Iterable[Any]"}
 
 
 def _public(cls: type) -> dict[str, Any]:
@@ -47,7 +45,7 @@ def _blocking_name(name: str) -> str:
 def _blocking_signature(method: Any) -> str:
     """The method's signature with the asyncio names written as their blocking ones."""
     text = str(inspect.signature(method))
-    for asyncio_text, blocking_text in {**_INPUTS, **_SYNC_NAMES}.items():
+    for asyncio_text, blocking_text in _SYNC_NAMES.items():
         text = text.replace(asyncio_text, blocking_text)
     return text
 
