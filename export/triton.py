@@ -62,7 +62,8 @@ class TritonOptions:
 
 
 def export_triton(model_dir: Path, out: Path, options: TritonOptions) -> Path:
-    """Write the repository entry for ``model_dir`` into ``out``; return its directory."""
+    """Write the repository entry for ``model_dir`` into ``out``; return its version
+    directory (``OUT/<name>/<version>``)."""
     from tokembed.export.model_dir import load_model_dir
     from tokembed.export.staging import make_staging_dir, publish_new
 
@@ -97,7 +98,7 @@ def export_triton(model_dir: Path, out: Path, options: TritonOptions) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return destination
+    return destination / str(version)
 
 
 def config_pbtxt(model: ModelDir, name: str, version: int, options: TritonOptions) -> str:
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads, version=args.version, name=args.name,
         force=args.force,
     )  # fmt: skip
-    written = export_triton(args.model_dir, args.out, options)
-    print(f"wrote {written / CONFIG_NAME} and {written}/<version>/ for Triton's onnxruntime "
-          "backend")  # fmt: skip
+    version_dir = export_triton(args.model_dir, args.out, options)
+    print(f"wrote {version_dir.parent / CONFIG_NAME} and {version_dir}/ for Triton's "
+          "onnxruntime backend")  # fmt: skip
     return 0
