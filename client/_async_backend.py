@@ -53,24 +53,22 @@ class Connection:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def channel(self) -> Any:
-        self._open()
+        self.methods()
         return self._channel
 
     def methods(self) -> Methods:
-        self._open()
-        assert self._methods is not None, "This is a bug."
+        if self._methods is None or asyncio.get_running_loop() is not self._loop:
+            self._methods = self._open()
         return self._methods
 
     async def close(self) -> None:
-        channel, self._channel = self._channel, None
+        channel, self._channel, self._methods = self._channel, None, None
         if channel is not None:
             await channel.close()
 
-    def _open(self) -> None:
+    def _open(self) -> Methods:
         loop = asyncio.get_running_loop()
         if self._channel is not None:
-            if loop is self._loop:
-                return
             if self._loop is not None and not self._loop.is_closed():
                 raise EmbeddingError(
                     "an AsyncEmbeddingClient serves one event loop at a time, and the loop "
@@ -84,5 +82,5 @@ class Connection:
             channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
         else:
             channel = grpc.aio.insecure_channel(s.target, options=s.options)
-        self._methods = Methods(channel)
         self._channel, self._loop = channel, loop
+        return Methods(channel)

@@ -320,7 +320,6 @@ class ClientBase:
         token_types: Any = None,
     ) -> tuple[codec.EmbedCall, Deadline, str]:
         """One Embed call's request, its deadline, and the model it is for."""
-        self._check_open()
         model_name = self._model(model)
         call = codec.embed_call(
             ids,

@@ -88,10 +88,11 @@ class AsyncEmbeddingClient(ClientBase):
         model, BERT's: ``info().inputs``), one token type id per id, in any form ``ids``
         takes and of their shape; None: every type is 0.
         """
+        methods = self._methods()
         call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
-        answer = await self._send(call, deadline, model_name)
+        answer = await self._send(methods, call, deadline, model_name)
         if isinstance(answer, EmbedResult):
             return decode.check_array_shape(answer.hidden_states, call.leading_shape)
         # The array alone: the result object around it is for embed_result's callers.
@@ -112,10 +113,11 @@ class AsyncEmbeddingClient(ClientBase):
         token_types: Any = None,
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
+        methods = self._methods()
         call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
-        result = await self._send(call, deadline, model_name)
+        result = await self._send(methods, call, deadline, model_name)
         if not isinstance(result, EmbedResult):
             result = decode.decode_response(result)
             self._learnt(model_name, result.hidden_states.shape[-1])
@@ -291,14 +293,15 @@ class AsyncEmbeddingClient(ClientBase):
         return self._connection
 
     def _methods(self) -> Methods:
-        return self._connected().methods()
+        self._check_open()
+        return self._connection.methods()
 
     async def _send(
-        self, call: codec.EmbedCall, deadline: Deadline, model_name: str
+        self, methods: Methods, call: codec.EmbedCall, deadline: Deadline, model_name: str
     ) -> EmbedResult | bytes:
         """One Embed call: its answer reassembled from EmbedChunked when it is large (see
         ``_wants_chunked``), else the raw bytes of Embed's answer."""
-        methods, request, metadata = self._methods(), call.request, self._metadata()
+        request, metadata = call.request, self._metadata()
         if not self._wants_chunked(model_name, call):
             embed = methods.embed
             raw: bytes = await self._with_retries(
