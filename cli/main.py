@@ -24,7 +24,7 @@ _SUBCOMMAND_MODULES = (
     "tokembed.export.cli",
     "tokembed.export.triton",
     "tokembed.server.cli",
-    "tokembed.client.cli",
+    "tokembed.cli.client",
     "tokembed.bench.cli",
 )
 

@@ -224,7 +224,7 @@ def _host_is_loopback(host: str) -> bool:
 
 
 class ClientBase:
-    """The constructor both clients share; each subclass opens its channel its own way."""
+    """The constructor both clients share; each subclass makes its connection its own way."""
 
     def __init__(
         self,
@@ -291,7 +291,7 @@ class ClientBase:
         self._open()
 
     def _open(self) -> None:
-        """Open the channel (the asyncio client defers it to the event loop)."""
+        """Make the connection (the asyncio one opens its channel in the event loop)."""
 
     @property
     def target(self) -> str:

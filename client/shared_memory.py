@@ -1,9 +1,18 @@
-"""Answers through system shared memory, for a client on the server's host.
+# Generated from client/shared_memory_aio.py by `python scripts/gen_sync_client.py`: edit that
+# file and run the script; tests/test_generated_code.py checks this one is current.
+"""Answers through system shared memory, for a client on the server's host: the session
+``AsyncSharedMemorySession`` (client/shared_memory_aio.py, the source) and
+``SharedMemorySession`` (client/shared_memory.py, generated from it by
+``python scripts/gen_sync_client.py``).
 
     with EmbeddingClient("127.0.0.1:50051") as client:
         with client.shared_memory(capacity_bytes=64 << 20) as shm:
             hidden = shm.embed(ids)      # a read-only view of the region: no socket, no copy
             keep = hidden.copy()         # ...valid until the next shm.embed: copy to keep
+
+    async with AsyncEmbeddingClient("127.0.0.1:50051") as client:
+        async with await client.shared_memory(capacity_bytes=64 << 20) as shm:
+            hidden = await shm.embed(ids)
 
 The session makes a POSIX shared-memory object of its own (``/dev/shm/<prefix>_<pid>_<random>``,
 mode 0600 unless told otherwise), maps it, and registers it with the server over the Open
@@ -17,7 +26,7 @@ dropped.
 
 The contract: an array from ``embed`` is valid until the session's next ``embed``, which
 writes its answer into the same bytes (copy an answer to keep it). Calls on one session
-take turns (a lock); open one session per thread for concurrency.
+take turns (a lock); open one session per thread (or task) for concurrency.
 
 It needs the server to run with ``--shared-memory system`` on this host, as the user
 that runs the session (the server takes only objects of its own user), and its
@@ -32,7 +41,6 @@ import contextlib
 import mmap
 import os
 import secrets
-import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -42,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tokembed.client import codec, dtypes
+from tokembed.client._sync_backend import Lock
 from tokembed.client.errors import (
     EmbeddingError,
     SharedMemoryUnavailableError,
@@ -61,6 +70,9 @@ INPUT_IDS = "input_ids"
 TOKEN_TYPE_IDS = "token_type_ids"
 # The codec encodes ids as int64 or int32: their rows, by width.
 _ID_DTYPES = {dtypes.INT64.itemsize: dtypes.INT64, dtypes.INT32.itemsize: dtypes.INT32}
+# A registration refused with these says that the server cannot use the region (its shared
+# memory off, another prefix, an object it cannot open): SharedMemoryUnavailableError.
+_UNUSABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def _aligned(offset: int) -> int:
@@ -68,11 +80,14 @@ def _aligned(offset: int) -> int:
 
 
 class SharedMemorySession:
-    """A region of this client's, registered with the server; see the module docstring."""
+    """A region of a client's, registered with the server; see the module docstring.
+
+    Made by the client's ``shared_memory()``, which registers it.
+    """
 
     def __init__(
         self,
-        channel: grpc.Channel,
+        channel: Any,
         *,
         target: str,
         metadata: tuple[tuple[str, str], ...] = (),
@@ -91,7 +106,7 @@ class SharedMemorySession:
         self._model_name = model_name
         self._metadata = metadata
         self._timeout_s = timeout_s
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self.name = f"{prefix}_{os.getpid()}_{secrets.token_hex(8)}"
         self.key = f"/{self.name}"
         self.capacity_bytes = capacity_bytes
@@ -122,18 +137,23 @@ class SharedMemorySession:
             self._path.unlink()
             raise
         os.close(fd)  # the mapping keeps the object
+
+    def _register(self) -> None:
+        """Register the region with the server (the client's ``shared_memory()`` does,
+        before it hands the session over); a refusal removes the object again."""
+        pb = self._pb
         try:
             self._rpc(
                 "SystemSharedMemoryRegister",
                 pb.SystemSharedMemoryRegisterRequest(
-                    name=self.name, key=self.key, offset=0, byte_size=capacity_bytes
+                    name=self.name, key=self.key, offset=0, byte_size=self.capacity_bytes
                 ),
             )
-        except EmbeddingError as exc:
+        except BaseException as exc:
             self._release_local()
-            if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+            if isinstance(exc, EmbeddingError) and exc.code in _UNUSABLE:
                 raise SharedMemoryUnavailableError(
-                    f"the server at {target} cannot use this client's shared memory: "
+                    f"the server at {self._target} cannot use this client's shared memory: "
                     f"{exc.details}",
                     code=exc.code, reason=exc.reason, details=exc.details,
                 ) from exc  # fmt: skip

@@ -8,6 +8,7 @@ tried in tests/e2e/test_v2_shared_memory.py.)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from collections.abc import Iterator
@@ -20,7 +21,12 @@ import pytest
 import torch
 
 from tokembed.cli.main import main
-from tokembed.client import EmbeddingClient, InvalidInputError
+from tokembed.client import (
+    AsyncEmbeddingClient,
+    EmbeddingClient,
+    InvalidInputError,
+    SharedMemoryUnavailableError,
+)
 
 from support.fixtures import SMALL_V
 
@@ -139,6 +145,56 @@ def test_inputs_that_do_not_fit_the_region_are_refused_before_sending(
         with pytest.raises(InvalidInputError, match=r"ids and token types \(96 bytes\)"):
             session.embed(ids[:, :4], token_types=np.zeros((2, 4), dtype=np.int32))
     assert server.metric("tokembed_requests_total", {"protocol": "v2", "method": "ModelInfer"}) == 0
+
+
+def test_the_asyncio_client_has_the_session_too(
+    start_server: Any, small_model_dir: Path, small_rows: np.ndarray, prefix: str
+) -> None:
+    """The asyncio session is the blocking one's source: the same region, answers and
+    contract, awaited; concurrent tasks on one session take turns."""
+    server = start_server(small_model_dir, shared_memory="system", shared_memory_prefix=prefix)
+
+    async def main() -> tuple[np.ndarray, list[np.ndarray], str]:
+        async with (
+            AsyncEmbeddingClient(server.target) as client,
+            await client.shared_memory(capacity_bytes=1 << 20, prefix=prefix) as session,
+        ):
+            assert (SHM_ROOT / session.name).is_file()
+            first = await session.embed(IDS)
+            kept = first.copy()
+            np.testing.assert_array_equal(first, small_rows[IDS])
+            assert not first.flags.writeable
+            half = await session.embed(IDS[:, :2], "float16")
+            np.testing.assert_array_equal(half, small_rows[IDS[:, :2]].astype(np.float16))
+            assert not np.array_equal(first, kept), "the next call writes the same bytes"
+            copies = await asyncio.gather(
+                *(_copied(session.embed(IDS[i : i + 1])) for i in range(len(IDS)))
+            )
+            return kept, copies, session.name
+
+    kept, copies, name = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    np.testing.assert_array_equal(kept, small_rows[IDS])
+    for i, copy in enumerate(copies):
+        np.testing.assert_array_equal(copy, small_rows[IDS[i : i + 1]])
+    assert not (SHM_ROOT / name).exists()
+
+
+async def _copied(answer: Any) -> np.ndarray:
+    return np.array(await answer)
+
+
+def test_the_asyncio_session_says_why_it_cannot_be_had(
+    start_server: Any, small_model_dir: Path, prefix: str
+) -> None:
+    off = start_server(small_model_dir, shared_memory_prefix=prefix)
+
+    async def main() -> None:
+        async with AsyncEmbeddingClient(off.target) as client:
+            await client.shared_memory(prefix=prefix)
+
+    with pytest.raises(SharedMemoryUnavailableError, match="shared memory is off"):
+        asyncio.run(asyncio.wait_for(main(), timeout=120))
+    assert list(SHM_ROOT.glob(f"{prefix}*")) == []
 
 
 def test_the_client_names_each_dtype_as_the_server_does() -> None:
