@@ -15,9 +15,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-
 from tokembed.export.errors import ExportError
 
 CONFIG_NAME = "config.json"
@@ -29,11 +26,7 @@ _UNSCALED = ("llama", "mistral", "qwen2", "gpt2", "bert", "albert", "t5")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 # The config's names of the table's rows and width, by architecture.
 _WIDTH = {"gpt2": "n_embd", "t5": "d_model", "bart": "d_model", "albert": "embedding_size"}
-_NUMPY_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
+_TABLE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -88,8 +81,14 @@ def architecture_of(
     if model_type in _GEMMA:
         # torch.tensor(hidden_size**0.5) is float32, then cast to the weight's dtype:
         # rounded twice.
+        import ml_dtypes  # numpy only once a config is read: `tokembed --help` stays light
+        import numpy as np
+
         in_float32 = np.float32(d_model**0.5)
-        rounded = {name: float(in_float32.astype(dtype)) for name, dtype in _NUMPY_DTYPES.items()}
+        numpy_dtypes = {"bfloat16": ml_dtypes.bfloat16}
+        rounded = {
+            name: float(in_float32.astype(numpy_dtypes.get(name, name))) for name in _TABLE_DTYPES
+        }
         scale = rounded.get(table_dtype, float(in_float32))
         rule = (
             f"scales by sqrt(hidden_size {d_model}) rounded to float32, then to the table's "
@@ -116,6 +115,8 @@ def settle(
     """The export's scale and padding id: the flags' where given (refused when they
     contradict ``found``, unless ``override``), else the architecture's, else the kind's
     default (``default_scale``)."""
+    import numpy as np
+
     from tokembed.export.module import resolve_scale  # torch: only once an export runs
 
     if not isinstance(found, Architecture):
