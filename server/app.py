@@ -19,6 +19,7 @@ listens: edge/grpc_server.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -39,7 +40,7 @@ from tokembed.server.core.repository import ModelHandle, Repository
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.default_model import ensure_default_model
-from tokembed.server.edge.grpc_server import bind, build_grpc_server
+from tokembed.server.edge.grpc_server import GrpcOptions, bind, build_grpc_server
 from tokembed.server.edge.v1.servicer import (
     FRONT_END,
     SERVICE_NAME,
@@ -64,6 +65,13 @@ CLOSE_RESERVE_S = 1.0
 # Threads for off-loop look-ups and encodes, shared by every model: the large ones are
 # memory-bound copies, so more threads than this only queue behind each other here.
 WORKER_THREADS = 2
+
+
+def grpc_options(settings: Settings) -> GrpcOptions:
+    """What the gRPC server takes from ``settings``: the edge reads no settings itself."""
+    return GrpcOptions(
+        **{field.name: getattr(settings, field.name) for field in dataclasses.fields(GrpcOptions)}
+    )
 
 
 class TokembedServer:
@@ -113,12 +121,13 @@ class TokembedServer:
         await asyncio.get_running_loop().run_in_executor(
             None, check_model_dirs, settings.model_dir, settings.default_model
         )
+        options = grpc_options(settings)
         self._server = build_grpc_server(
-            settings, self.dataplane, self.shared_memory, self.metrics.model_totals, self.health,
+            options, self.dataplane, self.shared_memory, self.metrics.model_totals, self.health,
             on_unauthenticated=self._unauthenticated,
         )  # fmt: skip
         await self._set_health(NOT_SERVING)
-        self.port = bind(self._server, settings)
+        self.port = bind(self._server, options)
         await self._server.start()
         if settings.metrics_port >= 0:
             try:

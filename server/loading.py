@@ -39,6 +39,7 @@ from tokembed.server.backends.segment import SegmentTableBackend, every_combinat
 from tokembed.server.backends.sessions import (
     CPU,
     Cast,
+    Graph,
     ModelSession,
     SessionOptions,
     expects_cpu,
@@ -188,7 +189,7 @@ def _table_or_runtime(
                 # No float32 table (a bfloat16 model): the model stays to run for answers
                 # in other dtypes, a session its twins share too.
                 found = _SHARED.get(model, "session")
-                runs = found[0] if found is not None else ModelSession(model, per_batch)
+                runs = found[0] if found is not None else ModelSession(graph_of(model), per_batch)
                 _SHARED.keep(model, "session", runs)
         if tables is not None:
             table = TableBackend(
@@ -203,7 +204,7 @@ def _table_or_runtime(
             backend.serving_memory = serving_memory
             return backend
     runtime = OnnxRuntimeBackend(
-        ModelSession(model, per_batch),
+        ModelSession(graph_of(model), per_batch),
         padding_id=manifest.padding_idx,
         casts=casts,
         memory={"weights": model.weight_bytes, "batch arena": 2 * batch_output_bytes},
@@ -222,6 +223,20 @@ def _table_way_bytes(settings: Settings, rows: int, d_model: int, model: ModelDi
         return cells * 2 + model.weight_bytes
     budgets = (settings.float16_table_max_bytes, settings.bfloat16_table_max_bytes)
     return cells * 4 + sum(cells * 2 for budget in budgets if cells * 2 <= budget)
+
+
+def graph_of(model: ModelDir) -> Graph:
+    """What a session runs of ``model``: its graph, and the names and sizes its manifest
+    declares (the kind's inputs in order)."""
+    manifest = model.manifest
+    return Graph(
+        path=model.model_path,
+        input_name=manifest.input.name,
+        more_names=tuple(spec.name for spec in model.kind.inputs(manifest)[1:]),
+        output_name=manifest.output.name,
+        vocab_size=manifest.vocab_size,
+        d_model=manifest.d_model,
+    )
 
 
 class _Shared:
@@ -294,7 +309,7 @@ def _row_tables(
             rows = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
         else:
             if session is None:
-                session = ModelSession(model, at_load)
+                session = ModelSession(graph_of(model), at_load)
                 if session.provider != CPU:
                     return None
             if dtype == FLOAT32:

@@ -13,11 +13,11 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from tokembed.export.model_dir import ModelDir
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 
@@ -25,6 +25,19 @@ logger = logging.getLogger(__name__)
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A model's ONNX graph and what its model directory declares of it, read there by
+    server/loading.py (the backends never open a model directory)."""
+
+    path: Path
+    input_name: str  # the ids
+    more_names: tuple[str, ...]  # the kind's further id inputs (a segment model's types)
+    output_name: str
+    vocab_size: int
+    d_model: int
 
 
 @dataclass(frozen=True)
@@ -43,22 +56,21 @@ class SessionOptions:
 class ModelSession:
     """``hidden_states = model(input_ids, ...)`` for ids already validated to be in range.
 
-    The graph takes the model kind's id inputs (``tokembed.export.kinds``): ``input_ids``,
-    and any further ones (a segment model's ``token_type_ids``), each of the ids' shape;
+    The graph takes the model kind's id inputs: the ids, and any further ones
+    (``Graph.more_names``: a segment model's ``token_type_ids``), each of the ids' shape;
     a further input not given runs as all zeros, as validation defaults it.
 
     ``run`` is synchronous and thread-safe (onnxruntime allows concurrent ``run`` calls on
     one session and releases the GIL while it computes).
     """
 
-    def __init__(self, model: ModelDir, options: SessionOptions) -> None:
-        manifest = model.manifest
-        self._input_name = manifest.input.name
-        self._more_names = tuple(spec.name for spec in model.kind.inputs(manifest)[1:])
-        self._output_name = manifest.output.name
-        self.d_model = manifest.d_model
-        self.vocab_size = manifest.vocab_size
-        self.session = _create_session(model, options)
+    def __init__(self, graph: Graph, options: SessionOptions) -> None:
+        self._input_name = graph.input_name
+        self._more_names = graph.more_names
+        self._output_name = graph.output_name
+        self.d_model = graph.d_model
+        self.vocab_size = graph.vocab_size
+        self.session = _create_session(graph.path, options)
         self.provider: str = self.session.get_providers()[0]
         self._run_options = _run_options(options)
 
@@ -238,12 +250,12 @@ def _session_options(options: SessionOptions) -> ort.SessionOptions:
     return session_options
 
 
-def _create_session(model: ModelDir, options: SessionOptions) -> ort.InferenceSession:
+def _create_session(graph: Path, options: SessionOptions) -> ort.InferenceSession:
     session_options = _session_options(options)
     # The graphs are a few Gathers, a Mul and an Add (a factorized model's MatMul): little
     # to fuse, and a fixed graph keeps the results those of the export-time parity check.
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    path = str(model.model_path)
+    path = str(graph)
     if options.device == "cpu":
         return ort.InferenceSession(path, session_options, providers=[CPU])
     if options.device not in ("cuda", "auto"):

@@ -1,11 +1,14 @@
 """The gRPC server: its options, interceptors and services (tokembed.v1, the Open
-Inference Protocol, health, reflection), and the address it listens on. server/app.py runs it.
+Inference Protocol, health, reflection), and the address it listens on. server/app.py runs it,
+with the options it takes from the settings (``GrpcOptions``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health
@@ -21,15 +24,36 @@ from tokembed.server.edge.v1.requests import EmbedParser
 from tokembed.server.edge.v1.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.requests import InferParser
+from tokembed.server.edge.v2.servicer import ModelTotals
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
-from tokembed.server.metrics import ModelTotals
-from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2
 
 
+@dataclass(frozen=True)
+class GrpcOptions:
+    """What the gRPC server and its front ends take from the settings, under the
+    settings' names (server/settings.py says what each means)."""
+
+    host: str
+    port: int
+    workers: int
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_client_ca: Path | None
+    auth_token_file: Path | None
+    max_message_bytes: int
+    max_receive_bytes: int
+    max_request_bytes: int
+    max_tokens_per_request: int
+    max_concurrent_streams: int
+    max_connection_age_s: float
+    grace_s: float
+    stream_chunk_bytes: int
+
+
 def build_grpc_server(
-    settings: Settings,
+    options: GrpcOptions,
     dataplane: DataPlane,
     shared_memory: SharedMemoryRegistry,
     statistics: Callable[[str], ModelTotals | None],
@@ -44,54 +68,54 @@ def build_grpc_server(
     # service: the names orchestrators probe. A model's name is the caller's to know.
     health_front_end = HealthFrontEnd(health_servicer, public=("", SERVICE_NAME))
     interceptors = []
-    if settings.auth_token_file is not None:
-        token = read_token(settings.auth_token_file)
+    if options.auth_token_file is not None:
+        token = read_token(options.auth_token_file)
         interceptors.append(
             BearerTokenInterceptor(
                 token, on_reject=on_unauthenticated,
                 open_methods=health_front_end.unauthenticated(),
             )
         )  # fmt: skip
-    options: list[tuple[str, int]] = []
-    if settings.max_connection_age_s > 0:
+    aging: list[tuple[str, int]] = []
+    if options.max_connection_age_s > 0:
         # GOAWAY after this age; calls in flight get the grace period to finish.
-        options.append(("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)))
-        options.append(("grpc.max_connection_age_grace_ms", int(settings.grace_s * 1000)))
+        aging.append(("grpc.max_connection_age_ms", int(options.max_connection_age_s * 1000)))
+        aging.append(("grpc.max_connection_age_grace_ms", int(options.grace_s * 1000)))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
-            *options,
-            ("grpc.max_send_message_length", settings.max_message_bytes),
+            *aging,
+            ("grpc.max_send_message_length", options.max_message_bytes),
             # The largest valid request with a margin (Settings.max_receive_bytes): what
             # any caller, before its token is checked, can make the server buffer per call.
-            ("grpc.max_receive_message_length", settings.max_receive_bytes),
+            ("grpc.max_receive_message_length", options.max_receive_bytes),
             # ... and how many calls one connection may have open at once.
-            ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+            ("grpc.max_concurrent_streams", options.max_concurrent_streams),
             # Several processes may share one port only when asked (--workers).
-            ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
+            ("grpc.so_reuseport", 1 if options.workers > 1 else 0),
             # Clients keep long streams alive with a ping a minute; gRPC's default
             # server policy (one per 5 minutes) would close them for "too many pings".
             ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
         ],
     )
     servicer = EmbeddingServicer(
-        dataplane, chunk_bytes=settings.stream_chunk_bytes,
-        max_message_bytes=settings.max_message_bytes,
-        parse=EmbedParser(settings.max_request_bytes, settings.max_tokens_per_request),
+        dataplane, chunk_bytes=options.stream_chunk_bytes,
+        max_message_bytes=options.max_message_bytes,
+        parse=EmbedParser(options.max_request_bytes, options.max_tokens_per_request),
     )  # fmt: skip
     # The Open Inference Protocol on the same port: another front end over the same
     # data plane.
     inference = v2.InferenceServicer(
         dataplane,
         parse=InferParser(
-            settings.max_request_bytes, settings.max_tokens_per_request,
-            source_for=partial(SharedMemoryInputs, shared_memory, settings.max_request_bytes),
+            options.max_request_bytes, options.max_tokens_per_request,
+            source_for=partial(SharedMemoryInputs, shared_memory, options.max_request_bytes),
         ),
-        max_message_bytes=settings.max_message_bytes, version=__version__,
+        max_message_bytes=options.max_message_bytes, version=__version__,
         statistics=statistics, shared_memory=shared_memory,
         identities=Identities(
-            client_certificates=settings.tls_client_ca is not None,
-            token=settings.auth_token_file is not None,
+            client_certificates=options.tls_client_ca is not None,
+            token=options.auth_token_file is not None,
         ),
         extensions=(*v2.EXTENSIONS, "system_shared_memory")
         if shared_memory.enabled else v2.EXTENSIONS,
@@ -106,14 +130,14 @@ def build_grpc_server(
     return server
 
 
-def bind(server: grpc.aio.Server, settings: Settings) -> int:
-    """Listen on ``settings``' address (TLS when configured); return the bound port."""
-    address = f"{settings.host}:{settings.port}"
+def bind(server: grpc.aio.Server, options: GrpcOptions) -> int:
+    """Listen on ``options``' address (TLS when configured); return the bound port."""
+    address = f"{options.host}:{options.port}"
     # Checked first, so that the mistake is one line of ours and not gRPC's C-core log
     # lines and a RuntimeError.
-    credentials = tls_credentials(settings)
-    if settings.workers == 1:  # workers share the port on purpose (SO_REUSEPORT)
-        check_port_free(settings.host, settings.port)
+    credentials = tls_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
+    if options.workers == 1:  # workers share the port on purpose (SO_REUSEPORT)
+        check_port_free(options.host, options.port)
     try:
         if credentials is not None:
             port = server.add_secure_port(address, credentials)

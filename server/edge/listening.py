@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import socket
 import ssl
+from pathlib import Path
 
 import grpc
 
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.settings import Settings
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -34,30 +34,33 @@ def check_port_free(host: str, port: int) -> None:
                 ) from exc
 
 
-def tls_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """The server's TLS credentials, the files checked to parse first (gRPC reports a
-    bad one only in its own log, then fails to bind)."""
-    if settings.tls_cert is None or settings.tls_key is None:
+def tls_credentials(
+    tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None
+) -> grpc.ServerCredentials | None:
+    """The server's TLS credentials (none without ``tls_cert`` and ``tls_key``), the files
+    checked to parse first (gRPC reports a bad one only in its own log, then fails to
+    bind); ``tls_client_ca``: the CAs whose client certificates are required."""
+    if tls_cert is None or tls_key is None:
         return None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+        context.load_cert_chain(tls_cert, tls_key)
     except (OSError, ssl.SSLError) as exc:
         raise ServerConfigError(
-            f"tls_cert {settings.tls_cert} and tls_key {settings.tls_key} are not a PEM "
+            f"tls_cert {tls_cert} and tls_key {tls_key} are not a PEM "
             f"certificate chain and its private key ({_reason(exc)})"
         ) from exc
     client_ca = None
-    if settings.tls_client_ca is not None:
+    if tls_client_ca is not None:
         try:
-            context.load_verify_locations(cafile=settings.tls_client_ca)
+            context.load_verify_locations(cafile=tls_client_ca)
         except (OSError, ssl.SSLError) as exc:
             raise ServerConfigError(
-                f"tls_client_ca {settings.tls_client_ca} is not a PEM CA bundle ({_reason(exc)})"
+                f"tls_client_ca {tls_client_ca} is not a PEM CA bundle ({_reason(exc)})"
             ) from exc
-        client_ca = settings.tls_client_ca.read_bytes()
+        client_ca = tls_client_ca.read_bytes()
     return grpc.ssl_server_credentials(
-        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        [(tls_key.read_bytes(), tls_cert.read_bytes())],
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )

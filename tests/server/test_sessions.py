@@ -18,21 +18,27 @@ from tokembed.server.backends import sessions as sessions_module
 from tokembed.server.backends.sessions import (
     CPU,
     CUDA,
+    Graph,
     ModelSession,
     OutputCast,
     SessionOptions,
 )
 from tokembed.server.core.dtypes import FLOAT16
 from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.loading import graph_of
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
 
 HAS_CUDA = CUDA in ort.get_available_providers()
 
 
+def _graph(model_dir: Path) -> Graph:
+    return graph_of(load_model_dir(model_dir))
+
+
 @pytest.fixture(scope="module")
 def cpu_runtime(small_model_dir: Path) -> ModelSession:
-    return ModelSession(load_model_dir(small_model_dir), SessionOptions(device="cpu"))
+    return ModelSession(_graph(small_model_dir), SessionOptions(device="cpu"))
 
 
 @pytest.fixture
@@ -99,7 +105,7 @@ def test_thread_counts_reach_the_session_and_every_row_is_the_model_s(
     small_model_dir: Path, small_rows: np.ndarray
 ) -> None:
     runtime = ModelSession(
-        load_model_dir(small_model_dir),
+        _graph(small_model_dir),
         SessionOptions(device="cpu", intra_op_threads=3, inter_op_threads=2),
     )
     # onnxruntime's own account of the options the session was made with.
@@ -163,7 +169,7 @@ def test_cuda_without_cuda_is_a_clear_config_error(
     small_model_dir: Path, without_cuda: None
 ) -> None:
     with pytest.raises(ServerConfigError) as error:
-        ModelSession(load_model_dir(small_model_dir), SessionOptions(device="cuda"))
+        ModelSession(_graph(small_model_dir), SessionOptions(device="cuda"))
     message = str(error.value)
     assert "CUDA execution provider not available" in message
     assert CPU in message  # says what onnxruntime does offer
@@ -177,7 +183,7 @@ def test_auto_without_cuda_falls_back_to_cpu_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="tokembed.server.backends.sessions"):
-        runtime = ModelSession(load_model_dir(small_model_dir), SessionOptions(device="auto"))
+        runtime = ModelSession(_graph(small_model_dir), SessionOptions(device="auto"))
     assert runtime.provider == CPU
     assert runtime.session.get_providers()[0] == CPU
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -189,13 +195,13 @@ def test_cpu_device_logs_no_warning(
     small_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="tokembed.server.backends.sessions"):
-        ModelSession(load_model_dir(small_model_dir), SessionOptions(device="cpu"))
+        ModelSession(_graph(small_model_dir), SessionOptions(device="cpu"))
     assert not caplog.records
 
 
 def test_unknown_device_is_refused(small_model_dir: Path) -> None:
     with pytest.raises(ServerConfigError, match="device must be cpu, cuda or auto, got 'tpu'"):
-        ModelSession(load_model_dir(small_model_dir), SessionOptions(device="tpu"))
+        ModelSession(_graph(small_model_dir), SessionOptions(device="tpu"))
 
 
 @pytest.mark.gpu
@@ -208,7 +214,7 @@ def test_cuda_provider_runs_the_look_up(
             f"needs onnxruntime-gpu and a GPU: onnxruntime {ort.__version__} offers "
             f"{ort.get_available_providers()}"
         )
-    runtime = ModelSession(load_model_dir(small_model_dir), SessionOptions(device=device))
+    runtime = ModelSession(_graph(small_model_dir), SessionOptions(device=device))
     assert runtime.provider == CUDA
     rng = np.random.default_rng(1)
     ids = rng.integers(0, SMALL_V, 4096).astype(np.int64)
@@ -224,6 +230,7 @@ import numpy as np
 from tokembed.export.model_dir import load_model_dir
 from tokembed.server.memory import release_free_memory
 from tokembed.server.backends.sessions import ModelSession, SessionOptions
+from tokembed.server.loading import graph_of
 
 def rss():
     with open("/proc/self/statm") as statm:
@@ -231,7 +238,7 @@ def rss():
 
 d_model, batch_tokens = int(sys.argv[2]), int(sys.argv[3])
 runtime = ModelSession(
-    load_model_dir(sys.argv[1]),
+    graph_of(load_model_dir(sys.argv[1])),
     SessionOptions(device="cpu", batch_output_bytes=batch_tokens * d_model * 4),
 )
 runtime.run(np.arange(batch_tokens, dtype=np.int64) % 1000)  # the warm-up's full batch
