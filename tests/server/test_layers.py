@@ -7,8 +7,8 @@ backends know no model directory; the client and the contract of a model directo
 never load torch nor onnxruntime.
 
 The standard library is open to every room. A module is told by where its file is, so a
-new module is checked without being named here; a new package is a new room, which must
-be given a row (``test_every_module_is_in_a_room``)."""
+new module is checked without being named here; a new package beside them is a new room,
+which must be given a row (``test_every_module_is_in_a_room``)."""
 
 from __future__ import annotations
 
@@ -127,19 +127,15 @@ ROOMS = (
 )
 
 
-def _package_dir(package: str) -> Path:
-    return Path(sys.modules[package].__file__ or "").resolve().parent
-
-
-def _module_name(path: Path) -> str:
-    for package in sorted({room.package for room in ROOMS}, key=len, reverse=True):
-        top = _package_dir(package)
-        if top in path.parents:
+def _modules() -> dict[str, Path]:
+    """Every module of the rooms' packages, by name, sub-packages included."""
+    found: dict[str, Path] = {}
+    for package in {room.package for room in ROOMS}:
+        top = Path(sys.modules[package].__file__ or "").resolve().parent
+        for path in top.rglob("*.py"):
             parts = path.relative_to(top).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            return ".".join((package, *parts))
-    raise AssertionError(f"{path} is in no room's package")
+            found[".".join((package, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return dict(sorted(found.items()))
 
 
 def _imports(path: Path, module: str | None = None) -> set[str]:
@@ -176,53 +172,51 @@ def _forbidden(names: set[str], room: Room) -> list[str]:
     )
 
 
-def _room_of(path: Path) -> Room:
-    """The narrowest room whose package holds ``path`` (a part of a room first)."""
+def _room_of(module: str) -> Room:
+    """The narrowest room whose package holds ``module`` (a part of a room first)."""
     holding = [
         room
         for room in ROOMS
-        if _package_dir(room.package) in path.parents
-        and (not room.modules or _module_name(path).rsplit(".", 1)[-1] in room.modules)
+        if _inside(module, (room.package,))
+        and (not room.modules or module in {f"{room.package}.{name}" for name in room.modules})
     ]
-    assert holding, f"{path} is in no room"
+    assert holding, f"{module} is in no room"
     return max(holding, key=lambda room: (room.package.count("."), bool(room.modules)))
-
-
-def _modules() -> list[Path]:
-    found: set[Path] = set()
-    for room in ROOMS:
-        found.update(_package_dir(room.package).rglob("*.py"))
-    return sorted(found)
 
 
 def test_every_module_is_in_a_room() -> None:
     packages = {info.name for info in pkgutil.iter_modules(tokembed.__path__) if info.ispkg}
     rooms = {room.package.split(".")[1] for room in ROOMS if room.package != "tokembed"}
     assert packages - NOT_ROOMS == rooms | {"v1", "v2"}
-    where = {str(path.relative_to(_package_dir("tokembed").parents[1])): _room_of(path).label
-             for path in _modules()}  # fmt: skip
+    where = {module: _room_of(module).label for module in _modules()}
     # The walk found the rooms, sub-packages included, each module in its own.
-    assert where["server/core/operations/embed.py"] == "server/core/"
-    assert where["server/edge/v1/servicer.py"] == "server/edge/"
-    assert where["server/backends/table.py"] == "server/backends/"
-    assert where["server/metrics.py"] == "server/ top"
-    assert where["export/model_dir.py"] == "export/ (the contract)"
-    assert where["export/onnx_export.py"] == "export/ (the exporter)"
-    assert where["protos/tokembed/v1/embedding_pb2_grpc.py"] == "protos/"
-    assert where["client/aio.py"] == "client/"
-    assert where["cli/main.py"] == "cli/"
+    assert {
+        module: where[f"tokembed.{module}"]
+        for module in ("server.core.operations.embed", "server.edge.v1.servicer",
+                       "server.backends.table", "server.metrics", "server", "export.model_dir",
+                       "export.onnx_export", "v1.embedding_pb2_grpc", "client.aio", "cli.main")
+    } == {
+        "server.core.operations.embed": "server/core/",
+        "server.edge.v1.servicer": "server/edge/",
+        "server.backends.table": "server/backends/",
+        "server.metrics": "server/ top",
+        "server": "server/ top",
+        "export.model_dir": "export/ (the contract)",
+        "export.onnx_export": "export/ (the exporter)",
+        "v1.embedding_pb2_grpc": "protos/",
+        "client.aio": "client/",
+        "cli.main": "cli/",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("room", ROOMS, ids=[room.label for room in ROOMS])
 def test_a_room_imports_only_what_its_row_allows(room: Room) -> None:
-    checked = [path for path in _modules() if _room_of(path) == room]
+    checked = {module: path for module, path in _modules().items() if _room_of(module) == room}
     assert checked, room
-    top = _package_dir("tokembed").parents[1]
     offenders = {
-        str(path.relative_to(top)): _forbidden(_imports(path, _module_name(path)), room)
-        for path in checked
+        module: _forbidden(_imports(path, module), room) for module, path in checked.items()
     }
-    assert {path: names for path, names in offenders.items() if names} == {}
+    assert {module: names for module, names in offenders.items() if names} == {}
 
 
 def test_the_rooms_are_the_documented_ones() -> None:
