@@ -29,16 +29,11 @@ import grpc
 
 REASON_METADATA_KEY = "tokembed-error-reason"
 
-# The reasons the server sends (and the client uses for errors it detects itself).
+# The reasons the client's table tells apart (RESOURCE_EXHAUSTED's two), and the one it
+# gives the input it refuses itself; the server sends others, kept as they come (.reason).
 REASON_INVALID_INPUT = "invalid_input"
 REASON_TOO_LARGE = "too_large"
 REASON_OVERLOADED = "overloaded"
-REASON_NOT_FOUND = "not_found"
-REASON_UNAVAILABLE = "unavailable"
-REASON_DEADLINE_EXCEEDED = "deadline_exceeded"
-REASON_CANCELLED = "cancelled"
-REASON_UNAUTHENTICATED = "unauthenticated"
-REASON_INTERNAL = "internal"
 # Client-side only: the server's answer broke the protocol (wrong sizes, missing header).
 REASON_PROTOCOL = "protocol"
 
