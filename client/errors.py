@@ -29,12 +29,13 @@ import grpc
 
 REASON_METADATA_KEY = "tokembed-error-reason"
 
-# The reasons the client's table tells apart (RESOURCE_EXHAUSTED's two), and the one it
-# gives the input it refuses itself; the server sends others, kept as they come (.reason).
-REASON_INVALID_INPUT = "invalid_input"
+# The reasons the client tells apart: the two of RESOURCE_EXHAUSTED (the server's other
+# reasons add nothing to their status code).
 REASON_TOO_LARGE = "too_large"
 REASON_OVERLOADED = "overloaded"
-# Client-side only: the server's answer broke the protocol (wrong sizes, missing header).
+# The reasons of errors the client detects itself: input it refuses before sending, and
+# an answer that broke the protocol (wrong sizes, missing header).
+REASON_INVALID_INPUT = "invalid_input"
 REASON_PROTOCOL = "protocol"
 
 
