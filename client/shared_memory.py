@@ -19,8 +19,8 @@ The contract: an array from ``embed`` is valid until the session's next ``embed`
 writes its answer into the same bytes (copy an answer to keep it). Calls on one session
 take turns (a lock); open one session per thread for concurrency.
 
-It needs the server to run with ``--shared-memory system`` on this host, as a user that
-can open the object (the same user, with the default mode), and its
+It needs the server to run with ``--shared-memory system`` on this host, as the user
+that runs the session (the server takes only objects of its own user), and its
 ``--shared-memory-prefix`` to be the session's ``prefix``. Otherwise opening the session
 raises ``SharedMemoryUnavailableError``, with the server's reason. Linux only (the
 objects live in /dev/shm).

@@ -19,8 +19,6 @@ from tokembed.export.out_dir import check_out_dir
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_D_MODEL = 512
 DEFAULT_SEED = 0
-# What [export] adds to [server]: without them, the command says so in one line.
-_EXPORT_ONLY_PACKAGES = ("torch", "onnxscript")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -157,17 +155,9 @@ def run(args: argparse.Namespace) -> int:
         _check_padding(args.padding_idx, vocab_size)
 
     # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
-    try:
-        from tokembed.export.module import TokenEmbedding, random_table
-        from tokembed.export.onnx_export import ExportOptions, export_model
-    except ModuleNotFoundError as exc:
-        # A server-only install (tokembed[server]) has the command but not torch.
-        if exc.name not in _EXPORT_ONLY_PACKAGES:
-            raise
-        raise ExportError(
-            f"tokembed export needs {exc.name}, which is not installed: install a CPU torch "
-            "and tokembed[export] (see the README)"
-        ) from exc
+    # Without it (a server-only install), cli/main.py says which extra to install.
+    from tokembed.export.module import TokenEmbedding, random_table
+    from tokembed.export.onnx_export import ExportOptions, export_model
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
     if kind != TOKEN:  # the segment and factorized kinds (BERT's, ALBERT's)

@@ -11,7 +11,8 @@ and dims (the batch dimension implicit: ``max_batch_size`` > 0), the instance gr
 GPU) and dynamic batching (requests of the same sequence length are batched, waiting at
 most ``max_queue_delay_microseconds``). The model directory is checked as the server checks
 it (every file's sha256 too) before anything is copied; the repository entry is written
-beside its destination and moved in whole. Needs neither torch nor onnx nor Triton.
+beside its destination and moved in whole. Needs neither torch nor Triton: the graph is
+checked with onnx, which tokembed[server] brings.
 
 What is checked here (tests/export/test_export_triton.py): config.pbtxt parses with
 Triton's own ``ModelConfig`` message (tritonclient ships it) and says what is written

@@ -165,9 +165,10 @@ class Settings:
         "off",
         "system: V2 clients on this host may register POSIX shared-memory regions "
         "(Triton's system shared-memory extension) to send ids and receive answers through "
-        "them; off: every registration is refused. Any caller that may call the server "
-        "(the bearer token, when one is set) may register any object under "
-        "shared_memory_prefix that the server's user can open (docs/security.md)",
+        "them; off: every registration is refused. A region is its registrant's (client "
+        "certificate, else token); any caller may register any object under "
+        "shared_memory_prefix owned by the server's user (docs/security.md). One process: "
+        "not with workers > 1",
         choices=("off", "system"),
     )
     shared_memory_prefix: str = _setting(
@@ -176,7 +177,9 @@ class Settings:
         "(after the leading /); letters, digits, '.', '_' and '-' only",
     )
     shared_memory_max_regions: int = _setting(
-        64, "regions registered at once (each holds an open file); past it registration fails"
+        64,
+        "regions registered at once (each holds an open file, one unregistered too until the "
+        "requests using it end); past it registration fails",
     )
 
     @property
@@ -295,6 +298,14 @@ class Settings:
             raise ServerConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.workers > 1 and self.port == 0:
             raise ServerConfigError("workers > 1 needs a fixed port to share")
+        if self.workers > 1 and self.shared_memory == "system":
+            # Each process would keep a registry of its own: N times the region cap, and
+            # an unregistration that reaches one process of N.
+            raise ServerConfigError(
+                f"--shared-memory system needs one process; got --workers {self.workers} "
+                "(each worker would keep regions of its own): use --workers 1, or run "
+                "replicas with shared memory off"
+            )
         if self.default_model is not None and not self.default_model:
             raise ServerConfigError("default_model must be a model's name, got ''")
         if not SHM_PREFIX.fullmatch(self.shared_memory_prefix) or ".." in (

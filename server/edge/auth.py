@@ -1,4 +1,5 @@
-"""Optional bearer-token authentication, as a server interceptor.
+"""Optional bearer-token authentication, as a server interceptor; and who a call comes
+from (``Identities``), as far as authentication can tell.
 
 Every RPC must carry ``authorization: Bearer <token>``; the token is compared in
 constant time. The methods given as open (health, so that orchestrators can probe) answer a
@@ -8,6 +9,7 @@ alone).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -77,3 +79,32 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if self._on_reject is not None:
             self._on_reject(details.method)
         return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
+
+
+# The identity of every caller when the server tells none apart (no client certificates,
+# no token): what is registered is everyone's, as in Triton.
+ANYONE = "anyone"
+_CERTIFICATE = "x509_pem_cert"  # gRPC's auth context: the peer's verified certificate
+
+
+class Identities:
+    """Who a call comes from, as an opaque key (the shared-memory registry keeps regions
+    by it): the client certificate when mutual TLS is on (each certificate its own
+    identity, even two of one name from one CA); else the bearer token when one is set;
+    else ``ANYONE``. Keys are SHA-256 digests: the token itself is not kept."""
+
+    def __init__(self, *, client_certificates: bool, token: bool) -> None:
+        self._certificates = client_certificates
+        self._token = token
+
+    def of(self, context: grpc.aio.ServicerContext) -> str:
+        if self._certificates:
+            certificate = context.auth_context().get(_CERTIFICATE)
+            if certificate:
+                return "certificate:" + hashlib.sha256(certificate[0]).hexdigest()
+        if self._token:
+            for key, value in context.invocation_metadata() or ():
+                if key == "authorization":  # the interceptor let only the token's through
+                    presented = value.encode("utf-8") if isinstance(value, str) else value
+                    return "token:" + hashlib.sha256(presented).hexdigest()
+        return ANYONE

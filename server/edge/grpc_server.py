@@ -5,6 +5,7 @@ Inference Protocol, health, reflection), and the address it listens on. server/a
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health
@@ -13,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from tokembed import __version__
 from tokembed.server.core.dataplane import DataPlane
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
+from tokembed.server.edge.auth import BearerTokenInterceptor, Identities, read_token
 from tokembed.server.edge.health import HEALTH_SERVICE, HealthFrontEnd
 from tokembed.server.edge.listening import check_port_free, tls_credentials
 from tokembed.server.edge.v1.requests import EmbedParser
@@ -84,10 +85,14 @@ def build_grpc_server(
         dataplane,
         parse=InferParser(
             settings.max_request_bytes, settings.max_tokens_per_request,
-            source=SharedMemoryInputs(shared_memory, settings.max_request_bytes),
+            source_for=partial(SharedMemoryInputs, shared_memory, settings.max_request_bytes),
         ),
         max_message_bytes=settings.max_message_bytes, version=__version__,
         statistics=statistics, shared_memory=shared_memory,
+        identities=Identities(
+            client_certificates=settings.tls_client_ca is not None,
+            token=settings.auth_token_file is not None,
+        ),
         extensions=(*v2.EXTENSIONS, "system_shared_memory")
         if shared_memory.enabled else v2.EXTENSIONS,
     )  # fmt: skip
