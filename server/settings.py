@@ -3,6 +3,8 @@
 Configuration enters here once (``Settings.from_args``) and is passed into the
 constructors; nothing else in the server reads ``os.environ``.
 Precedence: command-line flag, then environment variable, then default.
+Written over argparse and dataclasses (pydantic-settings would do it): the server carries
+no dependency for this alone.
 """
 
 from __future__ import annotations
