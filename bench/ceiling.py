@@ -12,10 +12,8 @@ So a float16 answer comes from the float16 table, as the service's does.
 
 Why not an onnxruntime run per request, as the bench once had it: the service (on CPU)
 answers from tables the model computed at load, so a run per request, and for float16 a
-cast of its float32 output, is slower than the service it was meant to bound. On large
-[32,512] float16 answers it read 94.9 MB/s against the service's 611 MB/s; in-process,
-loaded machine, D=512: ~230 ms for the run and numpy's cast, ~20 ms for the float16
-table's look-up and join.
+cast of its float32 output, is slower than the service it was meant to bound
+(docs/benchmarks/README.md has the figures).
 """
 
 from __future__ import annotations

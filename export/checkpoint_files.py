@@ -88,7 +88,7 @@ class CheckpointMatrix:
         A memory-mapped file keeps every page read through the mapping resident, and
         counted as this process's, until it is unmapped; and the kernel maps pages around
         each one read (whole large folios of the page cache, here): a few hundred random
-        rows of a 1 GiB file left 600 MiB of it resident."""
+        rows of a large file left most of it resident."""
 
     def close(self) -> None:
         """Let go of the file."""

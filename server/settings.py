@@ -3,6 +3,8 @@
 Configuration enters here once (``Settings.from_args``) and is passed into the
 constructors; nothing else in the server reads ``os.environ``.
 Precedence: command-line flag, then environment variable, then default.
+Written over argparse and dataclasses (pydantic-settings would do it): the server carries
+no dependency for this alone.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Settings:
         choices=("cpu", "cuda", "auto"),
     )
     # One thread: the look-up is a memory-bound Gather, and on a small machine a second
-    # onnxruntime thread only takes a core from gRPC (measured: 10.5 ms with one thread,
-    # 16.7 ms with two, for a [32,512] look-up at D=512 on the 2-core dev machine).
+    # onnxruntime thread only takes a core from gRPC (a large look-up measured slower with
+    # two threads than with one on a 2-core machine).
     intra_op_threads: int = _setting(
         1, "onnxruntime intra-op threads (0: one per core, onnxruntime's default)"
     )
@@ -226,8 +228,8 @@ class Settings:
 
         A request needs at most 8 bytes per id and a <= 10-byte varint per length (every
         sequence holds >= 1 id), so it is far smaller than an answer. Decoded whatever
-        their size, 100 MiB of one-byte lengths became ~3 GB (8-byte integers twice over)
-        before validation could refuse them.
+        their size, one-byte lengths became 8-byte integers twice over before validation
+        could refuse them.
         """
         return self.max_tokens_per_request * (8 + 10) + MiB
 

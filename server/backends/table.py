@@ -1,25 +1,22 @@
 """The table backend: every row computed by the model once, at load; look-ups slice them.
 
-Why, measured here at D=512: a gather from a table against the onnxruntime run of the
-same ids took 0.075 against 0.22 ms for 512 ids and 6.2 against 10.5 ms for 16384 (the
-graph gathers, then scales: two passes over the rows, and the answer is copied out of
-onnxruntime); inside a busy server a tiny request's onnxruntime call cost 110-150 us more
-CPU than its work. The tables are the model's own output (its session runs over the whole
-vocabulary at load), so answers are bit-identical to a run of the model; the float16
-and bfloat16 tables are that output cast once with the same cast an answer would take.
+Why: a gather from a table measured faster than the onnxruntime run of the same ids, for
+few ids and for many (the graph gathers, then scales: two passes over the rows, and the
+answer is copied out of onnxruntime), and inside a busy server a tiny request's
+onnxruntime call costs more CPU than its work. The tables are the model's own output (its
+session runs over the whole vocabulary at load), so answers are bit-identical to a run of
+the model; the float16 and bfloat16 tables are that output cast once with the same cast an
+answer would take.
 Answers in a dtype without a table are the float32 rows cast per answer: sliced from the
 float32 table, or, for a model stored in bfloat16 (which keeps no float32 table: it would
 double the model's memory), a run of the model (``settings.Settings.tables`` decides).
 
 A small look-up makes no array at all: its rows are slices of the table's bytes, which
 whoever writes the answer joins into the response, copying each row once. For a tiny
-request numpy's per-call machinery was most of the look-up (reading 8 ids and gathering
-their rows took 14 us of a 68 us handler, sampled live). From ``GATHER_MIN_ROWS`` rows on,
-numpy gathers them into one array instead: a slice costs ~0.25 us of Python a row, holding
-the GIL, and joining 16384 of them ~5 ms more than one array of the same bytes, where
-numpy's gather releases the GIL and the join copies one piece (on the bench's quick plan,
-float16 [32,512] answers 1.89-2.17 -> 2.56-2.95 of float32's tokens/s, EmbedChunked
-1.93-2.03 -> 1.97-2.16 of the floor).
+request numpy's per-call machinery was most of the look-up. From ``GATHER_MIN_ROWS`` rows
+on, numpy gathers them into one array instead: a slice costs Python per row, holding the
+GIL, and joining thousands of them costs more than one array of the same bytes, where
+numpy's gather releases the GIL and the join copies one piece.
 """
 
 from __future__ import annotations

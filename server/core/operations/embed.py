@@ -302,7 +302,7 @@ def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[
 
 
 # Up to this many ids, Python's min() and max() over their ints beat numpy's reductions,
-# whose per-call machinery dominates a tiny request (~2 us against ~10 us in the server);
+# whose per-call machinery dominates a tiny request;
 # the ints are what a table look-up slices rows by anyway.
 _PYTHON_BOUNDS_MAX_IDS = 64
 
