@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokembed.server.core.errors import Cancelled, InvalidInput
@@ -97,8 +97,7 @@ class Region:
         that they fit it)."""
         fd = self._begin_copy()
         try:
-            self._check_object(fd)
-            _pwrite_all(fd, pieces, self.offset + offset)
+            _pwrite_all(fd, pieces, self.offset + offset, lambda: self._check_object(fd))
         except OSError as exc:
             raise SharedMemoryError(
                 f"cannot write region {self.name!r}: {exc.strerror or exc}"
@@ -187,21 +186,31 @@ class Window:
         return region
 
 
-def _pwrite_all(fd: int, pieces: Sequence[Buffer], position: int) -> None:
-    """Write every byte of ``pieces`` at ``position``: at most IOV_MAX buffers a call,
-    and on from where a short write stopped."""
-    views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
-    while views:
-        batch = views[:_IOV_MAX]
-        written = os.pwritev(fd, batch, position)
+def _pwrite_all(
+    fd: int, pieces: Sequence[Buffer], position: int, check: Callable[[], None]
+) -> None:
+    """Write every byte of ``pieces`` at ``position``, straight from them (one copy, by
+    the kernel): at most IOV_MAX buffers a call, ``check`` (the object still holds the
+    window) before each, and on from where a short write stopped."""
+    views = list(pieces)
+    sizes = list(map(len, views))  # bytes each (``types.Buffer``)
+    if 0 in sizes:  # a call of empty buffers alone would seem to make no progress
+        views = [view for view, size in zip(views, sizes, strict=True) if size]
+        sizes = [size for size in sizes if size]
+    start = 0
+    while start < len(views):
+        stop = min(start + _IOV_MAX, len(views))
+        check()
+        written = os.pwritev(fd, views[start:stop], position)
         if written <= 0:
             raise OSError(0, "the write made no progress")
         position += written
-        done = 0
-        while done < len(batch) and written >= len(batch[done]):
-            written -= len(batch[done])
-            done += 1
-        rest = views[done:]
-        if written:
-            rest[0] = rest[0][written:]
-        views = rest
+        if written == sum(sizes[start:stop]):
+            start = stop
+            continue
+        # A short write: on from the first byte not written.
+        while written >= sizes[start]:
+            written -= sizes[start]
+            start += 1
+        views[start] = memoryview(views[start])[written:]
+        sizes[start] -= written
