@@ -41,7 +41,7 @@ class Rows(ABC):
     """The rows of some ids, in their order."""
 
     @abstractmethod
-    def pieces(self, start: int, stop: int) -> list[Buffer]:
+    def pieces(self, start: int, stop: int) -> Sequence[Buffer]:
         """The bytes of rows ``[start, stop)``, as pieces to join in order."""
 
     @abstractmethod

@@ -22,6 +22,9 @@ answer once before its writer copied it again (docs/benchmarks/v2.md has the fig
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import overload
+
 import numpy as np
 
 from tokembed.server.backends.base import ArrayRows, Backend, LookUp, Rows, byte_view
@@ -46,8 +49,9 @@ class TableRows(Rows):
         self._rows = rows
         self._ids = ids
 
-    def pieces(self, start: int, stop: int) -> list[Buffer]:
-        return list(map(self._views.__getitem__, self._ids.values()[start:stop]))
+    def pieces(self, start: int, stop: int) -> Sequence[Buffer]:
+        ids = self._ids.values()
+        return RowViews(self._views, ids[start:stop] if start or stop < len(ids) else ids)
 
     def joined(self) -> Buffer:
         ids = self._ids
@@ -61,6 +65,36 @@ class TableRows(Rows):
 
     def __len__(self) -> int:
         return self._ids.count
+
+
+class RowViews(Sequence[Buffer]):
+    """The views of rows ``ids``, each looked up as it is read: a large answer's writer
+    then touches each view's object once, as it copies the row, rather than once more
+    beforehand to list them (the objects are scattered and cold: each touch is a cache
+    miss)."""
+
+    __slots__ = ("_ids", "_views")
+
+    def __init__(self, views: list[memoryview], ids: list[int]) -> None:
+        self._views = views
+        self._ids = ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, index: int) -> Buffer: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Buffer]: ...
+
+    def __getitem__(self, index: int | slice) -> Buffer | list[Buffer]:
+        if isinstance(index, slice):
+            return list(map(self._views.__getitem__, self._ids[index]))
+        return self._views[self._ids[index]]
+
+    def __iter__(self) -> Iterator[Buffer]:
+        return map(self._views.__getitem__, self._ids)
 
 
 class TableBackend(Backend):

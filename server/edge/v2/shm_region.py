@@ -7,6 +7,7 @@ the object as it is at that moment. Why it is done this way: shm.py's docstring
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -191,26 +192,27 @@ def _pwrite_all(
 ) -> None:
     """Write every byte of ``pieces`` at ``position``, straight from them (one copy, by
     the kernel): at most IOV_MAX buffers a call, ``check`` (the object still holds the
-    window) before each, and on from where a short write stopped."""
-    views = list(pieces)
-    sizes = list(map(len, views))  # bytes each (``types.Buffer``)
-    if 0 in sizes:  # a call of empty buffers alone would seem to make no progress
-        views = [view for view, size in zip(views, sizes, strict=True) if size]
-        sizes = [size for size in sizes if size]
-    start = 0
-    while start < len(views):
-        stop = min(start + _IOV_MAX, len(views))
-        check()
-        written = os.pwritev(fd, views[start:stop], position)
-        if written <= 0:
-            raise OSError(0, "the write made no progress")
-        position += written
-        if written == sum(sizes[start:stop]):
-            start = stop
-            continue
-        # A short write: on from the first byte not written.
-        while written >= sizes[start]:
-            written -= sizes[start]
-            start += 1
-        views[start] = memoryview(views[start])[written:]
-        sizes[start] -= written
+    window) before each call, and on from where a short write stopped. An answer's pieces
+    may be a row each: each batch is sized and written in one go, while its pieces are
+    fresh in the cache."""
+    rest = iter(pieces)
+    while batch := list(itertools.islice(rest, _IOV_MAX)):
+        left = sum(map(len, batch))  # bytes (``types.Buffer``)
+        while left:
+            check()
+            written = os.pwritev(fd, batch, position)
+            if written <= 0:
+                raise OSError(0, "the write made no progress")
+            position += written
+            left -= written
+            if left:
+                batch = _unwritten(batch, written)
+
+
+def _unwritten(batch: list[Buffer], written: int) -> list[Buffer]:
+    """What is left of ``batch`` once its first ``written`` bytes (fewer than all) are."""
+    done = 0
+    while written >= len(batch[done]):
+        written -= len(batch[done])
+        done += 1
+    return [memoryview(batch[done])[written:], *batch[done + 1 :]]
