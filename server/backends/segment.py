@@ -4,8 +4,8 @@ combination: ``T * V`` rows, row ``t * V + id``, each computed by the model at l
 Why every combination, and not ``E * scale`` and ``S`` kept apart and added per request:
 the rows are then the model's own output (its session ran over every id with each type),
 so answers are bit-identical to a run of the model by construction, and a look-up is the
-table backend's gather, with its float16 tables, its slices of bytes for small requests
-and its padding rows. Adding per request costs a second pass over the answer's bytes: in
+table backend's, with its float16 tables, its views of the rows and its padding
+rows. Adding per request costs a second pass over the answer's bytes: in
 numpy at D=768, V=30522, T=2 on this machine (best of 20-300 runs, in isolation), a
 gather, a gather of the type rows and an add took 3.7 us for 8 ids, 1.6 ms for 512 and
 42-70 ms for 16384, against 2.1 us, 0.04 ms and 32-34 ms for one gather from the combined
