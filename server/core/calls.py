@@ -178,7 +178,7 @@ class Calls:
         if logger.isEnabledFor(logging.DEBUG):
             timings = delivered.timings
             logger.debug(
-                "%s ok shape=%s dtype=%s model=%s queue=%.6fs compute=%.6fs batch=%d/%d "
+                "%s ok shape=%s dtype=%s model=%r queue=%.6fs compute=%.6fs batch=%d/%d "
                 "total=%.6fs%s",
                 call.method, list(delivered.shape), delivered.dtype.name, call.model,
                 timings.queue_s, timings.compute_s, timings.batch_requests,
@@ -280,4 +280,4 @@ class _Window:
 
 def _request_id(call: Call) -> str:
     """The caller's request id, as the log lines echo it (the proto promises so)."""
-    return f" request_id={call.request_id}" if call.request_id else ""
+    return f" request_id={call.request_id!r}" if call.request_id else ""

@@ -7,7 +7,9 @@ input of the model's kind by its name (``token_type_ids``), and the answer's dat
 named by a ``datatype`` parameter on the requested output or on the request (FP32 unless
 asked). The ids' bytes are ``raw_input_contents`` (what tritonclient sends) or the typed
 ``contents`` field; where they come from is one step (``InputSource``), so that another
-source (a shared-memory region) is one more case there.
+source (a shared-memory region) is one more case there. Which regions a request may read
+depends on who sent it, which only the RPC's handler knows: a request with an input in a
+region is decoded here and translated there (``Unread``, ``InferParser.read``).
 
 As for tokembed.v1, a deserializer that raises makes gRPC answer UNKNOWN past our status
 table and metrics, so these never raise: bytes that do not parse, a request this protocol
@@ -60,6 +62,26 @@ class InferCall(Request[EmbedInput]):
 # An input's bytes, from the request: the input's message, and its entry of
 # raw_input_contents (None: the request has none). Raises ``EmbedError``.
 InputSource = Callable[["pb.ModelInferRequest.InferInputTensor", "bytes | None"], bytes]
+# The source of a request's inputs for the caller who sent it (an opaque key from the
+# front end's authentication: the regions it may read are its own).
+CallersSource = Callable[[str], InputSource]
+SHARED_MEMORY_REGION = "shared_memory_region"  # an input's parameter naming its region
+
+
+@dataclass(slots=True)
+class Unread:
+    """A ModelInferRequest with an input in a shared-memory region, decoded, its inputs
+    not read: the RPC's handler reads them for its caller (``InferParser.read``)."""
+
+    request: pb.ModelInferRequest
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.id)
+
+    @property
+    def outputs(self) -> Sequence[pb.ModelInferRequest.InferRequestedOutputTensor]:
+        return self.request.outputs
 
 
 class InferParser:
@@ -70,29 +92,46 @@ class InferParser:
     by its size alone, before it is decoded.
     """
 
-    def __init__(self, max_bytes: int, max_tokens: int, source: InputSource | None = None) -> None:
-        """``source``: where an input's bytes come from (default: the request itself)."""
+    def __init__(
+        self, max_bytes: int, max_tokens: int, source_for: CallersSource | None = None
+    ) -> None:
+        """``source_for``: where a caller's inputs that name a shared-memory region are read
+        from (None: such an input is refused)."""
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
-        self._source = source or contents_of
+        self._source_for = source_for
 
-    def __call__(self, data: bytes) -> InferCall | Refused:
+    def __call__(self, data: bytes) -> InferCall | Unread | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
             request = pb.ModelInferRequest.FromString(data)
         except DecodeError as exc:
             return Refused(InvalidInput(f"the request is not a valid ModelInferRequest: {exc}"))
+        if self._source_for is not None and any(
+            SHARED_MEMORY_REGION in tensor.parameters for tensor in request.inputs
+        ):
+            return Unread(request)
+        return self._translate(request, contents_of)
+
+    def read(self, unread: Unread, caller: str) -> InferCall | Refused:
+        """``unread``'s inputs read for ``caller``, and the request translated."""
+        if self._source_for is None:
+            raise AssertionError("this is a bug: a request left unread with no source to read")
+        return self._translate(unread.request, self._source_for(caller))
+
+    def _translate(self, request: pb.ModelInferRequest, source: InputSource) -> InferCall | Refused:
         try:
             return InferCall(
-                request.model_name, request.model_version, self.embed_input(request),
+                request.model_name, request.model_version, self.embed_input(request, source),
                 request.id, tuple(request.outputs) if request.outputs else (),
             )  # fmt: skip
         except EmbedError as error:
             return Refused(error, request.id)
 
-    def embed_input(self, request: pb.ModelInferRequest) -> EmbedInput:
-        """The embed request a ModelInferRequest asks for; raises ``EmbedError``."""
+    def embed_input(self, request: pb.ModelInferRequest, source: InputSource) -> EmbedInput:
+        """The embed request a ModelInferRequest asks for, its inputs' bytes from
+        ``source``; raises ``EmbedError``."""
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise InvalidInput(
@@ -111,9 +150,7 @@ class InferParser:
                     f"input {tensor.name} datatype {tensor.datatype or '(none)'} is not "
                     f"supported; send {' or '.join(V2_ID_DTYPES)}"
                 )
-            sent = IdsInput(
-                dtype, tuple(tensor.shape), self._source(tensor, raw[index] if raw else None)
-            )
+            sent = IdsInput(dtype, tuple(tensor.shape), source(tensor, raw[index] if raw else None))
             if tensor.name == INPUT_NAME:
                 ids = sent
             elif tensor.name == LENGTHS_NAME:
@@ -136,7 +173,7 @@ class InferParser:
 def contents_of(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> bytes:
     """An input's bytes as the request carries them: its raw content, or its typed
     ``contents`` (int64_contents for INT64, int_contents for INT32), little-endian."""
-    if "shared_memory_region" in tensor.parameters:
+    if SHARED_MEMORY_REGION in tensor.parameters:
         raise InvalidInput(
             f"input {tensor.name} names a shared-memory region, and this server reads inputs "
             "from the request only"

@@ -45,12 +45,16 @@ class Region:
         self.byte_size = byte_size
         self._fd = fd
         # Copies run on the loop and on worker threads; the descriptor is closed by
-        # whichever of the last copy and the unregistration comes later.
+        # whichever of the last copy and the close comes later.
         self._lock = threading.Lock()
         self._copies = 0
         self._closed = False
-        # Requests using the region (on the event loop alone); unregistering waits for 0.
+        self._fd_open = True
+        # Requests using the region (on the event loop alone). Once retired (unregistered)
+        # the last of them closes it: the close does not depend on the unregistering call,
+        # which may be cancelled while it waits.
         self.users = 0
+        self._retired = False
         self._idle: asyncio.Event | None = None
 
     @property
@@ -64,13 +68,28 @@ class Region:
 
     def let_go(self) -> None:
         self.users -= 1
-        if self.users == 0 and self._idle is not None:
-            self._idle.set()
+        if self.users == 0:
+            if self._retired:
+                self.close()
+            if self._idle is not None:
+                self._idle.set()
+
+    def retire(self) -> None:
+        """Unregistered: closed once no request uses it (now, or at the last ``let_go``)."""
+        self._retired = True
+        if self.users == 0:
+            self.close()
 
     async def wait_unused(self) -> None:
         if self.users:
             self._idle = asyncio.Event()
             await self._idle.wait()
+
+    @property
+    def holds_descriptor(self) -> bool:
+        """Its descriptor is not closed yet (a region unregistered may still hold it)."""
+        with self._lock:
+            return self._fd_open
 
     # --- copies (any thread)
 
@@ -132,7 +151,7 @@ class Region:
             self._copies -= 1
             close = self._closed and self._copies == 0
         if close:
-            os.close(self._fd)
+            self._close_descriptor()
 
     def close(self) -> None:
         """No more copies; the descriptor goes once the last one running has returned."""
@@ -142,7 +161,12 @@ class Region:
             self._closed = True
             close = self._copies == 0
         if close:
-            os.close(self._fd)
+            self._close_descriptor()
+
+    def _close_descriptor(self) -> None:
+        os.close(self._fd)
+        with self._lock:
+            self._fd_open = False
 
 
 class Window:

@@ -2,12 +2,14 @@
 and the sink that writes an answer into a region (the registry itself: ``shm``).
 
 - ``SystemSharedMemoryRegister`` / ``Status`` / ``Unregister``: the registry's calls, in
-  Triton's messages; a refusal is INVALID_ARGUMENT (through the V2 status table) with the
-  registry's message.
-- ``SharedMemoryInputs``: ModelInfer's input source (``requests.InputSource``). An input
-  whose parameters name a ``shared_memory_region`` is read from it (``shared_memory_offset``,
-  default 0, and ``shared_memory_byte_size``), at most the request's size limit; any other
-  is the request's own bytes. The region is held only while it is read.
+  Triton's messages, for the caller's identity (``auth.Identities``: whose regions they
+  are); a refusal is INVALID_ARGUMENT (through the V2 status table) with the registry's
+  message.
+- ``SharedMemoryInputs``: ModelInfer's input source (``requests.InputSource``) for one
+  caller. An input whose parameters name a ``shared_memory_region`` is read from that
+  caller's region (``shared_memory_offset``, default 0, and ``shared_memory_byte_size``),
+  at most the request's size limit; any other is the request's own bytes. The region is
+  held only while it is read.
 - ``SharedMemorySink``: a ModelInfer whose requested output names a region gets this sink:
   the answer's bytes go into the region (on the thread that frames it, as a unary answer's
   join would), and the response carries the output's name, datatype and shape but no tensor
@@ -27,6 +29,7 @@ from tokembed.server.core.calls import Call
 from tokembed.server.core.dataplane import Refused, Sink
 from tokembed.server.core.errors import EmbedError, InvalidInput
 from tokembed.server.core.types import Answer
+from tokembed.server.edge.auth import Identities
 from tokembed.server.edge.v2.requests import InputSource, contents_of
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_region import Window
@@ -42,9 +45,13 @@ def names_region(parameters: Mapping[str, pb.InferParameter]) -> bool:
 
 
 def window_of(
-    registry: SharedMemoryRegistry, tensor: str, parameters: Mapping[str, pb.InferParameter]
+    registry: SharedMemoryRegistry,
+    tensor: str,
+    parameters: Mapping[str, pb.InferParameter],
+    owner: str,
 ) -> Window:
-    """The window a tensor's parameters name (held: release it), or ``InvalidInput``."""
+    """The window of ``owner``'s region a tensor's parameters name (held: release it), or
+    ``InvalidInput``."""
     region = parameters[REGION]
     if region.WhichOneof("parameter_choice") != "string_param":
         raise InvalidInput(f"{tensor}: parameter {REGION} must be a string")
@@ -52,7 +59,7 @@ def window_of(
         raise InvalidInput(f"{tensor}: parameter {BYTE_SIZE} is missing beside {REGION}")
     byte_size = _integer(tensor, parameters, BYTE_SIZE)
     offset = _integer(tensor, parameters, OFFSET) if OFFSET in parameters else 0
-    return registry.use(region.string_param, offset, byte_size)
+    return registry.use(region.string_param, offset, byte_size, owner=owner)
 
 
 def _integer(tensor: str, parameters: Mapping[str, pb.InferParameter], name: str) -> int:
@@ -66,13 +73,19 @@ def _integer(tensor: str, parameters: Mapping[str, pb.InferParameter], name: str
 
 
 class SharedMemoryInputs:
-    """ModelInfer's input source: a region where an input names one, else the request."""
+    """ModelInfer's input source for the caller ``owner``: its region where an input names
+    one, else the request."""
 
     def __init__(
-        self, registry: SharedMemoryRegistry, max_bytes: int, request: InputSource = contents_of
+        self,
+        registry: SharedMemoryRegistry,
+        max_bytes: int,
+        owner: str,
+        request: InputSource = contents_of,
     ) -> None:
         self._registry = registry
         self._max_bytes = max_bytes
+        self._owner = owner
         self._request = request
 
     def __call__(self, tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> bytes:
@@ -83,7 +96,7 @@ class SharedMemoryInputs:
                 f"input {tensor.name} names a shared-memory region and has raw_input_contents "
                 "too; send one"
             )
-        window = window_of(self._registry, f"input {tensor.name}", tensor.parameters)
+        window = window_of(self._registry, f"input {tensor.name}", tensor.parameters, self._owner)
         try:
             return window.read(self._max_bytes)
         finally:
@@ -93,11 +106,13 @@ class SharedMemoryInputs:
 def output_window(
     registry: SharedMemoryRegistry,
     outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor],
+    owner: Callable[[], str],
 ) -> Window | None:
-    """The window the requested output names (held), None when it names none."""
+    """The window of the caller's region the requested output names (held), None when it
+    names none; ``owner()``: the caller (asked only then)."""
     for output in outputs:
         if names_region(output.parameters):
-            return window_of(registry, f"output {output.name}", output.parameters)
+            return window_of(registry, f"output {output.name}", output.parameters, owner())
     return None
 
 
@@ -132,23 +147,29 @@ class SharedMemorySink(Sink[bytes]):
 
 
 class SharedMemoryService:
-    """SystemSharedMemoryRegister, Status and Unregister over the registry. ``abort``:
-    the front end's way to end a call with a domain error (its status table)."""
+    """SystemSharedMemoryRegister, Status and Unregister over the registry, each for the
+    caller's identity. ``abort``: the front end's way to end a call with a domain error
+    (its status table)."""
 
     def __init__(
         self,
         registry: SharedMemoryRegistry,
         abort: Callable[[grpc.aio.ServicerContext, EmbedError], Awaitable[Any]],
+        identities: Identities,
     ) -> None:
         self._registry = registry
         self._abort = abort
+        self._identities = identities
 
     async def SystemSharedMemoryRegister(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.SystemSharedMemoryRegisterResponse:
         try:
             asked = _parsed(request)
-            self._registry.register(asked.name, asked.key, asked.offset, asked.byte_size)
+            self._registry.register(
+                asked.name, asked.key, asked.offset, asked.byte_size,
+                owner=self._identities.of(context),
+            )  # fmt: skip
         except EmbedError as error:
             await self._abort(context, error)
         return pb.SystemSharedMemoryRegisterResponse()
@@ -157,7 +178,9 @@ class SharedMemoryService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.SystemSharedMemoryStatusResponse:
         try:
-            regions = self._registry.status(_parsed(request).name)
+            regions = self._registry.status(
+                _parsed(request).name, owner=self._identities.of(context)
+            )
         except EmbedError as error:
             await self._abort(context, error)
         response = pb.SystemSharedMemoryStatusResponse()
@@ -173,7 +196,9 @@ class SharedMemoryService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         try:
-            await self._registry.unregister(_parsed(request).name)
+            await self._registry.unregister(
+                _parsed(request).name, owner=self._identities.of(context)
+            )
         except EmbedError as error:
             await self._abort(context, error)
         return pb.SystemSharedMemoryUnregisterResponse()
