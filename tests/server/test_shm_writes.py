@@ -22,6 +22,7 @@ from tokembed.server.edge.v2.shm_region import SharedMemoryError
 pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this system")
 
 SIZE = 1 << 16
+ME = "owner-1"  # the caller, as the front end names it (edge/auth.py's Identities)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 IOV_MAX = IOV_MAX if IOV_MAX > 0 else 1024
 REAL_PWRITEV = os.pwritev
@@ -39,7 +40,7 @@ def region() -> Iterator[tuple[SharedMemoryRegistry, Path]]:
     finally:
         os.close(fd)
     registry = SharedMemoryRegistry(enabled=True, prefix=prefix, max_regions=4)
-    registry.register("r", f"/{path.name}", 64, SIZE - 64)
+    registry.register("r", f"/{path.name}", 64, SIZE - 64, owner=ME)
     try:
         yield registry, path
     finally:
@@ -63,7 +64,7 @@ def pieces_of(count: int) -> list[Any]:
 
 
 def write(registry: SharedMemoryRegistry, pieces: Sequence[Any], nbytes: int | None = None) -> None:
-    window = registry.use("r", 0, SIZE - 64)
+    window = registry.use("r", 0, SIZE - 64, owner=ME)
     try:
         window.write(pieces, sum(map(len, pieces)) if nbytes is None else nbytes)
     finally:
