@@ -19,7 +19,8 @@ import numpy as np
 
 from tokembed.server.core.dtypes import INT64, DType
 
-# What answers are made of: pieces of bytes that, joined in order, are a tensor's bytes.
+# What answers are made of: pieces of bytes that, joined in order, are a tensor's bytes;
+# each is bytes or a flat view of unsigned bytes, so that its ``len`` is its size in bytes.
 Buffer = bytes | memoryview
 
 _LITTLE_ENDIAN = sys.byteorder == "little"

@@ -101,6 +101,7 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         if len(result) != job.tokens:
             raise Internal(f"this is a bug: the look-up gave {len(result)} rows for "
                            f"{job.tokens} ids")  # fmt: skip
+        pieces: Sequence[Buffer]
         if job.padded and job.sequence_first:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
@@ -110,12 +111,13 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         elif job.padded:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
-            pieces = []
+            padded: list[Buffer] = []
             offset = 0
             for length in job.lengths:
-                pieces += result.pieces(offset, offset + length)
-                pieces += [pad] * (job.seq_len - length)
+                padded += result.pieces(offset, offset + length)
+                padded += [pad] * (job.seq_len - length)
                 offset += length
+            pieces = padded
         else:
             pieces = result.pieces(0, job.tokens)
         return Answer(

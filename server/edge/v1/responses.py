@@ -119,6 +119,15 @@ def _groups(pieces: Sequence[Buffer], limit: int) -> Iterator[tuple[int, list[Bu
     group: list[Buffer] = []
     size = 0
     for piece in pieces:
+        length = len(piece)  # bytes (``types.Buffer``)
+        if length <= limit - size:  # it fits whole: an answer of row views is mostly these
+            if length:
+                group.append(piece)
+                size += length
+                if size == limit:
+                    yield size, group
+                    group, size = [], 0
+            continue
         view = memoryview(piece)
         while view.nbytes:
             room = limit - size
