@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from tokembed.server.core import deadlines
 from tokembed.server.core.dtypes import DType
 from tokembed.server.core.errors import (
     Cancelled,
@@ -34,7 +35,6 @@ from tokembed.server.core.errors import (
     TooLarge,
     Unauthenticated,
     Unavailable,
-    ran_out_of_time,
 )
 from tokembed.server.core.types import Timings
 
@@ -221,13 +221,9 @@ class Calls:
     def gone(self, call: Call, deadline: float | None) -> None:
         """The call's handler was cancelled: its caller went away, or its deadline passed.
 
-        The transport cancels the handler in both cases; only the time left tells them
-        apart, by the same rule as the batcher's drops (``errors.ran_out_of_time``).
+        Which one is ``deadlines.departure``'s to say, as it is for the batcher's drops.
         """
-        if ran_out_of_time(deadline, time.monotonic()):
-            self.refused(call, DeadlineExceeded("deadline passed"))
-        else:
-            self.refused(call, Cancelled("caller left"))
+        self.refused(call, deadlines.departure(deadline, time.monotonic()))
 
 
 class _RefusalLog:

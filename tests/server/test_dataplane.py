@@ -363,7 +363,7 @@ def test_a_caller_that_leaves_gives_the_room_back_and_is_counted_by_why(
     code: str,
 ) -> None:
     """The transport cancels the handler when its caller goes away or its deadline
-    passes; the time left tells which (``errors.ran_out_of_time``: within its slack of
+    passes; the time left tells which (``deadlines.departure``: within its slack of
     the deadline, the cancel is the deadline's)."""
     gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     plane = make_plane(small=gated)

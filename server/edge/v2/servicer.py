@@ -33,8 +33,9 @@ from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
+from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.status_codes import trailing_metadata
-from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
+from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
