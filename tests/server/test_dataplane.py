@@ -95,8 +95,9 @@ class Observed:
         self.done.append((protocol, operation, method, code, model))
 
     def call_served(
-        self, protocol: str, operation: str, method: str, model: str, duration_s: float,
-        tokens: int, output_bytes: int, queue_s: float, encode_s: float | None,
+        self, protocol: str, operation: str, method: str, code: str, model: str,
+        duration_s: float, tokens: int, output_bytes: int, queue_s: float,
+        encode_s: float | None,
     ) -> None:  # fmt: skip
         assert duration_s >= 0 and queue_s >= 0 and encode_s is not None and encode_s >= 0
         self.served.append((protocol, operation, method, model, tokens, output_bytes))

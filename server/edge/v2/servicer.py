@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
-from tokembed.server.core.calls import Call, FrontEnd
+from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
@@ -69,20 +69,6 @@ FRONT_END = FrontEnd(
     },
     status_of=status_name,
 )
-
-
-class ModelTotals(Protocol):
-    """A model's cumulative statistics, as ModelStatistics reports them."""
-
-    success_count: int
-    success_s: float
-    fail_count: int
-    fail_s: float
-    queue_count: int
-    queue_s: float
-    batches: int
-    compute_s: float
-    last_served_unix_s: float  # 0: none yet
 
 
 class InferenceServicer:
