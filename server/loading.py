@@ -47,6 +47,7 @@ from tokembed.server.backends.sessions import (
 from tokembed.server.backends.table import TableBackend
 from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.core.repository import ModelSet
 from tokembed.server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -72,24 +73,17 @@ ModelLoader = Callable[[Path, Settings], LoadedModel]
 def check_model_dirs(directories: Sequence[Path], default_model: str | None) -> None:
     """What can be known of the model directories before the server binds its port (all
     but the files' sha256, which the load checks): each one valid, their names distinct,
-    the default one of them. Raises ``ServerConfigError`` naming the fault."""
-    paths: dict[str, Path] = {}
+    the default one of them (``core.repository.ModelSet``'s rules). Raises
+    ``ServerConfigError`` naming the fault."""
+    given = ModelSet(default_model)
     for directory in directories:
         try:
             name = load_model_dir(directory, verify_hashes=False).manifest.name
         except ModelDirError as exc:
             raise ServerConfigError(f"invalid model directory: {exc}") from exc
-        if name in paths:
-            raise ServerConfigError(
-                f"two models are named {name!r}: {paths[name]} and {directory}; give each "
-                "model directory a distinct name (tokembed export --name)"
-            )
-        paths[name] = directory
-    if directories and default_model is not None and default_model not in paths:
-        served = ", ".join(repr(name) for name in paths)
-        raise ServerConfigError(
-            f"default_model {default_model!r} is not one of the models served ({served})"
-        )
+        given.add(name, directory)
+    if directories:  # none: the built-in default model, whose name is checked as it loads
+        given.check_default()
 
 
 def load_model(directory: Path, settings: Settings) -> LoadedModel:
