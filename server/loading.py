@@ -45,7 +45,7 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
-from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
+from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.core.repository import ModelSet
 from tokembed.server.settings import Settings
@@ -168,7 +168,7 @@ def _table_or_runtime(
         "onnxruntime": model.weight_bytes + 2 * batch_output_bytes,
     }
     if kept and expects_cpu(settings.device):
-        if manifest.weight_dtype == "bfloat16" and model.kind.name != TOKEN:
+        if manifest.weight_dtype == BFLOAT16.name and model.kind.name != TOKEN:
             # Its tables would be rows cast a chunk at a time by id: a token model's.
             raise ServerConfigError(
                 f"a {model.kind.name} model with bfloat16 weights cannot be served yet"
@@ -209,13 +209,11 @@ def _table_or_runtime(
 
 def _table_way_bytes(settings: Settings, rows: int, d_model: int, model: ModelDir) -> int:
     """What serving from tables would take, whether or not they fit their budgets: the
-    tables ``Settings.tables`` would keep (budgets aside), and for a bfloat16 model the
-    weights mapped for its other answers."""
-    cells = rows * d_model
-    if model.manifest.weight_dtype == "bfloat16":
-        return cells * 2 + model.weight_bytes
-    budgets = (settings.float16_table_max_bytes, settings.bfloat16_table_max_bytes)
-    return cells * 4 + sum(cells * 2 for budget in budgets if cells * 2 <= budget)
+    tables ``Settings.tables`` would keep (the model's own table's budget aside), and for
+    a bfloat16 model the weights mapped for its other answers."""
+    kept = settings.tables(rows, d_model, model.manifest.weight_dtype, main_fits=True)
+    # No float32 table (a bfloat16 model): the model stays mapped to run for the others.
+    return sum(kept.values()) + (0 if FLOAT32.name in kept else model.weight_bytes)
 
 
 class _Shared:
