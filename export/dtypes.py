@@ -47,7 +47,8 @@ class DType:
         if self.numpy_type.startswith("ml_dtypes."):
             import ml_dtypes
 
-            return np.dtype(getattr(ml_dtypes, self.numpy_type.removeprefix("ml_dtypes.")))
+            dtype: np.dtype = np.dtype(getattr(ml_dtypes, self.numpy_type.split(".")[1]))
+            return dtype
         return np.dtype(self.numpy_type)
 
     @property

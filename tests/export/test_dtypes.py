@@ -4,6 +4,9 @@ rows, and the exporter's graphs and checks ask it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -47,3 +50,19 @@ def test_bits_read_through_an_integer_of_the_same_width() -> None:
     values = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
     assert dtypes.torch_bits(values).tolist() == [0x3F80, 0xC000]
     assert dtypes.bits(np.array([1.0], dtype=np.float32)).tolist() == [0x3F800000]
+
+
+def test_the_table_imports_neither_torch_nor_numpy_until_asked() -> None:
+    """The server imports the table and never torch; the command line lists its names in
+    its parser and starts without numpy."""
+    code = (
+        "import sys; from tokembed.export import dtypes; names = list(dtypes.WEIGHT_DTYPES); "
+        "before = sorted(m for m in ('numpy', 'torch') if m in sys.modules); "
+        "dtypes.BFLOAT16.numpy; "
+        "print(before, sorted(m for m in ('numpy', 'torch') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[] ['numpy']\n"
