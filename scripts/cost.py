@@ -38,7 +38,10 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-import memray
+try:
+    import memray
+except ImportError:  # a dev tool: tokembed[dev] installs memray
+    sys.exit("scripts/cost.py needs memray: pip install -e '.[dev]' (or pip install memray)")
 
 IDS = [[1, 2, 3, 4, 5, 6, 7, 8]]
 PROTOCOLS = ("v1", "v2")
@@ -79,6 +82,7 @@ def main() -> int:
 
 def _measure(args: argparse.Namespace) -> int:
     from tokembed.server.app import TokembedServer
+    from tokembed.server.core.errors import ServerConfigError
     from tokembed.server.settings import Settings
 
     models: dict[str, Any] = (
@@ -90,7 +94,11 @@ def _measure(args: argparse.Namespace) -> int:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     server = TokembedServer(settings)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(120)
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(120)
+    except ServerConfigError as exc:
+        print(f"scripts/cost.py: {exc}", file=sys.stderr)
+        return 2
     asyncio.run_coroutine_threadsafe(server.wait_ready(), loop).result(120)
     client = subprocess.Popen(
         [sys.executable, __file__, "--client", f"127.0.0.1:{server.port}"],
