@@ -43,6 +43,15 @@ class Operation(ABC, Generic[RequestT, JobT, ResultT]):
         """The request as a job for ``model``; raises ``InvalidInput`` or ``TooLarge``
         naming the offending value."""
 
+    def unread(self, request: RequestT) -> bool:
+        """Whether some of the request's bytes are still where it left them (``read``)."""
+        return False
+
+    async def read(self, request: RequestT, model: ServedModel) -> RequestT:
+        """The request with all its bytes in hand, read only once what it declares fits
+        ``model``; raises ``InvalidInput`` or ``TooLarge`` (before reading anything)."""
+        return request
+
     def batch_key(self, job: JobT) -> Hashable:
         """Jobs of one key may share a batch (one compute). Embed's jobs all may: a batch
         computes float32 rows and casts each job's own."""

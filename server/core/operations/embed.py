@@ -6,12 +6,19 @@ message naming the offending value. It checks ids against their bound itself:
 onnxruntime's CPU Gather silently wraps -1 to the last row and its CUDA Gather writes
 zeros for ids out of range. The ids a request must carry are the model kind's
 (``tokembed.export.kinds``): ``input_ids``, and whatever further inputs a kind declares.
+
+A front end may hand over inputs whose bytes are not read yet (``Unread``: a V2 input in
+its message or in a shared-memory region). Their reading is a step of its own (``read``),
+after what the request declares (its inputs' names, datatypes, shapes and sizes) is
+checked against the model: a refused request has read nothing, and an accepted one reads
+at most what its declared shapes need.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import numpy as np
@@ -30,13 +37,30 @@ BATCH_FIRST = "batch_first"
 SEQUENCE_FIRST = "sequence_first"
 
 
+class Unread(ABC):
+    """An input's bytes where the request left them, not yet taken."""
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int | None:
+        """The size the request declares for them (None: the bytes are in the request's
+        own message, already received; their size is checked once taken)."""
+
+    @abstractmethod
+    async def read(self) -> bytes:
+        """The bytes; raises ``EmbedError``. Called only once the request's declarations
+        fit the model, so a region read is bounded by what its shape needs."""
+
+
 @dataclass(slots=True)
 class IdsInput:
     """Ids as decoded from the wire, not yet validated."""
 
     dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | Unread
 
 
 @dataclass(slots=True)
@@ -46,12 +70,15 @@ class EmbedInput:
 
     ids_dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | Unread | None  # None: the request has no input_ids (V2 names its inputs)
     lengths: tuple[int, ...] = ()
     output_dtype: str = "float32"
     layout: str = PADDED
     more_ids: dict[str, IdsInput] | None = None
     order: str = BATCH_FIRST  # or SEQUENCE_FIRST, or whatever else was sent (refused)
+    # The ragged lengths as an input not yet read (V2's ``lengths``); ``read`` makes them
+    # ``lengths``.
+    lengths_input: IdsInput | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +116,33 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
 
     def validate(self, request: EmbedInput, model: ServedModel) -> EmbedJob:
         return validate(request, model)
+
+    def unread(self, request: EmbedInput) -> bool:
+        return (
+            not isinstance(request.data, bytes)
+            or request.lengths_input is not None
+            or any(not isinstance(sent.data, bytes) for sent in (request.more_ids or {}).values())
+        )
+
+    async def read(self, request: EmbedInput, model: ServedModel) -> EmbedInput:
+        """The request with its inputs' bytes read, once what it declares fits ``model``
+        (``check_declared``); one input after the other, so at most one is being read."""
+        check_declared(request, model)
+        assert request.data is not None, "This is a bug: check_declared refuses it."
+        more = None
+        if request.more_ids:
+            more = {
+                name: IdsInput(sent.dtype, sent.shape, await _taken(sent.data))
+                for name, sent in request.more_ids.items()
+            }
+        lengths = request.lengths
+        if request.lengths_input is not None:
+            sent = request.lengths_input
+            lengths = lengths_of(IdsInput(sent.dtype, sent.shape, await _taken(sent.data)))
+        return replace(
+            request, data=await _taken(request.data), more_ids=more, lengths=lengths,
+            lengths_input=None,
+        )  # fmt: skip
 
     def compute(self, backend: Backend, jobs: Sequence[EmbedJob]) -> list[Rows]:
         return backend.look_up_batch([job.look_up for job in jobs])
@@ -152,11 +206,9 @@ def _positions_first(
 
 
 def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
-    id_dtype = ID_DTYPES.get(request.ids_dtype)
-    if id_dtype is None:
-        raise InvalidInput(
-            f"input_ids dtype {request.ids_dtype} is not supported; send int64 or int32"
-        )
+    _check_names(request, model)
+    data = _in_hand(request.data)
+    id_dtype = _ids_dtype("input_ids", request.ids_dtype)
     output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
     if output_dtype is None:
         *others, last = OUTPUT_DTYPES
@@ -195,13 +247,9 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
         if tokens == 0:
             raise InvalidInput(f"input_ids shape {list(shape)} is empty; send at least one id")
     # Python ints: a huge declared shape cannot overflow into a plausible size.
-    _check_data_size("input_ids", request.data, shape, id_dtype, tokens)
+    _check_data_size("input_ids", data, shape, id_dtype, tokens)
+    _check_tokens(tokens, model)
     limits = model.limits
-    if tokens > limits.max_tokens_per_request:
-        raise TooLarge(
-            f"request has {tokens} tokens, over the limit of {limits.max_tokens_per_request} "
-            "per request; split it"
-        )
     layout = request.layout if request.lengths else PADDED
     rows = batch * seq_len if layout == PADDED else tokens
     output_bytes = rows * model.d_model * output_dtype.itemsize
@@ -212,7 +260,7 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
             "bytes per request; split it or ask for float16"
         )
 
-    ids = TokenIds(request.data, id_dtype, tokens)
+    ids = TokenIds(data, id_dtype, tokens)
     if not within_bound(ids, model.bounds[0]):
         _refuse_bound(model.inputs[0].name, ids, shape, model.bounds[0])
     more = None
@@ -232,12 +280,6 @@ def _more_ids(
     is left out: every backend computes it as 0s (``LookUp.more``)."""
     inputs = model.inputs[1:]
     given = dict(request.more_ids or {})
-    unknown = sorted(set(given) - {spec.name for spec in inputs})
-    if unknown:
-        takes = ", ".join(spec.name for spec in inputs) or "no other ids"
-        raise InvalidInput(
-            f"model {model.name!r} ({model.kind.name} kind) takes {takes}; it got {unknown[0]}"
-        )
     if not inputs:
         return None
     more: dict[str, TokenIds] = {}
@@ -247,21 +289,132 @@ def _more_ids(
             if not spec.optional:
                 raise InvalidInput(f"{spec.name} is missing; model {model.name!r} needs it")
             continue
-        dtype = ID_DTYPES.get(sent.dtype)
-        if dtype is None:
-            raise InvalidInput(
-                f"{spec.name} dtype {sent.dtype} is not supported; send int64 or int32"
-            )
+        dtype = _ids_dtype(spec.name, sent.dtype)
         if sent.shape != shape:
             raise InvalidInput(
                 f"{spec.name} shape {list(sent.shape)} differs from input_ids shape {list(shape)}"
             )
-        _check_data_size(spec.name, sent.data, shape, dtype, tokens)
-        ids = TokenIds(sent.data, dtype, tokens)
+        data = _in_hand(sent.data)
+        _check_data_size(spec.name, data, shape, dtype, tokens)
+        ids = TokenIds(data, dtype, tokens)
         if not within_bound(ids, bound):
             _refuse_bound(spec.name, ids, shape, bound)
         more[spec.name] = ids
     return more
+
+
+# --- what a request declares, checked before its inputs are read
+
+
+LENGTHS = "lengths"  # the ragged input's sequence lengths, in every protocol
+
+
+def check_declared(request: EmbedInput, model: ServedModel) -> None:
+    """What ``request`` declares, against ``model``, before a byte of its inputs is read:
+    the inputs' names, their datatypes and shapes, the ids within the request's limit,
+    and each size an input declares exactly what its shape needs. So a read that follows
+    is bounded by the model's inputs times the limit, whatever the request names."""
+    _check_names(request, model)
+    assert request.data is not None, "This is a bug: _check_names refuses it."
+    id_dtype = _ids_dtype("input_ids", request.ids_dtype)
+    shape = request.shape
+    if shape and min(shape) < 0:
+        raise InvalidInput(f"input_ids shape {list(shape)} has a negative dimension")
+    ragged = bool(request.lengths) or request.lengths_input is not None
+    if len(shape) != (1 if ragged else 2):
+        raise InvalidInput(
+            f"input_ids shape {list(shape)} must be "
+            + ("[N] (flat) when lengths are given" if ragged else "[B, S] (or [S, B])")
+        )
+    tokens = shape[0] if ragged else shape[0] * shape[1]
+    _check_tokens(tokens, model)
+    _check_declared_size("input_ids", request.data, shape, id_dtype, tokens)
+    if request.lengths_input is not None:
+        sent = request.lengths_input
+        dtype = _ids_dtype(LENGTHS, sent.dtype)
+        if len(sent.shape) != 1:
+            raise InvalidInput(f"input {LENGTHS} shape {list(sent.shape)} must be [B]")
+        if sent.shape[0] > tokens:
+            raise InvalidInput(
+                f"input {LENGTHS} holds {sent.shape[0]} sequences but input_ids only "
+                f"{tokens} ids; every sequence needs >= 1 id"
+            )
+        _check_declared_size(LENGTHS, sent.data, sent.shape, dtype, sent.shape[0])
+    for name, sent in (request.more_ids or {}).items():
+        dtype = _ids_dtype(name, sent.dtype)
+        if sent.shape != shape:
+            raise InvalidInput(
+                f"{name} shape {list(sent.shape)} differs from input_ids shape {list(shape)}"
+            )
+        _check_declared_size(name, sent.data, shape, dtype, tokens)
+
+
+def lengths_of(sent: IdsInput) -> tuple[int, ...]:
+    """The ragged lengths an input carries, as ints (validation checks them against the
+    ids)."""
+    dtype = _ids_dtype(LENGTHS, sent.dtype)
+    data = _in_hand(sent.data)
+    if len(sent.shape) != 1:
+        raise InvalidInput(f"input {LENGTHS} shape {list(sent.shape)} must be [B]")
+    _check_data_size(f"input {LENGTHS}", data, sent.shape, dtype, sent.shape[0])
+    if not sent.shape[0]:
+        raise InvalidInput(f"input {LENGTHS} is empty; send one length per sequence")
+    return tuple(np.frombuffer(data, dtype=dtype.numpy).tolist())
+
+
+def _check_names(request: EmbedInput, model: ServedModel) -> None:
+    """Every input named is one the model takes, and its ids are there."""
+    names = [spec.name for spec in model.inputs]
+    for name in request.more_ids or ():
+        if name not in names[1:]:
+            raise InvalidInput(f"unexpected input {name!r}: {_takes(model, names)}")
+    if request.data is None:
+        raise InvalidInput(f"input {names[0]} is missing: {_takes(model, names)}")
+
+
+def _takes(model: ServedModel, names: list[str]) -> str:
+    return (
+        f"model {model.name!r} ({model.kind.name} kind) takes {', '.join(names)} "
+        f"(and {LENGTHS}, for ragged ids)"
+    )
+
+
+def _ids_dtype(name: str, sent: str) -> DType:
+    dtype = ID_DTYPES.get(sent)
+    if dtype is None:
+        raise InvalidInput(f"{name} dtype {sent} is not supported; send int64 or int32")
+    return dtype
+
+
+def _check_tokens(tokens: int, model: ServedModel) -> None:
+    limit = model.limits.max_tokens_per_request
+    if tokens > limit:
+        raise TooLarge(
+            f"request has {tokens} tokens, over the limit of {limit} per request; split it"
+        )
+
+
+def _check_declared_size(
+    name: str, data: bytes | Unread, shape: tuple[int, ...], dtype: DType, count: int
+) -> None:
+    """An input whose size is declared apart from its bytes (a region's window): that
+    size is what its shape needs. Bytes in hand are checked by validation."""
+    declared = data.nbytes if isinstance(data, Unread) else None
+    if declared is not None and declared != count * dtype.itemsize:
+        raise InvalidInput(
+            f"{name} is declared as {declared} bytes, but shape {list(shape)} of "
+            f"{dtype.name} needs {count * dtype.itemsize}"
+        )
+
+
+async def _taken(data: bytes | Unread) -> bytes:
+    return data if isinstance(data, bytes) else await data.read()
+
+
+def _in_hand(data: bytes | Unread | None) -> bytes:
+    if not isinstance(data, bytes):
+        raise Internal("this is a bug: an input was validated before it was read")
+    return data
 
 
 def request_over_limit(size: int, max_bytes: int, max_tokens: int) -> TooLarge:

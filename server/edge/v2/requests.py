@@ -6,8 +6,8 @@ A ``ModelInferRequest`` becomes an embed request: the input ``input_ids`` (INT64
 input of the model's kind by its name (``token_type_ids``), and the answer's datatype,
 named by a ``datatype`` parameter on the requested output or on the request (FP32 unless
 asked). The ids' bytes are ``raw_input_contents`` (what tritonclient sends) or the typed
-``contents`` field; where they come from is one step (``InputSource``), so that another
-source (a shared-memory region) is one more case there.
+``contents`` field, or a shared-memory region (``shm_service.SharedMemoryInputs``): where
+they come from is one step (``InputSource``), and none is read while parsing.
 
 As for tokembed.v1, a deserializer that raises makes gRPC answer UNKNOWN past our status
 table and metrics, so these never raise: bytes that do not parse, a request this protocol
@@ -30,9 +30,11 @@ from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import EmbedError, InvalidInput
 from tokembed.server.core.operations.embed import (
     FLAT,
+    LENGTHS,
     PADDED,
     EmbedInput,
     IdsInput,
+    Unread,
     request_over_limit,
 )
 from tokembed.v2 import grpc_service_pb2 as pb
@@ -43,7 +45,6 @@ V2_ID_DTYPES = {dtype.v2: dtype.name for dtype in ID_DTYPES.values()}
 V2_OUTPUT_DTYPES = {dtype.v2: dtype.name for dtype in OUTPUT_DTYPES.values()}
 DEFAULT_OUTPUT_DTYPE = "float32"  # what the model computes; the answer unless asked
 
-LENGTHS_NAME = "lengths"  # the ragged input's sequence lengths
 DATATYPE_PARAMETER = "datatype"  # the answer's datatype (on the requested output or request)
 LAYOUT_PARAMETER = "ragged_layout"  # "padded" (the default) or "flat"
 _LAYOUTS = {"padded": PADDED, "flat": FLAT}
@@ -57,9 +58,9 @@ class InferCall(Request[EmbedInput]):
     outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor] = ()
 
 
-# An input's bytes, from the request: the input's message, and its entry of
-# raw_input_contents (None: the request has none). Raises ``EmbedError``.
-InputSource = Callable[["pb.ModelInferRequest.InferInputTensor", "bytes | None"], bytes]
+# Where an input's bytes are: the request, its index among the inputs; returns them
+# unread (``Unread``). Raises ``EmbedError`` for what it can tell from the request alone.
+InputSource = Callable[["pb.ModelInferRequest", int], Unread]
 
 
 class InferParser:
@@ -67,14 +68,16 @@ class InferParser:
 
     gRPC receives messages up to its own limit, set above the largest valid request (the
     server's ``max_request_bytes``) so that a larger one reaches this point and is refused
-    by its size alone, before it is decoded.
+    by its size alone, before it is decoded. No input's bytes are read here: each input
+    becomes a descriptor (name, datatype, shape, where its bytes are), checked against
+    the model it is routed to before anything is read (``operations.embed.read``).
     """
 
     def __init__(self, max_bytes: int, max_tokens: int, source: InputSource | None = None) -> None:
         """``source``: where an input's bytes come from (default: the request itself)."""
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
-        self._source = source or contents_of
+        self._source = source or in_request
 
     def __call__(self, data: bytes) -> InferCall | Refused:
         if len(data) > self._max_bytes:
@@ -92,79 +95,90 @@ class InferParser:
             return Refused(error, request.id)
 
     def embed_input(self, request: pb.ModelInferRequest) -> EmbedInput:
-        """The embed request a ModelInferRequest asks for; raises ``EmbedError``."""
-        raw = request.raw_input_contents
-        if raw and len(raw) != len(request.inputs):
+        """The embed request a ModelInferRequest asks for, its inputs unread; raises
+        ``EmbedError``."""
+        raw = len(request.raw_input_contents)
+        if raw and raw != len(request.inputs):
             raise InvalidInput(
-                f"the request has {len(request.inputs)} inputs but {len(raw)} "
+                f"the request has {len(request.inputs)} inputs but {raw} "
                 "raw_input_contents; send one raw content per input, in the inputs' order"
             )
         ids: IdsInput | None = None
-        lengths: tuple[int, ...] = ()
+        lengths: IdsInput | None = None
         more: dict[str, IdsInput] = {}
         for index, tensor in enumerate(request.inputs):
-            if tensor.name in more or (tensor.name == INPUT_NAME and ids is not None):
-                raise InvalidInput(f"input {tensor.name} is given twice")
+            name = tensor.name
+            if (
+                name in more
+                or (name == INPUT_NAME and ids is not None)
+                or (name == LENGTHS and lengths is not None)
+            ):
+                raise InvalidInput(f"input {name!r} is given twice")
             dtype = V2_ID_DTYPES.get(tensor.datatype)
             if dtype is None:
                 raise InvalidInput(
-                    f"input {tensor.name} datatype {tensor.datatype or '(none)'} is not "
+                    f"input {name!r} datatype {tensor.datatype or '(none)'} is not "
                     f"supported; send {' or '.join(V2_ID_DTYPES)}"
                 )
-            sent = IdsInput(
-                dtype, tuple(tensor.shape), self._source(tensor, raw[index] if raw else None)
-            )
-            if tensor.name == INPUT_NAME:
+            sent = IdsInput(dtype, tuple(tensor.shape), self._source(request, index))
+            if name == INPUT_NAME:
                 ids = sent
-            elif tensor.name == LENGTHS_NAME:
-                lengths = _lengths(sent)
-            else:  # the model's kind says whether it takes it (validation)
-                more[tensor.name] = sent
-        if ids is None:
-            raise InvalidInput(f"input {INPUT_NAME} is missing")
+            elif name == LENGTHS:
+                lengths = sent
+            else:  # the model's kind says whether it takes it (checked before any read)
+                more[name] = sent
         return EmbedInput(
-            ids_dtype=ids.dtype,
-            shape=ids.shape,
-            data=ids.data,
-            lengths=lengths,
+            ids_dtype=ids.dtype if ids is not None else "",
+            shape=ids.shape if ids is not None else (),
+            data=ids.data if ids is not None else None,
             output_dtype=_output_dtype(request),
             layout=_layout(request.parameters),
             more_ids=more or None,
+            lengths_input=lengths,
         )
 
 
-def contents_of(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> bytes:
-    """An input's bytes as the request carries them: its raw content, or its typed
+class InRequest(Unread):
+    """An input's bytes in the request's own message: its raw content, or its typed
     ``contents`` (int64_contents for INT64, int_contents for INT32), little-endian."""
+
+    __slots__ = ("_index", "_request")
+
+    def __init__(self, request: pb.ModelInferRequest, index: int) -> None:
+        self._request = request
+        self._index = index
+
+    @property
+    def nbytes(self) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        return self.take()
+
+    def take(self) -> bytes:
+        request, index = self._request, self._index
+        if request.raw_input_contents:
+            return request.raw_input_contents[index]
+        tensor = request.inputs[index]
+        dtype = ID_DTYPES[V2_ID_DTYPES[tensor.datatype]]  # the parser took only these
+        contents = tensor.contents
+        values = contents.int64_contents if dtype.itemsize == 8 else contents.int_contents
+        return np.asarray(values, dtype=dtype.numpy).tobytes()
+
+
+def in_request(request: pb.ModelInferRequest, index: int) -> InRequest:
+    """The default ``InputSource``: inputs in the request only."""
+    tensor = request.inputs[index]
     if "shared_memory_region" in tensor.parameters:
         raise InvalidInput(
-            f"input {tensor.name} names a shared-memory region, and this server reads inputs "
-            "from the request only"
+            f"input {tensor.name!r} names a shared-memory region, and this server reads "
+            "inputs from the request only"
         )
-    if raw is not None:
-        if tensor.HasField("contents"):
-            raise InvalidInput(
-                f"input {tensor.name} has both contents and raw_input_contents; send one"
-            )
-        return raw
-    dtype = ID_DTYPES[V2_ID_DTYPES[tensor.datatype]]  # the parser took only these
-    values = tensor.contents.int64_contents if dtype.itemsize == 8 else tensor.contents.int_contents
-    return np.asarray(values, dtype=dtype.numpy).tobytes()
-
-
-def _lengths(sent: IdsInput) -> tuple[int, ...]:
-    """The ragged input's lengths as ints (validation checks them against the ids)."""
-    dtype = ID_DTYPES[sent.dtype]
-    if len(sent.shape) != 1:
-        raise InvalidInput(f"input {LENGTHS_NAME} shape {list(sent.shape)} must be [B]")
-    if len(sent.data) != sent.shape[0] * dtype.itemsize:
+    if request.raw_input_contents and tensor.HasField("contents"):
         raise InvalidInput(
-            f"input {LENGTHS_NAME} data is {len(sent.data)} bytes, but shape "
-            f"{list(sent.shape)} of {dtype.v2} needs {sent.shape[0] * dtype.itemsize}"
+            f"input {tensor.name!r} has both contents and raw_input_contents; send one"
         )
-    if not sent.shape[0]:
-        raise InvalidInput(f"input {LENGTHS_NAME} is empty; send one length per sequence")
-    return tuple(np.frombuffer(sent.data, dtype=dtype.numpy).tolist())
+    return InRequest(request, index)
 
 
 def _output_dtype(request: pb.ModelInferRequest) -> str:
