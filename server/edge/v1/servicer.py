@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -103,7 +103,8 @@ class EmbeddingServicer:
                 FRONT_END, "GetModelInfo", request.model_name, request.model_version
             )
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, error)
+            return pb.ModelInfo()
         return responses.model_info(served, self._max_message_bytes)
 
     async def ListModels(
@@ -115,7 +116,8 @@ class EmbeddingServicer:
                 raise request.error
             served, default = self._dataplane.list_models(FRONT_END, "ListModels")
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, error)
+            return pb.ListModelsResponse()
         return responses.list_models(served, default, self._max_message_bytes)
 
     async def _serve(
@@ -130,7 +132,7 @@ class EmbeddingServicer:
                 FRONT_END, method, EMBED, request, deadline_of(context), sink
             )
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, error)
 
 
 # --- the sinks: how tokembed.v1 frames an answer and hands it to gRPC
@@ -212,9 +214,15 @@ class _StreamItemSink(GrpcStreamItemSink):
         return responses.stream_error(code.value[0], str(error), error.reason)
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
-    await context.abort(status_of(error), str(error), trailing_metadata=trailing_metadata(error))
-    raise AssertionError("this is a bug: context.abort returned")
+def refuse(context: grpc.aio.ServicerContext, error: EmbedError) -> None:
+    """End the call with ``error``'s status once its handler returns (what it returns is
+    then discarded). Not ``context.abort``: the exception it raises is kept on the call's
+    state, and its traceback holds the handler's frames, which hold the context and the
+    request: a cycle that keeps a refused request's bytes until the cyclic collector runs.
+    """
+    context.set_code(status_of(error))
+    context.set_details(str(error))
+    context.set_trailing_metadata(trailing_metadata(error))
 
 
 def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:

@@ -32,7 +32,12 @@ from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.status_codes import trailing_metadata
-from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
+from tokembed.server.edge.v1.servicer import (
+    GrpcStreamItemSink,
+    GrpcUnarySink,
+    deadline_of,
+    refuse,
+)
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
@@ -119,7 +124,7 @@ class InferenceServicer:
                 FRONT_END, "ModelInfer", EMBED, request, deadline_of(context), sink
             )
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, error)  # not an abort: it would hold the request (refuse's why)
         return sink.payload
 
     def unary_sink(
