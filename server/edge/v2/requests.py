@@ -45,6 +45,10 @@ V2_ID_DTYPES = {dtype.v2: dtype.name for dtype in ID_DTYPES.values()}
 V2_OUTPUT_DTYPES = {dtype.v2: dtype.name for dtype in OUTPUT_DTYPES.values()}
 DEFAULT_OUTPUT_DTYPE = "float32"  # what the model computes; the answer unless asked
 
+# Far above what any model kind takes (input_ids, lengths, and a kind's further ids:
+# export.kinds): the model's own inputs are checked later, but a request naming tens of
+# thousands of inputs would cost the loop a descriptor each before that.
+MAX_INPUTS = 16
 DATATYPE_PARAMETER = "datatype"  # the answer's datatype (on the requested output or request)
 LAYOUT_PARAMETER = "ragged_layout"  # "padded" (the default) or "flat"
 _LAYOUTS = {"padded": PADDED, "flat": FLAT}
@@ -97,6 +101,11 @@ class InferParser:
     def embed_input(self, request: pb.ModelInferRequest) -> EmbedInput:
         """The embed request a ModelInferRequest asks for, its inputs unread; raises
         ``EmbedError``."""
+        if len(request.inputs) > MAX_INPUTS:
+            raise InvalidInput(
+                f"the request has {len(request.inputs)} inputs; an embed request takes at "
+                f"most {MAX_INPUTS} (input_ids, {LENGTHS} and the model kind's further ids)"
+            )
         raw = len(request.raw_input_contents)
         if raw and raw != len(request.inputs):
             raise InvalidInput(
