@@ -6,6 +6,8 @@ frames an answer and hands it to its transport), and maps the domain error it ma
 back to a status through its own table. Everything else happens here, once:
 
     route (repository: name, version -> handle)
+    read (the operation: a request whose inputs are still where it left them, checked
+          against the model before any is read; V2's)
     validate (the operation: request -> job; a bad one fails alone)
     admit (the handle: room in the queue and the output budget, and a lease)
     run (the handle's scheduler: placement, batching, the one deadline check, compute,
@@ -29,7 +31,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from tokembed.server.core.admission import Ticket
@@ -272,7 +274,7 @@ class DataPlane:
         handle = self.repository.route(incoming.model_name, incoming.model_version)
         call.model = handle.name
         body = await operation.read(incoming.body, handle.served)
-        return replace(incoming, body=body)
+        return Request(incoming.model_name, incoming.model_version, body, incoming.request_id)
 
     def _prepare(
         self, call: Call, operation: Operation[R, Any, Any], incoming: Request[R] | Refused

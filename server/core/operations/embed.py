@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -139,9 +139,9 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         if request.lengths_input is not None:
             sent = request.lengths_input
             lengths = lengths_of(IdsInput(sent.dtype, sent.shape, await _taken(sent.data)))
-        return replace(
-            request, data=await _taken(request.data), more_ids=more, lengths=lengths,
-            lengths_input=None,
+        return EmbedInput(
+            request.ids_dtype, request.shape, await _taken(request.data), lengths,
+            request.output_dtype, request.layout, more, request.order,
         )  # fmt: skip
 
     def compute(self, backend: Backend, jobs: Sequence[EmbedJob]) -> list[Rows]:
