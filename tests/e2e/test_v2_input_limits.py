@@ -10,7 +10,8 @@ Proved here:
   having read nothing (the process's ``rchar``, bytes read by ``read``/``pread``) and
   with the peak resident memory flat (``VmHWM``, wide margin);
 - an unknown input name is refused naming it and the inputs the model takes, in a region
-  or in the request;
+  or in the request, and inside a stream alone (the stream goes on, its inputs read from
+  a region);
 - the largest request the limits allow, its ids and its answer in regions, does not hold
   the event loop: no loop step costs more than a few milliseconds of the loop thread's
   CPU (CPU time, not wall time: a busy machine does not move it).
@@ -242,3 +243,32 @@ def test_the_largest_legal_shared_memory_request_does_not_hold_the_loop(
     assert probe.ticks > 0
     # A loop step's CPU: a busy machine stretches wall time, not this.
     assert probe.longest_cpu_s < 0.010, probe.longest_cpu_s
+
+
+def test_a_stream_reads_inputs_from_regions_and_refuses_unknown_ones_alone(
+    start_server: Any, small_model_dir: Path, small_rows: np.ndarray, prefix: str, regions: Any
+) -> None:
+    server = serve(start_server, small_model_dir, prefix)
+    ids_name, ids_key, ids_handle = regions("ids", IDS.nbytes)
+    shm.set_shared_memory_region(ids_handle, [IDS])
+    answers: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        answers.append(error if error is not None else result)
+        if len(answers) == 2:
+            done.set()
+
+    with tc.InferenceServerClient(server.target) as client:
+        client.register_system_shared_memory(ids_name, ids_key, IDS.nbytes)
+        given = region_input("input_ids", list(IDS.shape), ids_name, IDS.nbytes)
+        stray = region_input("x", list(IDS.shape), ids_name, IDS.nbytes)
+        client.start_stream(callback)
+        client.async_stream_infer(MODEL, [given, stray], request_id="a")
+        client.async_stream_infer(MODEL, [given], request_id="b")
+        assert done.wait(30)
+        client.stop_stream()
+    refused, served = answers
+    assert isinstance(refused, InferenceServerException)
+    assert "unexpected input 'x'" in refused.message()
+    np.testing.assert_array_equal(served.as_numpy("hidden_states"), small_rows[IDS])
