@@ -23,7 +23,7 @@ from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink,
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.types import Answer, Buffer
-from tokembed.server.edge.status_codes import status_name, status_of, trailing_metadata
+from tokembed.server.edge.status_codes import refuse, status_name, status_of
 from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
@@ -103,7 +103,7 @@ class EmbeddingServicer:
                 FRONT_END, "GetModelInfo", request.model_name, request.model_version
             )
         except EmbedError as error:
-            refuse(context, error)
+            refuse(context, status_of(error), error)
             return pb.ModelInfo()
         return responses.model_info(served, self._max_message_bytes)
 
@@ -116,7 +116,7 @@ class EmbeddingServicer:
                 raise request.error
             served, default = self._dataplane.list_models(FRONT_END, "ListModels")
         except EmbedError as error:
-            refuse(context, error)
+            refuse(context, status_of(error), error)
             return pb.ListModelsResponse()
         return responses.list_models(served, default, self._max_message_bytes)
 
@@ -132,7 +132,7 @@ class EmbeddingServicer:
                 FRONT_END, method, EMBED, request, deadline_of(context), sink
             )
         except EmbedError as error:
-            refuse(context, error)
+            refuse(context, status_of(error), error)
 
 
 # --- the sinks: how tokembed.v1 frames an answer and hands it to gRPC
@@ -212,17 +212,6 @@ class _StreamItemSink(GrpcStreamItemSink):
     def frame_error(self, error: EmbedError) -> bytes:
         code = status_of(error)
         return responses.stream_error(code.value[0], str(error), error.reason)
-
-
-def refuse(context: grpc.aio.ServicerContext, error: EmbedError) -> None:
-    """End the call with ``error``'s status once its handler returns (what it returns is
-    then discarded). Not ``context.abort``: the exception it raises is kept on the call's
-    state, and its traceback holds the handler's frames, which hold the context and the
-    request: a cycle that keeps a refused request's bytes until the cyclic collector runs.
-    """
-    context.set_code(status_of(error))
-    context.set_details(str(error))
-    context.set_trailing_metadata(trailing_metadata(error))
 
 
 def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:

@@ -31,13 +31,8 @@ from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
-from tokembed.server.edge.status_codes import trailing_metadata
-from tokembed.server.edge.v1.servicer import (
-    GrpcStreamItemSink,
-    GrpcUnarySink,
-    deadline_of,
-    refuse,
-)
+from tokembed.server.edge.status_codes import refuse, trailing_metadata
+from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
@@ -124,7 +119,7 @@ class InferenceServicer:
                 FRONT_END, "ModelInfer", EMBED, request, deadline_of(context), sink
             )
         except EmbedError as error:
-            refuse(context, error)  # not an abort: it would hold the request (refuse's why)
+            refuse(context, status_of(error), error)  # not an abort: see refuse
         return sink.payload
 
     def unary_sink(
