@@ -1,6 +1,7 @@
-"""The read step (``operations.embed.EMBED.read``): a request whose inputs are not read yet
-(``Unread``: a V2 input in its message or a shared-memory region) is checked against the
-model before a byte is read, and reads at most what its declared shapes need.
+"""The read step (``embed_request.read_inputs``, the operation's ``read``): a request
+whose inputs are not read yet (``Unread``: a V2 input in its message or a shared-memory
+region) is checked against the model before a byte is read, and reads at most what its
+declared shapes need.
 
 A counting source stands in for where the bytes are (a region's read is the registry's
 and tests/e2e/test_v2_input_limits.py's, through the real server); the model is the small
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 from tokembed.server.core.errors import EmbedError, InvalidInput, TooLarge
-from tokembed.server.core.operations.embed import EMBED, EmbedInput, IdsInput, Unread, validate
+from tokembed.server.core.operations.embed import EMBED, validate
+from tokembed.server.core.operations.embed_request import EmbedInput, IdsInput, Unread
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.loading import LoadedModel
 

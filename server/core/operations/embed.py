@@ -7,16 +7,12 @@ onnxruntime's CPU Gather silently wraps -1 to the last row and its CUDA Gather w
 zeros for ids out of range. The ids a request must carry are the model kind's
 (``tokembed.export.kinds``): ``input_ids``, and whatever further inputs a kind declares.
 
-A front end may hand over inputs whose bytes are not read yet (``Unread``: a V2 input in
-its message or in a shared-memory region). Their reading is a step of its own (``read``),
-after what the request declares (its inputs' names, datatypes, shapes and sizes) is
-checked against the model: a refused request has read nothing, and an accepted one reads
-at most what its declared shapes need.
+The request as a front end hands it over, and what is checked of it before its inputs
+are read: ``embed_request``.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -24,61 +20,25 @@ from typing import NoReturn
 import numpy as np
 
 from tokembed.server.backends.base import Backend, LookUp, Rows
-from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
+from tokembed.server.core.dtypes import OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
 from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.operations.embed_request import BATCH_FIRST as BATCH_FIRST
+from tokembed.server.core.operations.embed_request import FLAT as FLAT
+from tokembed.server.core.operations.embed_request import PADDED as PADDED
+from tokembed.server.core.operations.embed_request import SEQUENCE_FIRST as SEQUENCE_FIRST
+from tokembed.server.core.operations.embed_request import EmbedInput as EmbedInput
+from tokembed.server.core.operations.embed_request import IdsInput as IdsInput
+from tokembed.server.core.operations.embed_request import (
+    check_data_size,
+    check_names,
+    check_tokens,
+    ids_dtype,
+    in_hand,
+    read_inputs,
+)
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer, Timings, TokenIds
-
-PADDED = "padded"
-FLAT = "flat"
-# The order of the batch and sequence axes, of the ids and of the answer.
-BATCH_FIRST = "batch_first"
-SEQUENCE_FIRST = "sequence_first"
-
-
-class Unread(ABC):
-    """An input's bytes where the request left them, not yet taken."""
-
-    __slots__ = ()
-
-    @property
-    @abstractmethod
-    def nbytes(self) -> int | None:
-        """The size the request declares for them (None: the bytes are in the request's
-        own message, already received; their size is checked once taken)."""
-
-    @abstractmethod
-    async def read(self) -> bytes:
-        """The bytes; raises ``EmbedError``. Called only once the request's declarations
-        fit the model, so a region read is bounded by what its shape needs."""
-
-
-@dataclass(slots=True)
-class IdsInput:
-    """Ids as decoded from the wire, not yet validated."""
-
-    dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
-    shape: tuple[int, ...]
-    data: bytes | Unread
-
-
-@dataclass(slots=True)
-class EmbedInput:
-    """An embed request as decoded from the wire, not yet validated. ``more_ids``: the
-    model kind's further id inputs by name (``token_type_ids``), each of the ids' shape."""
-
-    ids_dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
-    shape: tuple[int, ...]
-    data: bytes | Unread | None  # None: the request has no input_ids (V2 names its inputs)
-    lengths: tuple[int, ...] = ()
-    output_dtype: str = "float32"
-    layout: str = PADDED
-    more_ids: dict[str, IdsInput] | None = None
-    order: str = BATCH_FIRST  # or SEQUENCE_FIRST, or whatever else was sent (refused)
-    # The ragged lengths as an input not yet read (V2's ``lengths``); ``read`` makes them
-    # ``lengths``.
-    lengths_input: IdsInput | None = None
 
 
 @dataclass(slots=True)
@@ -125,24 +85,7 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         )
 
     async def read(self, request: EmbedInput, model: ServedModel) -> EmbedInput:
-        """The request with its inputs' bytes read, once what it declares fits ``model``
-        (``check_declared``); one input after the other, so at most one is being read."""
-        check_declared(request, model)
-        assert request.data is not None, "This is a bug: check_declared refuses it."
-        more = None
-        if request.more_ids:
-            more = {
-                name: IdsInput(sent.dtype, sent.shape, await _taken(sent.data))
-                for name, sent in request.more_ids.items()
-            }
-        lengths = request.lengths
-        if request.lengths_input is not None:
-            sent = request.lengths_input
-            lengths = lengths_of(IdsInput(sent.dtype, sent.shape, await _taken(sent.data)))
-        return EmbedInput(
-            request.ids_dtype, request.shape, await _taken(request.data), lengths,
-            request.output_dtype, request.layout, more, request.order,
-        )  # fmt: skip
+        return await read_inputs(request, model)
 
     def compute(self, backend: Backend, jobs: Sequence[EmbedJob]) -> list[Rows]:
         return backend.look_up_batch([job.look_up for job in jobs])
@@ -206,9 +149,9 @@ def _positions_first(
 
 
 def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
-    _check_names(request, model)
-    data = _in_hand(request.data)
-    id_dtype = _ids_dtype("input_ids", request.ids_dtype)
+    check_names(request, model)
+    data = in_hand(request.data)
+    id_dtype = ids_dtype("input_ids", request.ids_dtype)
     output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
     if output_dtype is None:
         *others, last = OUTPUT_DTYPES
@@ -247,8 +190,8 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
         if tokens == 0:
             raise InvalidInput(f"input_ids shape {list(shape)} is empty; send at least one id")
     # Python ints: a huge declared shape cannot overflow into a plausible size.
-    _check_data_size("input_ids", data, shape, id_dtype, tokens)
-    _check_tokens(tokens, model)
+    check_data_size("input_ids", data, shape, id_dtype, tokens)
+    check_tokens(tokens, model)
     limits = model.limits
     layout = request.layout if request.lengths else PADDED
     rows = batch * seq_len if layout == PADDED else tokens
@@ -289,132 +232,18 @@ def _more_ids(
             if not spec.optional:
                 raise InvalidInput(f"{spec.name} is missing; model {model.name!r} needs it")
             continue
-        dtype = _ids_dtype(spec.name, sent.dtype)
+        dtype = ids_dtype(spec.name, sent.dtype)
         if sent.shape != shape:
             raise InvalidInput(
                 f"{spec.name} shape {list(sent.shape)} differs from input_ids shape {list(shape)}"
             )
-        data = _in_hand(sent.data)
-        _check_data_size(spec.name, data, shape, dtype, tokens)
+        data = in_hand(sent.data)
+        check_data_size(spec.name, data, shape, dtype, tokens)
         ids = TokenIds(data, dtype, tokens)
         if not within_bound(ids, bound):
             _refuse_bound(spec.name, ids, shape, bound)
         more[spec.name] = ids
     return more
-
-
-# --- what a request declares, checked before its inputs are read
-
-
-LENGTHS = "lengths"  # the ragged input's sequence lengths, in every protocol
-
-
-def check_declared(request: EmbedInput, model: ServedModel) -> None:
-    """What ``request`` declares, against ``model``, before a byte of its inputs is read:
-    the inputs' names, their datatypes and shapes, the ids within the request's limit,
-    and each size an input declares exactly what its shape needs. So a read that follows
-    is bounded by the model's inputs times the limit, whatever the request names."""
-    _check_names(request, model)
-    assert request.data is not None, "This is a bug: _check_names refuses it."
-    id_dtype = _ids_dtype("input_ids", request.ids_dtype)
-    shape = request.shape
-    if shape and min(shape) < 0:
-        raise InvalidInput(f"input_ids shape {list(shape)} has a negative dimension")
-    ragged = bool(request.lengths) or request.lengths_input is not None
-    if len(shape) != (1 if ragged else 2):
-        raise InvalidInput(
-            f"input_ids shape {list(shape)} must be "
-            + ("[N] (flat) when lengths are given" if ragged else "[B, S] (or [S, B])")
-        )
-    tokens = shape[0] if ragged else shape[0] * shape[1]
-    _check_tokens(tokens, model)
-    _check_declared_size("input_ids", request.data, shape, id_dtype, tokens)
-    if request.lengths_input is not None:
-        sent = request.lengths_input
-        dtype = _ids_dtype(LENGTHS, sent.dtype)
-        if len(sent.shape) != 1:
-            raise InvalidInput(f"input {LENGTHS} shape {list(sent.shape)} must be [B]")
-        if sent.shape[0] > tokens:
-            raise InvalidInput(
-                f"input {LENGTHS} holds {sent.shape[0]} sequences but input_ids only "
-                f"{tokens} ids; every sequence needs >= 1 id"
-            )
-        _check_declared_size(LENGTHS, sent.data, sent.shape, dtype, sent.shape[0])
-    for name, sent in (request.more_ids or {}).items():
-        dtype = _ids_dtype(name, sent.dtype)
-        if sent.shape != shape:
-            raise InvalidInput(
-                f"{name} shape {list(sent.shape)} differs from input_ids shape {list(shape)}"
-            )
-        _check_declared_size(name, sent.data, shape, dtype, tokens)
-
-
-def lengths_of(sent: IdsInput) -> tuple[int, ...]:
-    """The ragged lengths an input carries, as ints (validation checks them against the
-    ids)."""
-    dtype = _ids_dtype(LENGTHS, sent.dtype)
-    data = _in_hand(sent.data)
-    if len(sent.shape) != 1:
-        raise InvalidInput(f"input {LENGTHS} shape {list(sent.shape)} must be [B]")
-    _check_data_size(f"input {LENGTHS}", data, sent.shape, dtype, sent.shape[0])
-    if not sent.shape[0]:
-        raise InvalidInput(f"input {LENGTHS} is empty; send one length per sequence")
-    return tuple(np.frombuffer(data, dtype=dtype.numpy).tolist())
-
-
-def _check_names(request: EmbedInput, model: ServedModel) -> None:
-    """Every input named is one the model takes, and its ids are there."""
-    names = [spec.name for spec in model.inputs]
-    for name in request.more_ids or ():
-        if name not in names[1:]:
-            raise InvalidInput(f"unexpected input {name!r}: {_takes(model, names)}")
-    if request.data is None:
-        raise InvalidInput(f"input {names[0]} is missing: {_takes(model, names)}")
-
-
-def _takes(model: ServedModel, names: list[str]) -> str:
-    return (
-        f"model {model.name!r} ({model.kind.name} kind) takes {', '.join(names)} "
-        f"(and {LENGTHS}, for ragged ids)"
-    )
-
-
-def _ids_dtype(name: str, sent: str) -> DType:
-    dtype = ID_DTYPES.get(sent)
-    if dtype is None:
-        raise InvalidInput(f"{name} dtype {sent} is not supported; send int64 or int32")
-    return dtype
-
-
-def _check_tokens(tokens: int, model: ServedModel) -> None:
-    limit = model.limits.max_tokens_per_request
-    if tokens > limit:
-        raise TooLarge(
-            f"request has {tokens} tokens, over the limit of {limit} per request; split it"
-        )
-
-
-def _check_declared_size(
-    name: str, data: bytes | Unread, shape: tuple[int, ...], dtype: DType, count: int
-) -> None:
-    """An input whose size is declared apart from its bytes (a region's window): that
-    size is what its shape needs. Bytes in hand are checked by validation."""
-    declared = data.nbytes if isinstance(data, Unread) else None
-    if declared is not None and declared != count * dtype.itemsize:
-        raise InvalidInput(
-            f"{name} is declared as {declared} bytes, but shape {list(shape)} of "
-            f"{dtype.name} needs {count * dtype.itemsize}"
-        )
-
-
-async def _taken(data: bytes | Unread) -> bytes:
-    return data if isinstance(data, bytes) else await data.read()
-
-
-def _in_hand(data: bytes | Unread | None) -> bytes:
-    if not isinstance(data, bytes):
-        raise Internal("this is a bug: an input was validated before it was read")
-    return data
 
 
 def request_over_limit(size: int, max_bytes: int, max_tokens: int) -> TooLarge:
@@ -425,17 +254,6 @@ def request_over_limit(size: int, max_bytes: int, max_tokens: int) -> TooLarge:
         f"max_tokens_per_request={max_tokens} allows; split it, or raise "
         "--max-tokens-per-request (TOKEMBED_MAX_TOKENS_PER_REQUEST)"
     )
-
-
-def _check_data_size(
-    name: str, data: bytes, shape: tuple[int, ...], dtype: DType, tokens: int
-) -> None:
-    expected_bytes = tokens * dtype.itemsize
-    if len(data) != expected_bytes:
-        raise InvalidInput(
-            f"{name} data is {len(data)} bytes, but shape {list(shape)} of "
-            f"{dtype.name} needs {expected_bytes}"
-        )
 
 
 def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, int]:

@@ -28,14 +28,14 @@ from tokembed.export.manifest import INPUT_NAME, OUTPUT_NAME
 from tokembed.server.core.dataplane import ModelQuery, Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import EmbedError, InvalidInput
-from tokembed.server.core.operations.embed import (
+from tokembed.server.core.operations.embed import request_over_limit
+from tokembed.server.core.operations.embed_request import (
     FLAT,
     LENGTHS,
     PADDED,
     EmbedInput,
     IdsInput,
     Unread,
-    request_over_limit,
 )
 from tokembed.v2 import grpc_service_pb2 as pb
 

@@ -30,7 +30,7 @@ from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call
 from tokembed.server.core.dataplane import Refused, Sink
 from tokembed.server.core.errors import EmbedError, InvalidInput
-from tokembed.server.core.operations.embed import Unread
+from tokembed.server.core.operations.embed_request import Unread
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.v2.requests import InputSource, in_request
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
