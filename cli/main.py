@@ -2,7 +2,8 @@
 
 Each room registers its own parser; imports are deferred so that ``tokembed embed``
 never loads torch and ``tokembed export`` never loads grpc's server.
-A domain error becomes one line on stderr and exit status 2, never a traceback.
+A domain error becomes one line on stderr and exit status 2, never a traceback; so does a
+subcommand run without the extra that brings its packages (``_EXTRAS``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 from tokembed import __version__
@@ -22,9 +24,44 @@ _SUBCOMMAND_MODULES = (
     "tokembed.export.cli",
     "tokembed.export.triton",
     "tokembed.server.cli",
-    "tokembed.client.cli",
+    "tokembed.cli.client",
     "tokembed.bench.cli",
 )
+
+
+@dataclass(frozen=True)
+class Extra:
+    """What a subcommand needs beyond the base install (the client): how to install it,
+    and the modules it brings, by the top-level name a ModuleNotFoundError gives."""
+
+    install: str
+    modules: frozenset[str]
+
+
+_SERVER = frozenset({"onnxruntime", "onnx", "prometheus_client", "grpc_health", "grpc_reflection"})
+_EXPORT = frozenset({"torch", "onnxscript", "onnx", "onnxruntime", "safetensors"})
+# The subcommands that need an extra; the others need only the base install. A module
+# missing that is not the extra's is a broken install or a bug, and keeps its traceback.
+_EXTRAS = {
+    "serve": Extra("pip install 'tokembed[server]' ('tokembed[gpu]' on a GPU)", _SERVER),
+    "export-triton": Extra("pip install 'tokembed[server]'", _SERVER),
+    "export": Extra("install a CPU torch and tokembed[export] (see the README)", _EXPORT),
+    # Its models are exported with torch the first time, its plots drawn by matplotlib.
+    "bench": Extra(
+        "install a CPU torch and tokembed[server,export,bench] (see the README)",
+        _SERVER | _EXPORT | {"matplotlib", "psutil"},
+    ),
+}
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
+    """The line that says which extra ``command`` needs, when ``exc`` is one of its
+    packages missing; None otherwise."""
+    extra = _EXTRAS.get(command)
+    module = (exc.name or "").partition(".")[0]
+    if extra is None or module not in extra.modules:
+        return None
+    return f"tokembed {command} needs {module}, which is not installed: {extra.install}"
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -80,11 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
+    except ModuleNotFoundError as exc:
+        line = missing_extra(args.command, exc)
+        if line is None:
+            raise
+        return _one_line_error(args, line)
     except _user_errors() as exc:
-        if getattr(args, "log_level", None) == "debug":
-            traceback.print_exc()  # asked for: where it came from, before the line itself
-        print(f"tokembed {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _one_line_error(args, str(exc))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -93,6 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # again (Python's documented recipe, "Note on SIGPIPE" in the signal module).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a process ended by SIGPIPE reads to a shell (128 + 13)
+
+
+def _one_line_error(args: argparse.Namespace, message: str) -> int:
+    if getattr(args, "log_level", None) == "debug":
+        traceback.print_exc()  # asked for: where it came from, before the line itself
+    print(f"tokembed {args.command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
     with EmbeddingClient("127.0.0.1:50051") as client:
         hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])   # [1, 8, 512] float32
 
-Names are imported on first use, so that ``import tokembed.client`` (and ``tokembed
---help``, which loads the CLI module of this package) does not pay for grpc and numpy.
+Names are imported on first use, so that ``import tokembed.client`` (the errors alone,
+say) does not pay for grpc and numpy.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import TableInfo as TableInfo
     from tokembed.client.results import Timings as Timings
     from tokembed.client.shared_memory import SharedMemorySession as SharedMemorySession
+    from tokembed.client.shared_memory_aio import (
+        AsyncSharedMemorySession as AsyncSharedMemorySession,
+    )
     from tokembed.client.sync import EmbeddingClient as EmbeddingClient
 
 _EXPORTS = {
@@ -62,6 +65,7 @@ _EXPORTS = {
     "ServerError": "tokembed.client.errors",
     "from_rpc_error": "tokembed.client.errors",
     "SharedMemorySession": "tokembed.client.shared_memory",
+    "AsyncSharedMemorySession": "tokembed.client.shared_memory_aio",
     "SharedMemoryUnavailableError": "tokembed.client.errors",
 }
 

@@ -1,28 +1,32 @@
-"""The asyncio client: ``AsyncEmbeddingClient``, the same API as ``EmbeddingClient``.
+"""The clients' calls, written once: ``AsyncEmbeddingClient`` (client/aio.py, the source)
+and ``EmbeddingClient`` (client/sync.py, generated from it by
+``python scripts/gen_sync_client.py``).
 
     async with AsyncEmbeddingClient("127.0.0.1:50051") as client:
-        hidden = await client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
+        hidden = await client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])   # [1, 8, D] float32
 
-The channel is opened on the first call, inside the running event loop: a grpc.aio
-channel belongs to the loop it was created in, so one created in ``__init__`` outside
-``asyncio.run`` would fail with "attached to a different loop". A client therefore serves
-one event loop at a time (after that loop ends, the next one gets a new channel).
+    with EmbeddingClient("127.0.0.1:50051") as client:
+        hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
 
-A thin shell, as the sync client is: this module does the awaited I/O around what the two
-share (``_config``, ``_shared``, ``codec``, ``decode``).
+The blocking client is thread-safe: one client (one channel, HTTP/2-multiplexed) serves
+many threads. The asyncio client serves one event loop at a time (its ``Connection``
+says why). Each is a thin shell: what is neither blocking nor awaited (encoding,
+decoding, retries, the stream's bookkeeping, error mapping) is in ``_config``,
+``_shared``, ``codec`` and ``decode``; what the two do differently (the channel, sleeping,
+reading a stream's inputs) in ``_async_backend`` and ``_sync_backend``.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Literal, TypeVar, overload
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
 from tokembed.client import codec, decode
+from tokembed.client._async_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
 from tokembed.client._shared import Attempts, Health, Methods, StreamBook
@@ -30,45 +34,26 @@ from tokembed.client.errors import EmbeddingError
 from tokembed.client.results import EmbedResult, ModelInfo, ModelList
 from tokembed.v1 import embedding_pb2 as pb
 
+if TYPE_CHECKING:
+    from tokembed.client.shared_memory_aio import AsyncSharedMemorySession
+
 T = TypeVar("T")
 
 
 class AsyncEmbeddingClient(ClientBase):
-    """asyncio client of a tokembed server (see ``ClientBase.__init__`` for arguments)."""
+    """A client of a tokembed server (see ``ClientBase.__init__`` for arguments)."""
 
-    _channel: Any = None  # grpc.aio.Channel, opened in the running loop by _ensure_open
-    _loop: asyncio.AbstractEventLoop | None = None
+    _connection: Connection
 
-    def _ensure_open(self) -> None:
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        if self._channel is not None:
-            if loop is self._loop:
-                return
-            if self._loop is not None and not self._loop.is_closed():
-                raise EmbeddingError(
-                    "an AsyncEmbeddingClient serves one event loop at a time, and the loop "
-                    "it was first used in is still open; create one client per event loop"
-                )
-            # Its loop has ended (e.g. a second asyncio.run): that channel is unusable and
-            # cannot be closed any more; open a new one in this loop.
-            self._channel = None
-        s = self._settings
-        if s.credentials is not None:
-            channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
-        else:
-            channel = grpc.aio.insecure_channel(s.target, options=s.options)
-        self._methods = Methods(channel)
-        self._channel, self._loop = channel, loop
+    def _open(self) -> None:
+        self._connection = Connection(self._settings)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled. Idempotent."""
         self._closed = True
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
+        await self._connection.close()
 
     async def __aenter__(self) -> AsyncEmbeddingClient:
         return self
@@ -90,15 +75,28 @@ class AsyncEmbeddingClient(ClientBase):
         request_id: str = "",
         token_types: Any = None,
     ) -> npt.NDArray[np.floating]:
-        """See ``EmbeddingClient.embed``; the array is a read-only zero-copy view."""
-        call, deadline, model_name = await self._start_embed(
+        """Embed ids; returns ``[B,S,D]`` (``[B,S_max,D]`` for ragged input, padded with
+        the padding id's row) or ``[N,D]`` with ``layout="flat"``. With
+        ``sequence_first=True`` a 2-D array of ids is ``[S,B]`` and the answer ``[S,B,D]``
+        (``[S_max,B,D]`` for ragged input; see ``codec``).
+
+        ``dtype``: "float32", "float16" or "bfloat16" (an ``ml_dtypes.bfloat16`` array).
+        The array is a read-only view of the received bytes (zero-copy); ``.copy()`` it
+        to write. ``model`` names the model for this call (None: the client's
+        ``model_name``; "": the server's default). ``timeout_s`` overrides the client's
+        default for this call. ``token_types``: for a model that takes them (a segment
+        model, BERT's: ``info().inputs``), one token type id per id, in any form ``ids``
+        takes and of their shape; None: every type is 0.
+        """
+        methods = self._methods()
+        call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
-        if self._wants_chunked(model_name, call):
-            result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
-            return decode.check_array_shape(result.hidden_states, call.leading_shape)
-        raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
-        hidden = decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
+        answer = await self._send(methods, call, deadline, model_name)
+        if isinstance(answer, EmbedResult):
+            return decode.check_array_shape(answer.hidden_states, call.leading_shape)
+        # The array alone: the result object around it is for embed_result's callers.
+        hidden = decode.embed_answer(answer, call.leading_shape, call.output_itemsize)
         self._learnt(model_name, hidden.shape[-1])
         return hidden
 
@@ -114,29 +112,60 @@ class AsyncEmbeddingClient(ClientBase):
         request_id: str = "",
         token_types: Any = None,
     ) -> EmbedResult:
-        """See ``EmbeddingClient.embed_result``."""
-        call, deadline, model_name = await self._start_embed(
+        """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
+        methods = self._methods()
+        call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
-        if self._wants_chunked(model_name, call):
-            result = await self._with_retries("Embed", deadline, self._chunked_attempt(call))
-        else:
-            raw = await self._with_retries("Embed", deadline, self._unary_attempt(call))
-            result = decode.decode_response(raw)
+        result = await self._send(methods, call, deadline, model_name)
+        if not isinstance(result, EmbedResult):
+            result = decode.decode_response(result)
             self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape, call.sequence_first)
 
+    async def shared_memory(
+        self,
+        capacity_bytes: int = 64 << 20,
+        *,
+        prefix: str = "tokembed",
+        mode: int = 0o600,
+    ) -> AsyncSharedMemorySession:
+        """A shared-memory region of this client's, registered with a server on this host
+        (``--shared-memory system``): its ``embed`` answers are written by the server into
+        the region and returned as arrays over it, with no socket in between. Use it as a
+        context manager; see ``tokembed.client.shared_memory`` for the contract."""
+        channel = self._connected().channel()
+        # Imported here: only the callers who use it load it (and the V2 messages).
+        from tokembed.client.shared_memory_aio import AsyncSharedMemorySession
+
+        session = AsyncSharedMemorySession(
+            channel, target=self.target, metadata=self._metadata(),
+            timeout_s=self._settings.timeout_s, model_name=self._settings.model_name,
+            capacity_bytes=capacity_bytes, prefix=prefix, mode=mode,
+        )  # fmt: skip
+        await session._register()
+        return session
+
     async def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
-        """See ``EmbeddingClient.info``."""
-        self._ensure_open()
-        return await self._fetch_model_info(self._model(model), self._deadline(timeout_s))
+        """One served model and its limits: ``model`` (None: the client's ``model_name``;
+        "": the server's default). Always asks the server."""
+        get, metadata = self._methods().get_model_info, self._metadata()
+        model_name = self._model(model)
+        request = pb.GetModelInfoRequest(model_name=model_name)
+        message = await self._with_retries(
+            "GetModelInfo",
+            self._deadline(timeout_s),
+            lambda t: get(request, timeout=t, metadata=metadata),
+        )
+        info = ModelInfo.from_proto(message)
+        self._learnt(model_name, info.d_model)
+        return info
 
     model_info = info  # the name of releases before several models; the same method
 
     async def models(self, *, timeout_s: float | None = None) -> ModelList:
-        """See ``EmbeddingClient.models``."""
-        self._ensure_open()
-        list_models, metadata = self._methods.list_models, self._metadata()
+        """Every model the server serves, and its default (ListModels)."""
+        list_models, metadata = self._methods().list_models, self._metadata()
         message = await self._with_retries(
             "ListModels",
             self._deadline(timeout_s),
@@ -146,7 +175,7 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def embed_stream(
         self,
-        inputs: Iterable[Any] | AsyncIterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
@@ -154,21 +183,30 @@ class AsyncEmbeddingClient(ClientBase):
         model: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[npt.NDArray[np.floating]]:
-        """See ``EmbeddingClient.embed_stream``; ``inputs`` may also be async."""
-        async for result in self.embed_stream_results(
+        """Embed each input over one EmbedStream; yields one array per input, in order.
+
+        A failed input raises its typed error when its turn comes (answers before it have
+        been yielded) and ends the stream. ``inputs``: an iterable (for the asyncio client,
+        an async one too), read as the stream goes (the blocking client's, by a gRPC
+        thread). ``timeout_s`` bounds the whole stream; the default is no deadline.
+        Streams are not retried (the inputs are consumed as they go). ``model``: as for
+        :meth:`embed`, for every input of the stream.
+        """
+        results = self.embed_stream_results(
             inputs,
             dtype,
             layout=layout,
             sequence_first=sequence_first,
             model=model,
             timeout_s=timeout_s,
-        ):
+        )
+        async for result in results:
             yield result.hidden_states
 
     @overload
     def embed_stream_results(
         self,
-        inputs: Iterable[Any] | AsyncIterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
@@ -181,7 +219,7 @@ class AsyncEmbeddingClient(ClientBase):
     @overload
     def embed_stream_results(
         self,
-        inputs: Iterable[Any] | AsyncIterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
@@ -193,7 +231,7 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def embed_stream_results(
         self,
-        inputs: Iterable[Any] | AsyncIterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
@@ -202,22 +240,23 @@ class AsyncEmbeddingClient(ClientBase):
         timeout_s: float | None = None,
         return_exceptions: bool = False,
     ) -> AsyncIterator[EmbedResult | EmbeddingError]:
-        """See ``EmbeddingClient.embed_stream_results``."""
-        self._ensure_open()
+        """Like :meth:`embed_stream`, yielding results; with ``return_exceptions=True`` a
+        failed input yields its EmbeddingError in its place and the stream goes on."""
+        embed_stream = self._methods().embed_stream
         book = StreamBook(dtype, layout, self._model(model), return_exceptions, sequence_first)
 
         async def requests() -> AsyncIterator[bytes]:
             try:
-                async for item in _aiter(inputs):
+                async for item in iterate(inputs):
                     request = book.request(item)
                     if book.stopped:
-                        return
+                        return  # half-close; the answers raise its error in its turn
                     if request is not None:
                         yield request
             except Exception as exc:
                 book.failure = exc
 
-        call = self._methods.embed_stream(requests(), timeout=timeout_s, metadata=self._metadata())
+        call = embed_stream(requests(), timeout=timeout_s, metadata=self._metadata())
         try:
             try:
                 async for raw in call:
@@ -229,12 +268,13 @@ class AsyncEmbeddingClient(ClientBase):
                 yield outcome
             book.check_ended()
         finally:
-            call.cancel()
+            call.cancel()  # a no-op once the call has finished
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
-        """See ``EmbeddingClient.health``."""
-        self._ensure_open()
-        health = Health(self._channel)
+        """The standard gRPC health status: "SERVING", "NOT_SERVING", "UNKNOWN", or
+        "SERVICE_UNKNOWN" when the server knows no such service. Not retried: a health
+        check reports the present. Needs the grpcio-health-checking package."""
+        health = Health(self._connected().channel())
         try:
             response = await health.check(
                 health.request(service),
@@ -247,38 +287,30 @@ class AsyncEmbeddingClient(ClientBase):
 
     # ------------------------------------------------------------------ internals
 
-    async def _start_embed(
-        self,
-        ids: Any,
-        dtype: Any,
-        layout: str,
-        model: str | None,
-        timeout_s: float | None,
-        request_id: str,
-        sequence_first: bool,
-        token_types: Any = None,
-    ) -> tuple[codec.EmbedCall, Deadline, str]:
-        """See ``EmbeddingClient._start_embed``."""
-        self._ensure_open()
-        call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
-        )
-        return call, deadline, model_name
+    def _connected(self) -> Connection:
+        """The connection, once the client is known to be open (a closed one raises)."""
+        self._check_open()
+        return self._connection
 
-    def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], Awaitable[bytes]]:
-        """One Embed attempt with a given timeout: the answer's raw bytes."""
-        embed, request, metadata = self._methods.embed, call.request, self._metadata()
-        return lambda timeout: embed(request, timeout=timeout, metadata=metadata)
+    def _methods(self) -> Methods:
+        self._check_open()
+        return self._connection.methods()
 
-    def _chunked_attempt(
-        self, call: codec.EmbedCall
-    ) -> Callable[[float | None], Awaitable[EmbedResult]]:
-        """One EmbedChunked attempt with a given timeout: the answer reassembled."""
-
-        async def attempt(timeout: float | None) -> EmbedResult:
-            stream = self._methods.embed_chunked(
-                call.request, timeout=timeout, metadata=self._metadata()
+    async def _send(
+        self, methods: Methods, call: codec.EmbedCall, deadline: Deadline, model_name: str
+    ) -> EmbedResult | bytes:
+        """One Embed call: its answer reassembled from EmbedChunked when it is large (see
+        ``_wants_chunked``), else the raw bytes of Embed's answer."""
+        request, metadata = call.request, self._metadata()
+        if not self._wants_chunked(model_name, call):
+            embed = methods.embed
+            raw: bytes = await self._with_retries(
+                "Embed", deadline, lambda t: embed(request, timeout=t, metadata=metadata)
             )
+            return raw
+
+        async def chunked(timeout: float | None) -> EmbedResult:
+            stream = methods.embed_chunked(request, timeout=timeout, metadata=metadata)
             try:
                 assembler = decode.ChunkAssembler()
                 async for raw in stream:
@@ -287,33 +319,12 @@ class AsyncEmbeddingClient(ClientBase):
             finally:
                 stream.cancel()
 
-        return attempt
+        return await self._with_retries("Embed", deadline, chunked)
 
-    async def _fetch_model_info(self, model_name: str, deadline: Deadline) -> ModelInfo:
-        request = pb.GetModelInfoRequest(model_name=model_name)
-        get, metadata = self._methods.get_model_info, self._metadata()
-        message = await self._with_retries(
-            "GetModelInfo", deadline, lambda t: get(request, timeout=t, metadata=metadata)
-        )
-        info = ModelInfo.from_proto(message)
-        self._learnt(model_name, info.d_model)
-        return info
-
-    async def _with_retries(
-        self, what: str, deadline: Deadline, attempt: Callable[[float | None], Awaitable[T]]
-    ) -> T:
+    async def _with_retries(self, what: str, deadline: Deadline, attempt: Attempt[T]) -> T:
         attempts = Attempts(what, self._settings.retry, deadline, self._is_open)
         while True:
             try:
                 return await attempt(attempts.timeout())
             except grpc.RpcError as exc:
-                await asyncio.sleep(attempts.failed(exc))
-
-
-async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
-    if isinstance(inputs, AsyncIterable):
-        async for item in inputs:
-            yield item
-    else:
-        for item in inputs:
-            yield item
+                await sleep(attempts.failed(exc))

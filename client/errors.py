@@ -29,17 +29,13 @@ import grpc
 
 REASON_METADATA_KEY = "tokembed-error-reason"
 
-# The reasons the server sends (and the client uses for errors it detects itself).
-REASON_INVALID_INPUT = "invalid_input"
+# The reasons the client tells apart: the two of RESOURCE_EXHAUSTED (the server's other
+# reasons add nothing to their status code).
 REASON_TOO_LARGE = "too_large"
 REASON_OVERLOADED = "overloaded"
-REASON_NOT_FOUND = "not_found"
-REASON_UNAVAILABLE = "unavailable"
-REASON_DEADLINE_EXCEEDED = "deadline_exceeded"
-REASON_CANCELLED = "cancelled"
-REASON_UNAUTHENTICATED = "unauthenticated"
-REASON_INTERNAL = "internal"
-# Client-side only: the server's answer broke the protocol (wrong sizes, missing header).
+# The reasons of errors the client detects itself: input it refuses before sending, and
+# an answer that broke the protocol (wrong sizes, missing header).
+REASON_INVALID_INPUT = "invalid_input"
 REASON_PROTOCOL = "protocol"
 
 

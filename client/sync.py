@@ -1,18 +1,26 @@
-"""The blocking client: ``EmbeddingClient``.
+# Generated from client/aio.py by `python scripts/gen_sync_client.py`: edit that
+# file and run the script; tests/test_generated_code.py checks this one is current.
+"""The clients' calls, written once: ``AsyncEmbeddingClient`` (client/aio.py, the source)
+and ``EmbeddingClient`` (client/sync.py, generated from it by
+``python scripts/gen_sync_client.py``).
+
+    async with AsyncEmbeddingClient("127.0.0.1:50051") as client:
+        hidden = await client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])   # [1, 8, D] float32
 
     with EmbeddingClient("127.0.0.1:50051") as client:
-        hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])   # [1, 8, D] float32
+        hidden = client.embed([[5, 6, 7, 8, 9, 10, 11, 12]])
 
-Thread-safe: one client (one channel, HTTP/2-multiplexed) can serve many threads. A thin
-shell: what the two clients share (encoding, decoding, retries, the stream's bookkeeping,
-error mapping) is in ``_config``, ``_shared``, ``codec`` and ``decode``; this module does
-the blocking I/O around it.
+The blocking client is thread-safe: one client (one channel, HTTP/2-multiplexed) serves
+many threads. The asyncio client serves one event loop at a time (its ``Connection``
+says why). Each is a thin shell: what is neither blocking nor awaited (encoding,
+decoding, retries, the stream's bookkeeping, error mapping) is in ``_config``,
+``_shared``, ``codec`` and ``decode``; what the two do differently (the channel, sleeping,
+reading a stream's inputs) in ``_async_backend`` and ``_sync_backend``.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import grpc
@@ -23,6 +31,7 @@ from tokembed.client import codec, decode
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
 from tokembed.client._shared import Attempts, Health, Methods, StreamBook
+from tokembed.client._sync_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client.errors import EmbeddingError
 from tokembed.client.results import EmbedResult, ModelInfo, ModelList
 from tokembed.v1 import embedding_pb2 as pb
@@ -34,23 +43,19 @@ T = TypeVar("T")
 
 
 class EmbeddingClient(ClientBase):
-    """Blocking client of a tokembed server (see ``ClientBase.__init__`` for arguments)."""
+    """A client of a tokembed server (see ``ClientBase.__init__`` for arguments)."""
+
+    _connection: Connection
 
     def _open(self) -> None:
-        s = self._settings
-        if s.credentials is not None:
-            self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
-        else:
-            self._channel = grpc.insecure_channel(s.target, options=s.options)
-        self._methods = Methods(self._channel)
+        self._connection = Connection(self._settings)
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         """Close the channel; calls in flight are cancelled. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._channel.close()
+        self._closed = True
+        self._connection.close()
 
     def __enter__(self) -> EmbeddingClient:
         return self
@@ -85,15 +90,15 @@ class EmbeddingClient(ClientBase):
         model, BERT's: ``info().inputs``), one token type id per id, in any form ``ids``
         takes and of their shape; None: every type is 0.
         """
-        call, deadline, model_name = self._start_embed(
+        methods = self._methods()
+        call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
-        if self._wants_chunked(model_name, call):
-            result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
-            return decode.check_array_shape(result.hidden_states, call.leading_shape)
-        raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
+        answer = self._send(methods, call, deadline, model_name)
+        if isinstance(answer, EmbedResult):
+            return decode.check_array_shape(answer.hidden_states, call.leading_shape)
         # The array alone: the result object around it is for embed_result's callers.
-        hidden = decode.embed_answer(raw, call.leading_shape, call.output_itemsize)
+        hidden = decode.embed_answer(answer, call.leading_shape, call.output_itemsize)
         self._learnt(model_name, hidden.shape[-1])
         return hidden
 
@@ -110,14 +115,13 @@ class EmbeddingClient(ClientBase):
         token_types: Any = None,
     ) -> EmbedResult:
         """Like :meth:`embed`, with lengths, server timings and the model's name/version."""
-        call, deadline, model_name = self._start_embed(
+        methods = self._methods()
+        call, deadline, model_name = self._embed_call(
             ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
         )
-        if self._wants_chunked(model_name, call):
-            result = self._with_retries("Embed", deadline, self._chunked_attempt(call))
-        else:
-            raw = self._with_retries("Embed", deadline, self._unary_attempt(call))
-            result = decode.decode_response(raw)
+        result = self._send(methods, call, deadline, model_name)
+        if not isinstance(result, EmbedResult):
+            result = decode.decode_response(result)
             self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape, call.sequence_first)
 
@@ -132,27 +136,38 @@ class EmbeddingClient(ClientBase):
         (``--shared-memory system``): its ``embed`` answers are written by the server into
         the region and returned as arrays over it, with no socket in between. Use it as a
         context manager; see ``tokembed.client.shared_memory`` for the contract."""
-        self._check_open()
+        channel = self._connected().channel()
+        # Imported here: only the callers who use it load it (and the V2 messages).
         from tokembed.client.shared_memory import SharedMemorySession
 
-        return SharedMemorySession(
-            self._channel, target=self.target, metadata=self._metadata(),
+        session = SharedMemorySession(
+            channel, target=self.target, metadata=self._metadata(),
             timeout_s=self._settings.timeout_s, model_name=self._settings.model_name,
             capacity_bytes=capacity_bytes, prefix=prefix, mode=mode,
         )  # fmt: skip
+        session._register()
+        return session
 
     def info(self, model: str | None = None, *, timeout_s: float | None = None) -> ModelInfo:
         """One served model and its limits: ``model`` (None: the client's ``model_name``;
         "": the server's default). Always asks the server."""
-        self._check_open()
-        return self._fetch_model_info(self._model(model), self._deadline(timeout_s))
+        get, metadata = self._methods().get_model_info, self._metadata()
+        model_name = self._model(model)
+        request = pb.GetModelInfoRequest(model_name=model_name)
+        message = self._with_retries(
+            "GetModelInfo",
+            self._deadline(timeout_s),
+            lambda t: get(request, timeout=t, metadata=metadata),
+        )
+        info = ModelInfo.from_proto(message)
+        self._learnt(model_name, info.d_model)
+        return info
 
     model_info = info  # the name of releases before several models; the same method
 
     def models(self, *, timeout_s: float | None = None) -> ModelList:
         """Every model the server serves, and its default (ListModels)."""
-        self._check_open()
-        list_models, metadata = self._methods.list_models, self._metadata()
+        list_models, metadata = self._methods().list_models, self._metadata()
         message = self._with_retries(
             "ListModels",
             self._deadline(timeout_s),
@@ -162,7 +177,7 @@ class EmbeddingClient(ClientBase):
 
     def embed_stream(
         self,
-        inputs: Iterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
@@ -173,10 +188,11 @@ class EmbeddingClient(ClientBase):
         """Embed each input over one EmbedStream; yields one array per input, in order.
 
         A failed input raises its typed error when its turn comes (answers before it have
-        been yielded) and ends the stream. ``inputs`` is consumed by a gRPC thread.
-        ``timeout_s`` bounds the whole stream; the default is no deadline. Streams are not
-        retried (the inputs are consumed as they go). ``model``: as for :meth:`embed`, for
-        every input of the stream.
+        been yielded) and ends the stream. ``inputs``: an iterable (for the asyncio client,
+        an async one too), read as the stream goes (the blocking client's, by a gRPC
+        thread). ``timeout_s`` bounds the whole stream; the default is no deadline.
+        Streams are not retried (the inputs are consumed as they go). ``model``: as for
+        :meth:`embed`, for every input of the stream.
         """
         results = self.embed_stream_results(
             inputs,
@@ -192,7 +208,7 @@ class EmbeddingClient(ClientBase):
     @overload
     def embed_stream_results(
         self,
-        inputs: Iterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
@@ -205,7 +221,7 @@ class EmbeddingClient(ClientBase):
     @overload
     def embed_stream_results(
         self,
-        inputs: Iterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = ...,
         *,
         layout: codec.Layout = ...,
@@ -217,7 +233,7 @@ class EmbeddingClient(ClientBase):
 
     def embed_stream_results(
         self,
-        inputs: Iterable[Any],
+        inputs: Inputs,
         dtype: codec.OutputDType | str = "float32",
         *,
         layout: codec.Layout = "padded",
@@ -228,12 +244,12 @@ class EmbeddingClient(ClientBase):
     ) -> Iterator[EmbedResult | EmbeddingError]:
         """Like :meth:`embed_stream`, yielding results; with ``return_exceptions=True`` a
         failed input yields its EmbeddingError in its place and the stream goes on."""
-        self._check_open()
+        embed_stream = self._methods().embed_stream
         book = StreamBook(dtype, layout, self._model(model), return_exceptions, sequence_first)
 
         def requests() -> Iterator[bytes]:
             try:
-                for item in inputs:
+                for item in iterate(inputs):
                     request = book.request(item)
                     if book.stopped:
                         return  # half-close; the answers raise its error in its turn
@@ -242,14 +258,16 @@ class EmbeddingClient(ClientBase):
             except Exception as exc:
                 book.failure = exc
 
-        call = self._methods.embed_stream(requests(), timeout=timeout_s, metadata=self._metadata())
+        call = embed_stream(requests(), timeout=timeout_s, metadata=self._metadata())
         try:
             try:
                 for raw in call:
-                    yield from book.answer(raw)
+                    for outcome in book.answer(raw):
+                        yield outcome
             except grpc.RpcError as exc:
                 raise book.broken(exc) from exc
-            yield from book.end()
+            for outcome in book.end():
+                yield outcome
             book.check_ended()
         finally:
             call.cancel()  # a no-op once the call has finished
@@ -258,8 +276,7 @@ class EmbeddingClient(ClientBase):
         """The standard gRPC health status: "SERVING", "NOT_SERVING", "UNKNOWN", or
         "SERVICE_UNKNOWN" when the server knows no such service. Not retried: a health
         check reports the present. Needs the grpcio-health-checking package."""
-        self._check_open()
-        health = Health(self._channel)
+        health = Health(self._connected().channel())
         try:
             response = health.check(
                 health.request(service),
@@ -272,36 +289,30 @@ class EmbeddingClient(ClientBase):
 
     # ------------------------------------------------------------------ internals
 
-    def _start_embed(
-        self,
-        ids: Any,
-        dtype: Any,
-        layout: str,
-        model: str | None,
-        timeout_s: float | None,
-        request_id: str,
-        sequence_first: bool,
-        token_types: Any = None,
-    ) -> tuple[codec.EmbedCall, Deadline, str]:
-        """The call encoded, its deadline, and the model it is for."""
+    def _connected(self) -> Connection:
+        """The connection, once the client is known to be open (a closed one raises)."""
         self._check_open()
-        call, deadline, model_name = self._embed_call(
-            ids, dtype, layout, model, timeout_s, request_id, sequence_first, token_types
-        )
-        return call, deadline, model_name
+        return self._connection
 
-    def _unary_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], bytes]:
-        """One Embed attempt with a given timeout: the answer's raw bytes."""
-        embed, request, metadata = self._methods.embed, call.request, self._metadata()
-        return lambda timeout: embed(request, timeout=timeout, metadata=metadata)
+    def _methods(self) -> Methods:
+        self._check_open()
+        return self._connection.methods()
 
-    def _chunked_attempt(self, call: codec.EmbedCall) -> Callable[[float | None], EmbedResult]:
-        """One EmbedChunked attempt with a given timeout: the answer reassembled."""
-
-        def attempt(timeout: float | None) -> EmbedResult:
-            stream = self._methods.embed_chunked(
-                call.request, timeout=timeout, metadata=self._metadata()
+    def _send(
+        self, methods: Methods, call: codec.EmbedCall, deadline: Deadline, model_name: str
+    ) -> EmbedResult | bytes:
+        """One Embed call: its answer reassembled from EmbedChunked when it is large (see
+        ``_wants_chunked``), else the raw bytes of Embed's answer."""
+        request, metadata = call.request, self._metadata()
+        if not self._wants_chunked(model_name, call):
+            embed = methods.embed
+            raw: bytes = self._with_retries(
+                "Embed", deadline, lambda t: embed(request, timeout=t, metadata=metadata)
             )
+            return raw
+
+        def chunked(timeout: float | None) -> EmbedResult:
+            stream = methods.embed_chunked(request, timeout=timeout, metadata=metadata)
             try:
                 assembler = decode.ChunkAssembler()
                 for raw in stream:
@@ -310,24 +321,12 @@ class EmbeddingClient(ClientBase):
             finally:
                 stream.cancel()
 
-        return attempt
+        return self._with_retries("Embed", deadline, chunked)
 
-    def _fetch_model_info(self, model_name: str, deadline: Deadline) -> ModelInfo:
-        request = pb.GetModelInfoRequest(model_name=model_name)
-        get, metadata = self._methods.get_model_info, self._metadata()
-        message = self._with_retries(
-            "GetModelInfo", deadline, lambda t: get(request, timeout=t, metadata=metadata)
-        )
-        info = ModelInfo.from_proto(message)
-        self._learnt(model_name, info.d_model)
-        return info
-
-    def _with_retries(
-        self, what: str, deadline: Deadline, attempt: Callable[[float | None], T]
-    ) -> T:
+    def _with_retries(self, what: str, deadline: Deadline, attempt: Attempt[T]) -> T:
         attempts = Attempts(what, self._settings.retry, deadline, self._is_open)
         while True:
             try:
                 return attempt(attempts.timeout())
             except grpc.RpcError as exc:
-                time.sleep(attempts.failed(exc))
+                sleep(attempts.failed(exc))

@@ -10,6 +10,7 @@ checkpoint's index names it) and builds on this.
 
 from __future__ import annotations
 
+import difflib
 import io
 import json
 import math
@@ -87,7 +88,7 @@ class CheckpointMatrix:
         A memory-mapped file keeps every page read through the mapping resident, and
         counted as this process's, until it is unmapped; and the kernel maps pages around
         each one read (whole large folios of the page cache, here): a few hundred random
-        rows of a 1 GiB file left 600 MiB of it resident."""
+        rows of a large file left most of it resident."""
 
     def close(self) -> None:
         """Let go of the file."""
@@ -124,10 +125,20 @@ def _check_suffix(path: Path) -> None:
 
 def missing_key(key: str, path: Path, shapes: Mapping[str, list[int]]) -> KeyMissing:
     matrices = sorted(name for name, shape in shapes.items() if len(shape) == 2)
+    near = near_keys(key, matrices)
     return KeyMissing(
         f"key {key!r} not found in {path.name}; keys holding 2-D matrices: "
         + (", ".join(matrices) if matrices else "(none)")
+        + (f"; did you mean {' or '.join(map(repr, near))}?" if near else "")
     )
+
+
+def near_keys(key: str, names: list[str]) -> list[str]:
+    """The names ``key`` was probably meant as: those whose dotted tail it is (a model saved
+    under a prefix: ``bert.embeddings...``), those that are its dotted tail (saved without
+    one), else the closest spellings."""
+    tails = [n for n in names if n.endswith(f".{key}") or key.endswith(f".{n}")]
+    return tails[:3] or difflib.get_close_matches(key, names, n=3, cutoff=0.8)
 
 
 def _check_matrix(key: str, path: Path, shape: list[int], dtype: object) -> tuple[int, int]:

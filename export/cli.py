@@ -7,6 +7,9 @@ import logging
 from pathlib import Path
 
 from tokembed.export import kind_cli
+from tokembed.export.architecture import OVERRIDE_FLAG
+from tokembed.export.checkpoint_dir import checkpoint_in
+from tokembed.export.config_flags import as_configured, print_notes
 from tokembed.export.errors import ExportError
 from tokembed.export.kinds import TOKEN
 from tokembed.export.manifest import Manifest
@@ -16,8 +19,6 @@ from tokembed.export.out_dir import check_out_dir
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_D_MODEL = 512
 DEFAULT_SEED = 0
-# What [export] adds to [server]: without them, the command says so in one line.
-_EXPORT_ONLY_PACKAGES = ("torch", "onnxscript")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="checkpoint: a torch state_dict (.pt/.pth/.bin), .safetensors, or a sharded "
         "checkpoint's *.safetensors.index.json / pytorch_model.bin.index.json (only the "
-        "shard holding --key is read)",
+        "shard holding --key is read), or the directory transformers saved it in; the "
+        "config.json beside it decides the default --scale and --padding-idx",
     )
     parser.add_argument("--key", default=None, help="key of the [V,D] matrix in --weights")
     parser.add_argument(
@@ -69,24 +71,32 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=["float32", "float16", "bfloat16"],
         help="storage dtype of the table: float16 and bfloat16 take half the bytes (float16 "
         "must hold the table's largest value; bfloat16 has float32's range and 8 bits of "
-        "precision, and keeps a bfloat16 checkpoint exactly). Answers are float32 unless a "
-        "request asks for another dtype",
+        "precision, and keeps a bfloat16 checkpoint exactly). Default float32. Answers are "
+        "float32 unless a request asks for another dtype",
     )
     parser.add_argument(
         "--scale",
         default=None,
-        help="'sqrt' (sqrt(D); the default for a token model), 'none' (1.0; the default "
-        "for the segment and factorized kinds) or a positive number",
+        help="'sqrt' (sqrt(D)), 'none' (1.0) or a positive number. Default: what the "
+        "architecture in the config.json beside --weights computes; else sqrt for a token "
+        "model, none for the segment and factorized kinds",
     )
     parser.add_argument(
         "--padding-idx",
         type=int,
         default=None,
-        help="padding id: its row starts as zeros (random init) and is recorded",
+        help="padding id: its row starts as zeros (random init) and is recorded (default: "
+        "config.json's pad_token_id, beside --weights)",
+    )
+    parser.add_argument(
+        OVERRIDE_FLAG,
+        action="store_true",
+        help="export the --scale and --padding-idx given even where they contradict what "
+        "the architecture in config.json beside --weights computes",
     )
     parser.add_argument(
         "--name",
@@ -111,6 +121,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     """Export; a bad input is reported as one line (by the caller) via ExportError."""
+    # Left out, --dtype is float32; a checkpoint in another one is then told so.
+    args.dtype_given, args.dtype = args.dtype is not None, args.dtype or "float32"
+    # What the export has to say beside its result, printed once it succeeded.
+    args.notes = []
     if args.builtin:
         return _builtin(args)
     # Flags that need no checkpoint are checked before torch is imported: a mistyped
@@ -121,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
     if args.output_projection is not None and args.weights is None:
         raise ExportError("--output-projection needs --weights")
+    if args.override_config and args.weights is None:
+        raise ExportError(f"{OVERRIDE_FLAG} needs --weights (it overrides their config.json's)")
+    if args.weights is not None:
+        args.weights = checkpoint_in(args.weights)
     # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
     # ValueError deep inside the export, which would surface as a traceback.
     if not 0 <= args.seed < 2**64:
@@ -137,22 +155,16 @@ def run(args: argparse.Namespace) -> int:
         _check_padding(args.padding_idx, vocab_size)
 
     # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
-    try:
-        from tokembed.export.module import TokenEmbedding, random_table
-        from tokembed.export.onnx_export import ExportOptions, export_model
-    except ModuleNotFoundError as exc:
-        # A server-only install (tokembed[server]) has the command but not torch.
-        if exc.name not in _EXPORT_ONLY_PACKAGES:
-            raise
-        raise ExportError(
-            f"tokembed export needs {exc.name}, which is not installed: install a CPU torch "
-            "and tokembed[export] (see the README)"
-        ) from exc
+    # Without it (a server-only install), cli/main.py says which extra to install.
+    from tokembed.export.module import TokenEmbedding, random_table
+    from tokembed.export.onnx_export import ExportOptions, export_model
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
     if kind != TOKEN:  # the segment and factorized kinds (BERT's, ALBERT's)
         random_sizes = (vocab_size, d_model) if args.weights is None else None
-        return kind_cli.run(args, kind, name, random_sizes)
+        code = kind_cli.run(args, kind, name, random_sizes)
+        print_notes(args.notes)
+        return code
     if args.weights is not None:
         manifest = _from_checkpoint(args, name)
     else:
@@ -189,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         tie = manifest.tie
         state = "tied to" if tie.tied else "not tied to"
         print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
+    print_notes(args.notes)
     return 0
 
 
@@ -209,7 +222,9 @@ def _from_checkpoint(args: argparse.Namespace, name: str) -> Manifest:
             if given is not None and given != actual:
                 raise ExportError(f"{flag} {given} disagrees with the checkpoint's {actual}")
         _check_padding(args.padding_idx, vocab_size)
-        scale = resolve_scale(args.scale if args.scale is not None else "sqrt", d_model)
+        dtype_name = str(matrix.dtype).removeprefix("torch.")
+        given_scale, padding_idx = as_configured(args, matrix.shape, dtype_name, "sqrt")
+        scale = resolve_scale(given_scale, d_model)
         tie = None
         if args.output_projection is not None:
             tie = find_tie(matrix, args.weights, args.output_projection)
@@ -227,7 +242,7 @@ def _from_checkpoint(args: argparse.Namespace, name: str) -> Manifest:
             matrix,
             args.out,
             scale=scale,
-            padding_idx=args.padding_idx,
+            padding_idx=padding_idx,
             weight_dtype=args.dtype,
             name=name,
             version=args.model_version,
@@ -246,6 +261,7 @@ def _builtin(args: argparse.Namespace) -> int:
         ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
         ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
         ("--force", args.force or None), ("--segment-key", args.segment_key),
+        (OVERRIDE_FLAG, args.override_config or None),
         ("--projection-key", args.projection_key), ("--kind", args.kind),
         ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
     ) if given is not None]  # fmt: skip

@@ -24,6 +24,7 @@ import torch
 
 from tokembed.export.checkpoint_files import CheckpointMatrix
 from tokembed.export.errors import ExportError, ParityError
+from tokembed.export.hashing import phase
 from tokembed.export.manifest import (
     INPUT_NAME,
     MODEL_NAME,
@@ -37,7 +38,12 @@ from tokembed.export.manifest import (
 from tokembed.export.module import check_table_sizes
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
-from tokembed.export.parity import check_in_slices, parity_ids, storage_tolerance
+from tokembed.export.parity import (
+    PARITY_PHASE,
+    check_in_slices,
+    parity_ids,
+    storage_tolerance,
+)
 from tokembed.export.staging import (
     file_entries,
     make_staging_dir,
@@ -82,11 +88,13 @@ def export_checkpoint(
     name = name if name is not None else model_name_for(out_dir)
     staging = make_staging_dir(out_dir)
     try:
-        largest = _write_table(matrix, staging / DATA_NAME, weight_dtype)
+        with phase(f"reading {matrix.key} from {matrix.file.name} into a {weight_dtype} table"):
+            largest = _write_table(matrix, staging / DATA_NAME, weight_dtype)
         opset = write_graph(staging, vocab_size, d_model, weight_dtype, scale)
-        parity = _check_parity(
-            matrix, staging / MODEL_NAME, weight_dtype, scale, largest, padding_idx, seed
-        )
+        with phase(PARITY_PHASE):
+            parity = _check_parity(
+                matrix, staging / MODEL_NAME, weight_dtype, scale, largest, padding_idx, seed
+            )
         manifest = Manifest(
             name=name,
             version=version,

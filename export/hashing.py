@@ -1,9 +1,13 @@
-"""sha256 of files, with a progress line on a terminal for large ones."""
+"""sha256 of files, with a progress line on a terminal for large ones; and the line each
+long phase of an export shows there (``phase``)."""
 
 from __future__ import annotations
 
 import hashlib
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -35,6 +39,29 @@ class Progress:
         if self._enabled:
             self._stream.write("\n")
             self._stream.flush()
+
+
+@contextmanager
+def phase(label: str, stream: TextIO | None = None) -> Iterator[None]:
+    """One line on a terminal for a phase of an export: ``label ...`` when it starts,
+    completed with ``done in N s`` (or ``failed``) when it ends; nothing in pipes, logs
+    or CI, as ``Progress``."""
+    out = stream if stream is not None else sys.stderr
+    enabled = out.isatty()
+    if enabled:
+        out.write(f"{label} ...")
+        out.flush()
+    started = time.monotonic()
+    try:
+        yield
+    except BaseException:
+        if enabled:
+            out.write(" failed\n")
+            out.flush()
+        raise
+    if enabled:
+        out.write(f" done in {time.monotonic() - started:.1f} s\n")
+        out.flush()
 
 
 def sha256_file(path: Path, label: str | None = None) -> str:

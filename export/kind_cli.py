@@ -122,11 +122,16 @@ def run(
     from tokembed.export.kind_modules import FactorizedEmbedding, SegmentEmbedding
     from tokembed.export.onnx_export import ExportOptions
 
-    scale = args.scale if args.scale is not None else "none"
+    scale: float | str = args.scale if args.scale is not None else "none"
+    padding_idx = args.padding_idx
     module: KindModule
     if args.weights is not None:
-        from tokembed.export.weights import load_matrix
+        from tokembed.export.config_flags import as_configured
+        from tokembed.export.weights import load_matrix, open_matrix
 
+        with open_matrix(args.weights, args.key) as matrix:
+            shape, stored = matrix.shape, str(matrix.dtype).removeprefix("torch.")
+        scale, padding_idx = as_configured(args, shape, stored, "none")
         words = load_matrix(args.weights, args.key)
         for flag, given, actual in (
             ("--vocab-size", args.vocab_size, int(words.shape[0])),
@@ -138,7 +143,7 @@ def run(
         if kind == SEGMENT:
             keys["segment_key"] = args.segment_key
             segment = load_matrix(args.weights, args.segment_key)
-            module = SegmentEmbedding(words, segment, scale, args.padding_idx)
+            module = SegmentEmbedding(words, segment, scale, padding_idx)
         else:
             keys["projection_key"] = args.projection_key
             projection = load_matrix(args.weights, args.projection_key)
@@ -151,7 +156,7 @@ def run(
                     f"--d-model {args.d_model} disagrees with the projection's "
                     f"{int(projection.shape[0])}"
                 )
-            module = FactorizedEmbedding(words, projection, bias, scale, args.padding_idx)
+            module = FactorizedEmbedding(words, projection, bias, scale, padding_idx)
         source: dict[str, object] = {
             "kind": "checkpoint",
             "file": args.weights.name,
@@ -189,7 +194,7 @@ def run(
 
 
 def _random_module(
-    args: argparse.Namespace, kind: str, vocab_size: int, d_model: int, scale: str
+    args: argparse.Namespace, kind: str, vocab_size: int, d_model: int, scale: float | str
 ) -> KindModule:
     import torch
 

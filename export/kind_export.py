@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tokembed.export.errors import ExportError, ParityError
+from tokembed.export.hashing import phase
 from tokembed.export.kind_graphs import Table, write_factorized_graph, write_segment_graph
 from tokembed.export.kind_modules import FactorizedEmbedding, SegmentEmbedding
 from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN_TYPE_IDS
@@ -44,7 +45,7 @@ from tokembed.export.manifest import (
 from tokembed.export.naming import model_name_for
 from tokembed.export.onnx_export import ExportOptions
 from tokembed.export.out_dir import check_out_dir
-from tokembed.export.parity import parity_ids
+from tokembed.export.parity import PARITY_PHASE, parity_ids
 from tokembed.export.staging import (
     file_entries,
     make_staging_dir,
@@ -79,8 +80,10 @@ def export_kind_model(module: KindModule, options: ExportOptions) -> Manifest:
     staging = make_staging_dir(out_dir)
     try:
         with torch.no_grad():
-            opset = _write_graph(module, stored, staging)
-            parity = _check_parity(module, staging, options.weight_dtype, options.seed)
+            with phase(f"writing the graph ({options.weight_dtype} tables)"):
+                opset = _write_graph(module, stored, staging)
+            with phase(PARITY_PHASE):
+                parity = _check_parity(module, staging, options.weight_dtype, options.seed)
         manifest = Manifest(
             name=name,
             version=options.version,

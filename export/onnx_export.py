@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tokembed.export.errors import ExportError, ParityError
+from tokembed.export.hashing import phase
 from tokembed.export.manifest import (
     INPUT_NAME,
     MODEL_NAME,
@@ -32,7 +33,7 @@ from tokembed.export.manifest import (
 from tokembed.export.module import StoredAs, TokenEmbedding
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
-from tokembed.export.parity import parity_ids
+from tokembed.export.parity import PARITY_PHASE, parity_ids
 from tokembed.export.staging import (
     file_entries,
     make_staging_dir,
@@ -73,8 +74,10 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
         _check_fits(module, options.weight_dtype)
     staging = make_staging_dir(out_dir)
     try:
-        exported = _export_graph(module, options.weight_dtype, staging / MODEL_NAME)
-        parity = _check_parity(module, staging / MODEL_NAME, options.weight_dtype, options.seed)
+        with phase(f"exporting the graph ({options.weight_dtype} table) with torch"):
+            exported = _export_graph(module, options.weight_dtype, staging / MODEL_NAME)
+        with phase(PARITY_PHASE):
+            parity = _check_parity(module, staging / MODEL_NAME, options.weight_dtype, options.seed)
         files = file_entries(staging)
         manifest = Manifest(
             name=name,

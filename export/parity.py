@@ -11,6 +11,8 @@ from tokembed.export.errors import ParityError
 from tokembed.export.manifest import Parity
 
 # Tables up to this size are checked on every row; larger ones on a random sample.
+# What a terminal shows while the check runs (``hashing.phase``).
+PARITY_PHASE = "checking the graph in onnxruntime against torch"
 _FULL_PARITY_MAX_BYTES = 256 * 1024 * 1024
 _SAMPLED_PARITY_IDS = 16384
 

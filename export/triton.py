@@ -11,7 +11,8 @@ and dims (the batch dimension implicit: ``max_batch_size`` > 0), the instance gr
 GPU) and dynamic batching (requests of the same sequence length are batched, waiting at
 most ``max_queue_delay_microseconds``). The model directory is checked as the server checks
 it (every file's sha256 too) before anything is copied; the repository entry is written
-beside its destination and moved in whole. Needs neither torch nor onnx nor Triton.
+beside its destination and moved in whole. Needs neither torch nor Triton: the graph is
+checked with onnx, which tokembed[server] brings.
 
 What is checked here (tests/export/test_export_triton.py): config.pbtxt parses with
 Triton's own ``ModelConfig`` message (tritonclient ships it) and says what is written
@@ -62,7 +63,8 @@ class TritonOptions:
 
 
 def export_triton(model_dir: Path, out: Path, options: TritonOptions) -> Path:
-    """Write the repository entry for ``model_dir`` into ``out``; return its directory."""
+    """Write the repository entry for ``model_dir`` into ``out``; return its version
+    directory (``OUT/<name>/<version>``)."""
     from tokembed.export.model_dir import load_model_dir
     from tokembed.export.staging import make_staging_dir, publish_new
 
@@ -97,7 +99,7 @@ def export_triton(model_dir: Path, out: Path, options: TritonOptions) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return destination
+    return destination / str(version)
 
 
 def config_pbtxt(model: ModelDir, name: str, version: int, options: TritonOptions) -> str:
@@ -227,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads, version=args.version, name=args.name,
         force=args.force,
     )  # fmt: skip
-    written = export_triton(args.model_dir, args.out, options)
-    print(f"wrote {written / CONFIG_NAME} and {written}/<version>/ for Triton's onnxruntime "
-          "backend")  # fmt: skip
+    version_dir = export_triton(args.model_dir, args.out, options)
+    print(f"wrote {version_dir.parent / CONFIG_NAME} and {version_dir}/ for Triton's "
+          "onnxruntime backend")  # fmt: skip
     return 0

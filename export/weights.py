@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from tokembed.export.architecture import CONFIG_NAME
 from tokembed.export.checkpoint_files import (
     INDEX_SUFFIX,
     CheckpointMatrix,
@@ -27,11 +28,9 @@ from tokembed.export.checkpoint_files import (
     tensor_shapes,
 )
 from tokembed.export.errors import CheckpointError
-from tokembed.export.hashing import Progress
+from tokembed.export.hashing import phase
 from tokembed.export.manifest import Tie
 
-# The file transformers writes beside a checkpoint: the model's configuration.
-CONFIG_NAME = "config.json"
 # Rows are compared (ties) this many bytes at a time.
 _COMPARE_BYTES = 32 * 1024 * 1024
 
@@ -48,12 +47,8 @@ def open_matrix(path: Path, key: str) -> CheckpointMatrix:
 def load_matrix(path: Path, key: str) -> torch.Tensor:
     """The 2-D float tensor stored under ``key`` in a state_dict, a safetensors file or a
     sharded checkpoint's index, read whole and widened to float32, a copy of its own."""
-    with open_matrix(path, key) as matrix:
-        progress = Progress(f"loading {matrix.file.name}", matrix.shape[0] * matrix.row_bytes)
-        progress.update(0)
+    with open_matrix(path, key) as matrix, phase(f"loading {key} from {matrix.file.name}"):
         rows = matrix.rows(0, matrix.shape[0])
-        progress.update(matrix.shape[0] * matrix.row_bytes)
-        progress.close()
     # rows is a fresh tensor already; widening makes another only when the dtype differs.
     return rows.to(torch.float32)
 

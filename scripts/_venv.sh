@@ -6,7 +6,11 @@
 #
 # Idempotent and quick when done: a stamp in the environment records a hash of what was
 # installed from (pyproject.toml, the list of package files, the Python version, the torch
-# pin); while it matches, nothing is installed. One line per step, on stderr.
+# pin); while it matches, nothing is installed. The stamp cannot see what was installed
+# into the environment since (a later `pip install` may downgrade a package under the
+# server: protobuf under grpcio-health-checking's generated code), so the server's modules
+# are imported too; when they fail, tokembed is installed again, and if they still fail the
+# set-up stops with the error and how to start anew. One line per step, on stderr.
 #
 # Left alone, for people who manage their own environment: an active virtual environment
 # other than ours ($VIRTUAL_ENV), or TOKEMBED_NO_SETUP=1. Then the commands run from PATH.
@@ -44,6 +48,15 @@ PY
 
 _pip() { "$TOKEMBED_VENV_DIR/bin/python" -m pip --disable-pip-version-check "$@"; }
 
+# What `tokembed serve` imports before it serves (the server with its gRPC services,
+# onnxruntime, the loader's onnx): prints nothing when they import, else the error's last
+# line. Succeeds either way (scripts/serve runs under `set -e -o pipefail`).
+_import_error() {
+    "$TOKEMBED_VENV_DIR/bin/python" -c \
+        'import tokembed.server.app, tokembed.server.backends.sessions, onnx' 2>&1 >/dev/null |
+        tail -n 1 || true
+}
+
 tokembed_setup() {
     local extra="$1" venv="$TOKEMBED_VENV_DIR" python="${PYTHON:-python3}" started=$SECONDS
     if [ "${TOKEMBED_NO_SETUP:-0}" = 1 ]; then
@@ -69,17 +82,30 @@ tokembed_setup() {
         flock 9
     fi
     local pin="" key stamp_dev="$venv/.tokembed-setup-dev" stamp="$venv/.tokembed-setup-$extra"
+    local name="${venv#"$PWD/"}" ready=0 error
     [ "$extra" = dev ] && pin="$TOKEMBED_TORCH_PIN"
     key="$(_setup_key "$python" "$extra $pin")"
     # A dev set-up holds everything the server needs.
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] ||
         { [ "$extra" = server ] && [ -f "$stamp_dev" ] &&
             [ "$(cat "$stamp_dev")" = "$(_setup_key "$python" "dev $TOKEMBED_TORCH_PIN")" ]; }; then
-        _say "${venv#"$PWD/"} is set up for tokembed[$extra]"
-    else
+        error="$(_import_error)"
+        if [ -z "$error" ]; then
+            ready=1
+            _say "$name is set up for tokembed[$extra]"
+        else
+            _say "$name was set up for tokembed[$extra], but the server no longer imports" \
+                "($error): installing it again"
+        fi
+    fi
+    if [ "$ready" = 0 ]; then
+        rm -f "$stamp"
         _install "$extra" "$python" "$venv" "$pin"
+        error="$(_import_error)"
+        [ -z "$error" ] || _fail "the server does not import in $name after installing" \
+            "tokembed[$extra] ($error); start anew: rm -rf $name, then run this again"
         printf '%s\n' "$key" >"$stamp"
-        _say "${venv#"$PWD/"} set up for tokembed[$extra] in $((SECONDS - started)) s"
+        _say "$name set up for tokembed[$extra] in $((SECONDS - started)) s"
     fi
     if command -v flock >/dev/null 2>&1; then
         exec 9>&-
@@ -104,7 +130,7 @@ _install() {
     if [ -n "$pin" ]; then
         _say "installing $pin, the CPU build (extra index $TOKEMBED_TORCH_INDEX)"
         # torch alone: its dependencies come with the next step from the usual indexes, so
-        # an unreachable extra index costs one look-up's retries (~8 s), not one per package.
+        # an unreachable extra index costs one look-up's retries, not one per package.
         _pip install --quiet --no-deps --extra-index-url "$TOKEMBED_TORCH_INDEX" "$pin"
     fi
     _say "installing tokembed[$extra] from this checkout (editable) and its dependencies"

@@ -156,7 +156,7 @@ def _table_or_runtime(
     manifest = model.manifest
     d_model = manifest.d_model
     # The tables and casts computed at load need no arena: what they allocate is given
-    # back (an arena kept 16-32 MB resident that no look-up used afterwards).
+    # back (an arena kept memory resident that no look-up used afterwards).
     at_load = SessionOptions(
         device=settings.device,
         intra_op_threads=settings.intra_op_threads,

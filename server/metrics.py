@@ -37,7 +37,8 @@ from tokembed.server.request_metrics import (
     RequestMetricsCollector,
 )
 
-# Sub-millisecond resolution: a tiny look-up is ~10 µs and a round trip ~0.6 ms here.
+# Sub-millisecond resolution: a tiny look-up takes microseconds, a round trip less than a
+# millisecond.
 LATENCY_BUCKETS_S = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -56,9 +57,9 @@ class PendingUpdates(Collector):
     """Metric updates made on the request path, applied to the metrics in bulk.
 
     Why: every prometheus_client update takes a lock and runs a little Python, and one
-    tiny request makes a dozen of them: ~25 us of a ~0.8 ms round trip, measured in the
+    tiny request makes a dozen of them: a measurable part of its round trip in the
     running server (far more than the same calls cost in a hot loop). Appending to a
-    deque is lock-free and thread-safe under the GIL (~0.1 us). (The series a served
+    deque is lock-free, thread-safe under the GIL, and cheap. (The series a served
     request updates are moreover plain numbers, see request_metrics.) The updates are applied
     before every collection (a scrape, or a test reading the registry: this collector is
     registered before the metrics, and the registry collects in registration order), and

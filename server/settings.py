@@ -3,6 +3,8 @@
 Configuration enters here once (``Settings.from_args``) and is passed into the
 constructors; nothing else in the server reads ``os.environ``.
 Precedence: command-line flag, then environment variable, then default.
+Written over argparse and dataclasses (pydantic-settings would do it): the server carries
+no dependency for this alone.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Settings:
         choices=("cpu", "cuda", "auto"),
     )
     # One thread: the look-up is a memory-bound Gather, and on a small machine a second
-    # onnxruntime thread only takes a core from gRPC (measured: 10.5 ms with one thread,
-    # 16.7 ms with two, for a [32,512] look-up at D=512 on the 2-core dev machine).
+    # onnxruntime thread only takes a core from gRPC (a large look-up measured slower with
+    # two threads than with one on a 2-core machine).
     intra_op_threads: int = _setting(
         1, "onnxruntime intra-op threads (0: one per core, onnxruntime's default)"
     )
@@ -122,6 +124,12 @@ class Settings:
         "hand free heap memory back to the OS this often, so resident memory follows what "
         "is live rather than the highest peak seen (0: never)",
     )
+    max_concurrent_streams: int = _setting(
+        100,
+        "calls open at once on one client connection (HTTP/2 streams); further calls wait "
+        "in the client until one ends. Bounds what one connection can make the server hold "
+        "before its calls are authenticated",
+    )
     # --- lifecycle and logs
     max_connection_age_s: float = _setting(
         0.0,
@@ -159,9 +167,10 @@ class Settings:
         "off",
         "system: V2 clients on this host may register POSIX shared-memory regions "
         "(Triton's system shared-memory extension) to send ids and receive answers through "
-        "them; off: every registration is refused. Any caller that may call the server "
-        "(the bearer token, when one is set) may register any object under "
-        "shared_memory_prefix that the server's user can open (docs/security.md)",
+        "them; off: every registration is refused. A region is its registrant's (client "
+        "certificate, else token); any caller may register any object under "
+        "shared_memory_prefix owned by the server's user (docs/security.md). One process: "
+        "not with workers > 1",
         choices=("off", "system"),
     )
     shared_memory_prefix: str = _setting(
@@ -170,7 +179,9 @@ class Settings:
         "(after the leading /); letters, digits, '.', '_' and '-' only",
     )
     shared_memory_max_regions: int = _setting(
-        64, "regions registered at once (each holds an open file); past it registration fails"
+        64,
+        "regions registered at once (each holds an open file, one unregistered too until the "
+        "requests using it end); past it registration fails",
     )
 
     @property
@@ -217,10 +228,20 @@ class Settings:
 
         A request needs at most 8 bytes per id and a <= 10-byte varint per length (every
         sequence holds >= 1 id), so it is far smaller than an answer. Decoded whatever
-        their size, 100 MiB of one-byte lengths became ~3 GB (8-byte integers twice over)
-        before validation could refuse them.
+        their size, one-byte lengths became 8-byte integers twice over before validation
+        could refuse them.
         """
         return self.max_tokens_per_request * (8 + 10) + MiB
+
+    @property
+    def max_receive_bytes(self) -> int:
+        """gRPC's receive limit: the largest valid request with a margin, so that a request
+        a little over ``max_request_bytes`` still reaches our parser (refused with our
+        message and counted) while anything larger is refused by gRPC before it is
+        buffered. Not the answer limit: a caller, authenticated or not, may make the
+        server hold this much per open call.
+        """
+        return self.max_request_bytes + MiB
 
     def __post_init__(self) -> None:
         # One directory may be given as it is (Settings(model_dir=path), as tests and
@@ -242,6 +263,7 @@ class Settings:
             "workers",
             "log_summary_interval_s",
             "shared_memory_max_regions",
+            "max_concurrent_streams",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -278,6 +300,14 @@ class Settings:
             raise ServerConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.workers > 1 and self.port == 0:
             raise ServerConfigError("workers > 1 needs a fixed port to share")
+        if self.workers > 1 and self.shared_memory == "system":
+            # Each process would keep a registry of its own: N times the region cap, and
+            # an unregistration that reaches one process of N.
+            raise ServerConfigError(
+                f"--shared-memory system needs one process; got --workers {self.workers} "
+                "(each worker would keep regions of its own): use --workers 1, or run "
+                "replicas with shared memory off"
+            )
         if self.default_model is not None and not self.default_model:
             raise ServerConfigError("default_model must be a model's name, got ''")
         if not SHM_PREFIX.fullmatch(self.shared_memory_prefix) or ".." in (

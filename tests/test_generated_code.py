@@ -1,4 +1,6 @@
-"""The committed protocol code is what the one recipe generates from the .proto now."""
+"""The committed generated code is what its recipe generates now: the protocol's from the
+.proto (scripts/gen_protos.py), the blocking client from the asyncio one
+(scripts/gen_sync_client.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ GENERATED_FILES = [
 ]
 
 
-def load_recipe() -> ModuleType:
-    path = ROOT / "scripts" / "gen_protos.py"
-    spec = importlib.util.spec_from_file_location("tokembed_gen_protos", path)
+def load_recipe(name: str = "gen_protos") -> ModuleType:
+    path = ROOT / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tokembed_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -80,3 +82,29 @@ def test_lower_bounds_are_what_the_generated_code_needs(name: str) -> None:
     else:
         made_by = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", text)
         assert made_by and made_by[1] == _lower_bound("grpcio"), name
+
+
+# --- the blocking client, generated from the asyncio one
+
+CLIENT = ROOT / "client"
+
+
+@pytest.fixture(scope="module")
+def regenerated_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("client")
+    load_recipe("gen_sync_client").generate(out)
+    return out
+
+
+def test_the_recipe_writes_each_blocking_twin_and_nothing_else(regenerated_client: Path) -> None:
+    written = sorted(p.name for p in regenerated_client.iterdir())
+    assert written == sorted(load_recipe("gen_sync_client").SOURCES.values())
+
+
+@pytest.mark.parametrize("name", ["sync.py", "shared_memory.py"])
+def test_committed_blocking_client_is_up_to_date(regenerated_client: Path, name: str) -> None:
+    committed = CLIENT / name
+    assert committed.read_text().startswith("# Generated from client/"), name
+    assert committed.read_bytes() == (regenerated_client / name).read_bytes(), (
+        f"client/{name} is stale: run `python scripts/gen_sync_client.py` and commit"
+    )

@@ -240,8 +240,8 @@ class Batcher(Generic[ItemT, ResultT]):
                     )
                 )
         # The dispatcher's loop variable holds this list until it takes the next batch,
-        # and each future in it holds its answer: one [32,512] answer (33.5 MB) stayed
-        # resident after the server went idle. Let go of them here.
+        # and each future in it holds its answer: one large answer stayed resident after
+        # the server went idle. Let go of them here.
         batch.clear()
 
     def _report_drop(self, reason: str) -> None:

@@ -1,11 +1,12 @@
 """The calls' bookkeeping: how many are in flight (the drain waits for them), when the last
-one came, and how each ended, told to the metrics and the log from here alone, whatever
-the protocol.
+one came, and how each ended, told to the metrics and the log here, whatever the protocol.
+(The scheduler reports its batches and drops itself, and a refusal of a method no front
+end serves, such as reflection's, is counted as a rejection by the server's wiring.)
 
-Refusals are logged so that a flood does not drown the log (a 1 s drain under load once
-wrote 1,719 lines): per reason, the first refusal in full as a WARNING, then one summary
-line per interval ("N more rejected (unavailable) in the last 10 s"); each refusal also
-has its own line at DEBUG. The metrics count every one.
+Refusals are logged so that a flood does not drown the log (a drain under load refuses
+every call that arrives): per reason, the first refusal in full as a WARNING, then one
+summary line per interval ("N more rejected (unavailable) in the last 10 s"); each
+refusal also has its own line at DEBUG. The metrics count every one.
 
 A front end describes itself once (``FrontEnd``: its protocol's name, its methods and the
 operation each serves, and its table from domain errors to status codes); every call
@@ -178,7 +179,7 @@ class Calls:
         if logger.isEnabledFor(logging.DEBUG):
             timings = delivered.timings
             logger.debug(
-                "%s ok shape=%s dtype=%s model=%s queue=%.6fs compute=%.6fs batch=%d/%d "
+                "%s ok shape=%s dtype=%s model=%r queue=%.6fs compute=%.6fs batch=%d/%d "
                 "total=%.6fs%s",
                 call.method, list(delivered.shape), delivered.dtype.name, call.model,
                 timings.queue_s, timings.compute_s, timings.batch_requests,
@@ -280,4 +281,4 @@ class _Window:
 
 def _request_id(call: Call) -> str:
     """The caller's request id, as the log lines echo it (the proto promises so)."""
-    return f" request_id={call.request_id}" if call.request_id else ""
+    return f" request_id={call.request_id!r}" if call.request_id else ""

@@ -51,8 +51,9 @@ class DeadlineExceeded(EmbedError):
 
 # A call cancelled less than this before its deadline ran out of time: the caller's own
 # timer fires a moment before the server's (its grpc-timeout was measured before the
-# request travelled), so its cancel can arrive first. The edge (the call's status) and
-# the batcher (why a queued request was dropped) tell the two apart by it alike.
+# request travelled), so its cancel can arrive first. The calls' bookkeeping (a gone
+# call's outcome: ``calls.Calls.gone``) and the batcher (why a queued request was
+# dropped) tell the two apart by it alike.
 DEADLINE_SLACK_S = 0.05
 
 

@@ -97,7 +97,9 @@ class Scheduler:
             raise Unavailable("this model version is unloaded")
         policy = self._policy
         if policy.batches:
-            key = operation.batch_key(job)
+            # A batch holds one operation's jobs; embed's may mix dtypes (a batch computes
+            # float32 rows and casts each job's own).
+            key = operation.name
             batcher = self._batchers.get(key)
             idle = batcher is None or batcher.idle
         else:  # a backend that never batches has no batcher to ask
@@ -173,7 +175,7 @@ class Scheduler:
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
         """A batch the batcher took: computed where the policy says, for its size."""
-        operation = items[0][0]  # one batch key, one operation
+        operation = items[0][0]  # a batcher per operation
         jobs = [job for _, job in items]
         tokens = sum(job.tokens for job in jobs)
         if self._policy.runs_inline(tokens, sum(job.output_bytes for job in jobs)):

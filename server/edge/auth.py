@@ -1,21 +1,23 @@
-"""Optional bearer-token authentication, as a server interceptor.
+"""Optional bearer-token authentication, as a server interceptor; and who a call comes
+from (``Identities``), as far as authentication can tell.
 
-Every RPC but the health service must carry ``authorization: Bearer <token>``; the
-token is compared in constant time. Health checks stay open so orchestrators can probe.
+Every RPC must carry ``authorization: Bearer <token>``; the token is compared in
+constant time. The methods given as open (health, so that orchestrators can probe) answer a
+caller without it through the handlers given for them (edge/health: the overall status
+alone).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import grpc
 
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def read_token(path: Path) -> bytes:
@@ -29,11 +31,18 @@ def read_token(path: Path) -> bytes:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, token: bytes, on_reject: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        token: bytes,
+        on_reject: Callable[[str], None] | None = None,
+        open_methods: Mapping[str, grpc.RpcMethodHandler] | None = None,
+    ) -> None:
         """``on_reject(method)``: told of each refused call, by its full method name
-        ("/tokembed.v1.EmbeddingService/Embed")."""
+        ("/tokembed.v1.EmbeddingService/Embed"); ``open_methods``: by full method name,
+        the handler that answers a call without the token instead of refusing it."""
         self._expected = b"Bearer " + token
         self._on_reject = on_reject
+        self._open = dict(open_methods or {})
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(
@@ -55,8 +64,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if details.method.startswith(HEALTH_PREFIX):
-            return await continuation(details)
         presented = b""
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
@@ -64,9 +71,40 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 break
         if hmac.compare_digest(presented, self._expected):
             return await continuation(details)
+        if details.method in self._open:
+            return self._open[details.method]
         handler = await continuation(details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
             return handler
         if self._on_reject is not None:
             self._on_reject(details.method)
         return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
+
+
+# The identity of every caller when the server tells none apart (no client certificates,
+# no token): what is registered is everyone's, as in Triton.
+ANYONE = "anyone"
+_CERTIFICATE = "x509_pem_cert"  # gRPC's auth context: the peer's verified certificate
+
+
+class Identities:
+    """Who a call comes from, as an opaque key (the shared-memory registry keeps regions
+    by it): the client certificate when mutual TLS is on (each certificate its own
+    identity, even two of one name from one CA); else the bearer token when one is set;
+    else ``ANYONE``. Keys are SHA-256 digests: the token itself is not kept."""
+
+    def __init__(self, *, client_certificates: bool, token: bool) -> None:
+        self._certificates = client_certificates
+        self._token = token
+
+    def of(self, context: grpc.aio.ServicerContext) -> str:
+        if self._certificates:
+            certificate = context.auth_context().get(_CERTIFICATE)
+            if certificate:
+                return "certificate:" + hashlib.sha256(certificate[0]).hexdigest()
+        if self._token:
+            for key, value in context.invocation_metadata() or ():
+                if key == "authorization":  # the interceptor let only the token's through
+                    presented = value.encode("utf-8") if isinstance(value, str) else value
+                    return "token:" + hashlib.sha256(presented).hexdigest()
+        return ANYONE

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from tokembed import __version__
 from tokembed.server.core.dataplane import DataPlane
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.edge.auth import BearerTokenInterceptor, read_token
+from tokembed.server.edge.auth import BearerTokenInterceptor, Identities, read_token
+from tokembed.server.edge.health import HEALTH_SERVICE, HealthFrontEnd
 from tokembed.server.edge.listening import check_port_free, tls_credentials
 from tokembed.server.edge.v1.requests import EmbedParser
 from tokembed.server.edge.v1.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
@@ -38,10 +39,18 @@ def build_grpc_server(
     """Both front ends over ``dataplane``, health and reflection, on a server not yet
     bound (``bind``); ``on_unauthenticated(method)`` hears of each call the bearer-token
     check refuses."""
+    # Without the token, health tells the status of the server and of its protocol's
+    # service: the names orchestrators probe. A model's name is the caller's to know.
+    health_front_end = HealthFrontEnd(health_servicer, public=("", SERVICE_NAME))
     interceptors = []
     if settings.auth_token_file is not None:
         token = read_token(settings.auth_token_file)
-        interceptors.append(BearerTokenInterceptor(token, on_reject=on_unauthenticated))
+        interceptors.append(
+            BearerTokenInterceptor(
+                token, on_reject=on_unauthenticated,
+                open_methods=health_front_end.unauthenticated(),
+            )
+        )  # fmt: skip
     options: list[tuple[str, int]] = []
     if settings.max_connection_age_s > 0:
         # GOAWAY after this age; calls in flight get the grace period to finish.
@@ -52,10 +61,11 @@ def build_grpc_server(
         options=[
             *options,
             ("grpc.max_send_message_length", settings.max_message_bytes),
-            # Above the largest valid request: a larger one reaches our deserializer,
-            # which refuses it by its size (see EmbedParser), and it is answered and
-            # counted like every other refusal.
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            # The largest valid request with a margin (Settings.max_receive_bytes): what
+            # any caller, before its token is checked, can make the server buffer per call.
+            ("grpc.max_receive_message_length", settings.max_receive_bytes),
+            # ... and how many calls one connection may have open at once.
+            ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
             # Several processes may share one port only when asked (--workers).
             ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
             # Clients keep long streams alive with a ping a minute; gRPC's default
@@ -78,18 +88,18 @@ def build_grpc_server(
         ),
         max_message_bytes=settings.max_message_bytes, version=__version__,
         statistics=statistics, shared_memory=shared_memory,
+        identities=Identities(
+            client_certificates=settings.tls_client_ca is not None,
+            token=settings.auth_token_file is not None,
+        ),
         extensions=(*v2.EXTENSIONS, "system_shared_memory")
         if shared_memory.enabled else v2.EXTENSIONS,
     )  # fmt: skip
-    server.add_generic_rpc_handlers([generic_handler(servicer), v2.generic_handler(inference)])
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_generic_rpc_handlers(
+        [generic_handler(servicer), v2.generic_handler(inference), health_front_end.handler()]
+    )
     reflection.enable_server_reflection(
-        [
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
+        [SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server
     )
     _ = embedding_pb2  # the descriptor pool must hold our service for reflection
     return server

@@ -22,10 +22,6 @@ from support.server import ServerThread, wait_for
 SENTENCE = [[5, 6, 7, 8, 9, 10, 11, 12]]  # "The keys on the table are lost."
 SMALL_NAME = "small"  # the names support.fixtures exports its models under
 DECODER_NAME = "decoder"
-# conftest's ``pad_model_dir``: a model whose padding row is not zeros (a checkpoint may hold
-# any row there), so that an answer padded with zeros instead of the padding id's row shows.
-# The small model's padding row is zeros, as nn.Embedding initialises it: it cannot tell.
-PAD_V, PAD_D, PAD_SEED, PAD_ID = 50, 16, 3, 7
 
 
 def client_for(server: ServerThread | str, **kwargs: Any) -> EmbeddingClient:

@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from client_fakes import FakeServer, start_fake_server
-from client_support import PAD_D, PAD_ID, PAD_SEED, PAD_V, HeldServer, LoadingServer
+from client_support import HeldServer, LoadingServer
 
-from support.models import reference_rows
 from support.server import ServerThread
 
 
@@ -33,27 +32,6 @@ def two_models(
 ) -> ServerThread:
     """The real server serving "small" (the default, D=64) and "decoder" (D=24)."""
     return start_server((small_model_dir, decoder_model_dir))
-
-
-@pytest.fixture(scope="session")
-def pad_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """V=50, D=16, seed 3, padding id 7 whose row is the seeded random row, not zeros."""
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
-
-    out_dir = tmp_path_factory.mktemp("pad-model") / "model"
-    table = random_table(PAD_V, PAD_D, PAD_SEED, padding_idx=None)  # row 7 left as drawn
-    module = TokenEmbedding(PAD_V, PAD_D, padding_idx=PAD_ID, weight=table)
-    export_model(module, ExportOptions(out_dir=out_dir, name="padded", seed=PAD_SEED))
-    return out_dir
-
-
-@pytest.fixture(scope="session")
-def pad_rows() -> np.ndarray:
-    """The padded model's answer for each id, computed independently of its export."""
-    rows = reference_rows(PAD_V, PAD_D, PAD_SEED)
-    assert np.all(rows[PAD_ID] != 0)  # what the model is for
-    return rows
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from client_support import SMALL_NAME, LoadingServer, rejections, requests_of
 
+from tokembed.cli.client import parse_ids
 from tokembed.cli.main import main
 from tokembed.client import InvalidInputError
-from tokembed.client.cli import parse_ids
 
 from support.fixtures import SMALL_D, SMALL_V
 from support.ports import free_port
@@ -177,7 +177,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(real_server: ServerThr
 def test_help_does_not_load_grpc_or_numpy() -> None:
     code = (
         "import argparse, sys\n"
-        "from tokembed.client import cli\n"
+        "from tokembed.cli import client as cli\n"
         "p = argparse.ArgumentParser(); cli.add_parser(p.add_subparsers())\n"
         "print(sorted(m for m in ('grpc', 'numpy') if m in sys.modules))\n"
     )

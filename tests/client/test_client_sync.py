@@ -21,8 +21,6 @@ import grpc
 import numpy as np
 import pytest
 from client_support import (
-    PAD_D,
-    PAD_ID,
     SENTENCE,
     SMALL_NAME,
     HeldServer,
@@ -46,7 +44,7 @@ from tokembed.client import (
 )
 
 from support.backends import HOLDABLE, HookedLoader
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
+from support.fixtures import PAD_D, PAD_ID, SMALL_D, SMALL_PAD, SMALL_V
 from support.models import padded
 from support.ports import free_port
 from support.server import ServerThread, wait_for

@@ -241,6 +241,11 @@ def test_compose_config_validates_and_publishes_the_server_ports() -> None:
         seconds = int(grace[:-1]) * (60 if grace.endswith("m") else 1)
         assert seconds > settings.grace_s, "stop timeout must exceed the server's drain"
     assert _published(services["tokembed"]) == {50051: 50051, 9464: 9464}
+    # The metrics port is published on the host's loopback alone: Prometheus reaches it
+    # over the compose network, not through the published port.
+    for name in ("tokembed", "tokembed-gpu"):
+        (metrics,) = [p for p in services[name]["ports"] if int(p["target"]) == 9464]
+        assert metrics.get("host_ip") == "127.0.0.1", metrics
     gpu = services["tokembed-gpu"]
     assert gpu["profiles"] == ["gpu"] and gpu["build"]["dockerfile"] == "Dockerfile.cuda"
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]

@@ -65,7 +65,7 @@ def test_a_flood_of_refusals_logs_the_first_and_then_a_count_per_interval(
     full, summed, debug = _accounted(caplog)
     assert 1 <= full < 30 and summed == 30 - full and debug == summed
     first = _lines(caplog, logging.WARNING, "Embed rejected (invalid_input")[0]
-    assert "request_id=bad-0" in first and "outside the vocabulary" in first
+    assert "request_id='bad-0'" in first and "outside the vocabulary" in first
     assert server.metric("tokembed_rejections_total", {"reason": "invalid_input"}) == 30
 
 

@@ -6,6 +6,7 @@ adds it); and a request over the message limit is refused like any other, and co
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from support.ports import free_port
 from support.requests import embed_request, reason_of, stub_for
 from support.server import ServerThread
 
@@ -26,6 +28,21 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
         [sys.executable, "-m", "tokembed.cli", "serve", *args],
         capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+def serve_briefly(*args: str) -> subprocess.CompletedProcess[str]:
+    """``serve`` for a mistake that must end it at once: were it to start instead, its
+    whole process group (workers included) is ended after a bounded wait."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "tokembed.cli", "serve", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    ) as process:  # fmt: skip
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -125,6 +142,17 @@ def test_a_bad_setting(args: list[str], env: dict[str, str], fragments: list[str
     result = serve(*args, env=env)
     line = assert_one_line_error(result, *fragments)
     assert result.stderr.strip() == line  # nothing but the line: no usage dump
+
+
+def test_workers_with_system_shared_memory_is_refused(small_model_dir: Path) -> None:
+    """Each worker process would keep its own regions: the cap multiplied by N, and an
+    Unregister reaching one process of N. Refused before anything starts."""
+    args = ["--model-dir", str(small_model_dir), "--workers", "2", "--port", str(free_port()),
+            "--shared-memory", "system", "--metrics-port", "-1"]  # fmt: skip
+    result = serve_briefly(*args)
+    line = assert_one_line_error(result, "--shared-memory system", "--workers 2", "one process")
+    assert result.stderr.strip() == line
+    assert "listening on" not in result.stderr
 
 
 def test_a_tls_file_that_does_not_parse(small_model_dir: Path, tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ only the running server can show: the extension off by default, registration beh
 bearer token, the three RPCs in Triton's messages, inputs read from and answers written
 into regions (and no tensor bytes in the response), a request refused alone and counted,
 a stream's shared-memory request refused while the stream goes on, unregistering that
-waits for the request using the region, every region let go at shutdown, and no object
+waits for the request using the region (and closes it when that request ends even if
+the Unregister's deadline passed first), every region let go at shutdown, and no object
 made by the server.
 """
 
@@ -355,6 +356,43 @@ def test_unregister_waits_for_the_request_using_the_region(
             unregistering.result(30)
         answer = shm.get_contents_as_numpy(handle, np.float32, (*IDS.shape, SMALL_D))
         np.testing.assert_array_equal(answer, small_rows[IDS])
+    assert open_descriptors(SHM_ROOT / name) == clients_own
+
+
+def test_an_unregistration_past_its_deadline_leaks_nothing(
+    start_server: Any, small_model_dir: Path, small_rows: np.ndarray, prefix: str, regions: Any
+) -> None:
+    """The Unregister's deadline passes while a request writes into the region: the
+    region is gone for new requests at once, and closed when that request ends."""
+    loader = HookedLoader(open_look_ups=False)
+    server = serve(
+        start_server, small_model_dir, prefix, loader=loader, inline_compute_max_tokens=0
+    )
+    out_bytes = IDS.size * SMALL_D * 4
+    name, key, handle = regions("out", out_bytes)
+    clients_own = open_descriptors(SHM_ROOT / name)
+    with tc.InferenceServerClient(server.target) as client, ThreadPoolExecutor(1) as pool:
+        client.register_system_shared_memory(name, key, out_bytes)
+        given = ids_input(IDS)
+        given.set_data_from_numpy(IDS)
+        wanted = tc.InferRequestedOutput("hidden_states")
+        wanted.set_shared_memory(name, out_bytes)
+        inferring = pool.submit(client.infer, MODEL, [given], outputs=[wanted])
+        assert loader.look_up_gate.held.wait(30), "the request never reached the gate"
+        with pytest.raises(InferenceServerException) as caught:
+            client.unregister_system_shared_memory(name, client_timeout=0.2)
+        assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert name not in client.get_system_shared_memory_status(as_json=True).get("regions", {})
+        assert open_descriptors(SHM_ROOT / name) == clients_own + 1
+        loader.look_up_gate.open()
+        inferring.result(30)
+        answer = shm.get_contents_as_numpy(handle, np.float32, (*IDS.shape, SMALL_D))
+        np.testing.assert_array_equal(answer, small_rows[IDS])
+    # The window is let go when the request's RPC has ended, just after its answer left.
+    for _ in range(200):
+        if open_descriptors(SHM_ROOT / name) == clients_own:
+            break
+        threading.Event().wait(0.05)
     assert open_descriptors(SHM_ROOT / name) == clients_own
 
 

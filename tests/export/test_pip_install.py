@@ -11,8 +11,6 @@ not processed, so this environment's editable tokembed stays invisible there.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import sysconfig
 import venv
@@ -20,24 +18,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# Never copied: VCS data, build output (the editable link tree lives in build/),
-# virtual environments, caches, and exported models.
-IGNORED = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", ".*venv*", "venv", "__pycache__", ".*_cache",
-    "*.onnx", "*.onnx.data", "models", ".work", ".hypothesis", "tests",
-)  # fmt: skip
-
-
-def run(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in args], capture_output=True, text=True, timeout=300, cwd=cwd, check=False
-    )
+from support.install import copy_source, run
 
 
 @pytest.mark.slow
 def test_pip_install_non_editable(tmp_path):
-    source = Path(shutil.copytree(ROOT, tmp_path / "src", ignore=IGNORED))
+    source = copy_source(tmp_path / "src")
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"

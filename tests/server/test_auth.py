@@ -72,6 +72,9 @@ BAD_METADATA = {
     "no-scheme": (("authorization", TOKEN),),
     "other-scheme": (("authorization", f"Basic {TOKEN}"),),
     "prefix": (("authorization", f"Bearer {TOKEN[:-1]}"),),
+    # The real token and then more: refused whole, not compared on its first characters.
+    "longer": (("authorization", f"Bearer {TOKEN}x"),),
+    "trailing-space": (("authorization", f"Bearer {TOKEN} "),),
     "other-key": (("x-token", f"Bearer {TOKEN}"),),
 }
 GOOD_METADATA = (("authorization", f"Bearer {TOKEN}"),)

@@ -14,8 +14,8 @@ Proved here:
 - a tiny request on the table completes without suspending, sink included;
 - a stream answers in request order, whatever order the answers are computed in, frames
   a failed request with the sink's error frame and goes on, gives each answer's room
-  back once it is sent, and reads no further ahead than its window while an answer is
-  held;
+  back once it is sent (a failed compute's at once), and reads no further ahead than its
+  window while an answer is held;
 - model info and listings are answered from the repository and counted.
 
 The scheduler's own behaviour (placement, batching, reports) is test_scheduler.py's.
@@ -62,7 +62,7 @@ from tokembed.server.core.types import Answer
 from tokembed.server.loading import LoadedModel, load_model
 from tokembed.server.settings import Settings
 
-from support.backends import Gate, HookedBackend, entered, failing
+from support.backends import Gate, HookedBackend, entered, failing, poisoned_by
 from support.fixtures import SMALL_V
 
 T = TypeVar("T")
@@ -519,6 +519,64 @@ def test_a_stream_reads_no_further_ahead_than_its_window_while_an_answer_is_held
     run(body(), plane)
     assert len(read) == total and len(sink.sent) == total
     assert plane.budget.inflight_bytes == 0 and plane.leases() == 0
+
+
+@pytest.mark.parametrize("kind", ["table", "onnxruntime"])
+def test_a_stream_item_whose_compute_fails_gives_its_room_and_lease_back_at_once(
+    make_plane: Callable[..., Plane],
+    small_loaded: LoadedModel,
+    ort_loaded: LoadedModel,
+    small_rows: np.ndarray,
+    kind: str,
+) -> None:
+    """Items whose look-up fails (a tiny one, on the loop; a large one, off it) answer
+    INTERNAL in the stream, which goes on; the room and the lease each one took are back
+    before the next item is read, not only when the stream ends. The caller sends each
+    item once the previous answer came, so that each compute is alone (no batch-mate of
+    a poisoned item fails with it)."""
+    poison = SMALL_V - 1
+    spy = HookedBackend(
+        small_loaded.backend if kind == "table" else ort_loaded.backend,
+        fail_when=poisoned_by(poison),
+    )
+    plane = make_plane(small=spy)
+    good_tiny = rectangular([[1, 2, 3]])
+    good_large = rectangular(np.arange(2048).reshape(2, 1024) % (SMALL_V - 1))
+    poisoned_large = rectangular(np.full((2, 1024), poison))
+    items = [
+        good_tiny,
+        rectangular([[4, poison, 5]]),
+        good_large,
+        poisoned_large,
+        good_tiny,
+    ]
+    sink = RecordingSink()
+    between: list[tuple[int, int, int]] = []  # room, leases, calls when the next is read
+
+    async def one_at_a_time() -> AsyncIterator[Request[EmbedInput] | Refused]:
+        for index, item in enumerate(items):
+            while len(sink.sent) < index:
+                await asyncio.sleep(0.001)
+            between.append((plane.budget.inflight_bytes, plane.leases(), plane.calls.active))
+            yield embed(item)
+
+    async def body() -> None:
+        await plane.dataplane.serve_stream(
+            FRONT_END, "EmbedStream", EMBED, one_at_a_time(), None, sink
+        )
+
+    run(body(), plane)
+    assert sink.sent == [
+        reference(good_tiny, small_rows),
+        b"error:internal",
+        reference(good_large, small_rows),
+        b"error:internal",
+        reference(good_tiny, small_rows),
+    ]
+    assert len(spy.calls) == len(items)  # each failure came from the backend's compute
+    assert between == [(0, 0, 0)] * len(items)
+    assert plane.budget.inflight_bytes == 0 and plane.leases() == 0 and plane.calls.active == 0
+    assert [code for *_, code, _ in plane.observed.done] == ["INTERNAL", "INTERNAL"]
 
 
 # --- answers about the models

@@ -99,7 +99,11 @@ def region(size: int) -> IdsInput:
         # A declared size other than what the shape needs; a shape over the limit.
         (unread(ids([[1, 2]], declared=BIG)), InvalidInput,
          "input_ids is declared as 2097152 bytes, but shape [1, 2] of int64 needs 16"),
-        (unread(replace(ids([[1]]), shape=(1, 1 << 40))), TooLarge, "over the limit of 64"),
+        # (the size is checked first, as validation does: a shape its bytes do not fill
+        # is malformed, however large it claims to be)
+        (unread(region(8 << 40)), TooLarge, "over the limit of 64"),
+        (unread(replace(ids([[1]]), shape=(1, 1 << 40))), InvalidInput,
+         "input_ids is declared as 8 bytes, but shape [1, 1099511627776] of int64 needs"),
         (unread(replace(ids([[1]]), shape=(1, -8))), InvalidInput, "negative dimension"),
         (unread(replace(ids([[1]]), dtype="float32")), InvalidInput, "float32 is not supported"),
         (unread(ids([1, 2, 3]), lengths_input=ids(np.ones(4), declared=32)), InvalidInput,

@@ -176,6 +176,10 @@ def test_durations_must_be_finite(name: str, value: float) -> None:
         ({"tls_key": Path("k.pem")}, "tls_cert and tls_key go together"),
         ({"tls_client_ca": Path("ca.pem")}, "needs tls_cert and tls_key"),
         ({"workers": 2, "port": 0}, "workers > 1 needs a fixed port"),
+        (
+            {"workers": 3, "port": 1, "shared_memory": "system"},
+            "--shared-memory system needs one process; got --workers 3",
+        ),
         ({"default_model": ""}, "default_model must be a model's name"),
     ],
 )

@@ -14,6 +14,11 @@ The attacks, each with the defence it hits (test name in brackets):
     [test_keys_outside_the_prefix_are_refused_unopened]
  3. a symbolic link under the prefix to a file elsewhere        -> O_NOFOLLOW: refused
     [test_a_link_under_the_prefix_is_not_followed]
+ 3b. a hard link under the prefix to another object (or an object with a second name)
+                                                                -> refused
+    [test_a_hard_link_under_the_prefix_is_refused]
+ 3c. an object owned by another user                            -> refused
+    [test_an_object_of_another_user_is_refused]
  4. a FIFO or a directory under the prefix                      -> refused, no hang
     [test_a_fifo_or_directory_under_the_prefix_is_refused]
  5. a key that names no object (hoping the server makes one)     -> refused, nothing made
@@ -35,6 +40,11 @@ The attacks, each with the defence it hits (test name in brackets):
     [test_an_answer_larger_than_its_window_is_refused]
 13. unregister while a request uses the region                  -> waits for it
     [test_unregister_waits_for_the_requests_using_it]
+13b. the unregistering call cancelled or timed out while it waits -> the region is closed
+    all the same once unused; shutdown reaches it; it counts against the cap until closed
+    [test_an_unregistration_that_ends_early_still_closes_the_region,
+    test_shutdown_closes_a_region_whose_unregistration_ended_early,
+    test_a_region_being_unregistered_counts_until_closed]
 14. unregister while a copy runs on a worker thread (its caller left) -> the descriptor
     outlives the copy [test_a_copy_in_progress_keeps_its_descriptor]
 15. registering more regions than allowed (descriptors)         -> refused, no leak
@@ -47,6 +57,9 @@ The attacks, each with the defence it hits (test name in brackets):
     [test_a_taken_name_is_refused]
 19. an answer framed after its call ended (the caller left)     -> nothing written
     [test_a_window_whose_call_ended_writes_nothing]
+20. another owner's region listed, used, unregistered or replaced -> its owner's alone,
+    refused as a name never registered [test_a_region_is_its_owner_s_alone]; the cap
+    counts every owner's [test_the_region_cap_counts_every_owner]
 """
 
 from __future__ import annotations
@@ -74,6 +87,7 @@ from tokembed.server.edge.v2.shm_region import SharedMemoryError
 pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this system")
 
 SIZE = 1 << 16
+ME = "owner-1"  # the caller, as the front end names it (edge/auth.py's Identities)
 
 
 class Objects:
@@ -149,13 +163,13 @@ def test_off_by_default_refuses_every_call(objects: Objects) -> None:
     key = objects.make("a")
     off = registry(objects, enabled=False)
     with pytest.raises(SharedMemoryOff, match="--shared-memory system"):
-        off.register("a", key, 0, SIZE)
+        off.register("a", key, 0, SIZE, owner=ME)
     with pytest.raises(SharedMemoryOff):
-        off.status()
+        off.status(owner=ME)
     with pytest.raises(SharedMemoryOff):
-        off.use("a", 0, 8)
+        off.use("a", 0, 8, owner=ME)
     with pytest.raises(SharedMemoryOff):
-        run(off.unregister("a"))
+        run(off.unregister("a", owner=ME))
     assert open_descriptors(objects.path(key)) == 0
 
 
@@ -184,7 +198,7 @@ def test_keys_outside_the_prefix_are_refused_unopened(objects: Objects, key: str
     other = SHM_ROOT / "other_a"
     key = key.replace("{prefix}", objects.prefix)
     with pytest.raises(SharedMemoryError, match="must be '/' and then a name starting with"):
-        registry(objects).register("r", key, 0, 8)
+        registry(objects).register("r", key, 0, 8, owner=ME)
     assert not other.exists()
     assert open_descriptors(objects.path(f"/{objects.prefix}a")) == 0
 
@@ -196,9 +210,45 @@ def test_a_link_under_the_prefix_is_not_followed(objects: Objects, tmp_path: Pat
     link.symlink_to(secret)
     objects.made.append(link)
     with pytest.raises(SharedMemoryError, match="cannot open shared-memory object"):
-        registry(objects).register("r", f"/{link.name}", 0, 8)
+        registry(objects).register("r", f"/{link.name}", 0, 8, owner=ME)
     assert open_descriptors(secret) == 0
     assert secret.read_bytes() == b"s" * SIZE
+
+
+def test_a_hard_link_under_the_prefix_is_refused(objects: Objects) -> None:
+    """A hard link is not stopped by O_NOFOLLOW: an object with more than one name is
+    refused, whichever of its names is given (the link, or the object it links to)."""
+    target = objects.make("target", data=b"t" * SIZE)
+    link = SHM_ROOT / f"{objects.prefix}hardlink"
+    os.link(objects.path(target), link)
+    objects.made.append(link)
+    shm = registry(objects)
+    for key in (f"/{link.name}", target):
+        with pytest.raises(SharedMemoryError, match=f"{key!r} has 2 names"):
+            shm.register("r", key, 0, 8, owner=ME)
+    assert shm.status(owner=ME) == []
+    assert open_descriptors(objects.path(target)) == 0
+    assert objects.read(target, 0, SIZE) == b"t" * SIZE
+    # With the link gone, the object has one name again and registers.
+    link.unlink()
+    shm.register("r", target, 0, 8, owner=ME)
+    run(shm.unregister("r", owner=ME))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_an_object_of_another_user_is_refused(objects: Objects) -> None:
+    """Run as root, the test gives an object to another uid (a client's object the server
+    could open only through its rights): refused."""
+    key = objects.make("theirs", data=b"o" * SIZE)
+    os.chown(objects.path(key), 4242, -1)
+    shm = registry(objects)
+    with pytest.raises(SharedMemoryError, match=f"{key!r} belongs to uid 4242, not to"):
+        shm.register("r", key, 0, 8, owner=ME)
+    assert shm.status(owner=ME) == []
+    assert open_descriptors(objects.path(key)) == 0
+    os.chown(objects.path(key), os.geteuid(), -1)
+    shm.register("r", key, 0, 8, owner=ME)
+    run(shm.unregister("r", owner=ME))
 
 
 def test_a_fifo_or_directory_under_the_prefix_is_refused(objects: Objects) -> None:
@@ -211,17 +261,17 @@ def test_a_fifo_or_directory_under_the_prefix_is_refused(objects: Objects) -> No
         shm = registry(objects)
         # A FIFO opened without O_NONBLOCK would wait for a writer forever: this returns.
         with pytest.raises(SharedMemoryError, match="is not a shared-memory object"):
-            shm.register("f", f"/{fifo.name}", 0, 8)
+            shm.register("f", f"/{fifo.name}", 0, 8, owner=ME)
         with pytest.raises(SharedMemoryError, match="cannot open shared-memory object"):
-            shm.register("d", f"/{directory.name}", 0, 8)
-        assert shm.status() == []
+            shm.register("d", f"/{directory.name}", 0, 8, owner=ME)
+        assert shm.status(owner=ME) == []
     finally:
         directory.rmdir()
 
 
 def test_a_missing_object_is_not_created(objects: Objects) -> None:
     with pytest.raises(SharedMemoryError, match="No such file"):
-        registry(objects).register("r", f"/{objects.prefix}missing", 0, 8)
+        registry(objects).register("r", f"/{objects.prefix}missing", 0, 8, owner=ME)
     assert not (SHM_ROOT / f"{objects.prefix}missing").exists()
 
 
@@ -248,8 +298,8 @@ def test_registration_sizes_are_checked_without_wrapping(
     key = objects.make("a")
     shm = registry(objects)
     with pytest.raises(SharedMemoryError):
-        shm.register("r", key, offset, byte_size)
-    assert shm.status() == []
+        shm.register("r", key, offset, byte_size, owner=ME)
+    assert shm.status(owner=ME) == []
     assert open_descriptors(objects.path(key)) == 0
 
 
@@ -258,18 +308,18 @@ def test_the_registration_offset_counts_once(objects: Objects) -> None:
     shm = registry(objects)
     offset = 4096
     # The window fits only if its offset is counted once.
-    shm.register("r", key, offset, SIZE - offset)
-    window = shm.use("r", 0, SIZE - offset)
+    shm.register("r", key, offset, SIZE - offset, owner=ME)
+    window = shm.use("r", 0, SIZE - offset, owner=ME)
     window.write([b"\x01" * (SIZE - offset)], SIZE - offset)
     window.release()
     assert objects.read(key, 0, offset) == bytes(offset)
     assert objects.read(key, offset, SIZE) == b"\x01" * (SIZE - offset)
     # A request's offset is within the window, added to the registration's once.
-    window = shm.use("r", 100, 8)
+    window = shm.use("r", 100, 8, owner=ME)
     window.write([b"abcdefgh"], 8)
     window.release()
     assert objects.read(key, offset + 100, 8) == b"abcdefgh"
-    window = shm.use("r", 100, 8)
+    window = shm.use("r", 100, 8, owner=ME)
     assert window.read(8) == b"abcdefgh"
     window.release()
 
@@ -283,13 +333,13 @@ def test_a_request_outside_its_window_is_refused(
 ) -> None:
     key = objects.make("a")
     shm = registry(objects)
-    shm.register("r", key, 512, 1024)
+    shm.register("r", key, 512, 1024, owner=ME)
     with pytest.raises(SharedMemoryError, match="is outside region 'r'"):
-        shm.use("r", offset, byte_size)
+        shm.use("r", offset, byte_size, owner=ME)
     with pytest.raises(RegionNotFound):
-        shm.use("nope", 0, 8)
+        shm.use("nope", 0, 8, owner=ME)
     # Nothing held: unregistering returns at once.
-    run(asyncio.wait_for(shm.unregister("r"), 10))
+    run(asyncio.wait_for(shm.unregister("r", owner=ME), 10))
 
 
 # --- 9-12. the object changes under the server
@@ -299,9 +349,9 @@ def test_a_request_outside_its_window_is_refused(
 def test_a_shrunk_object_gives_a_clear_error(objects: Objects, new_size: int) -> None:
     key = objects.make("a")
     shm = registry(objects)
-    shm.register("r", key, 0, SIZE)
+    shm.register("r", key, 0, SIZE, owner=ME)
     objects.truncate(key, new_size)
-    window = shm.use("r", 0, SIZE)
+    window = shm.use("r", 0, SIZE, owner=ME)
     with pytest.raises(SharedMemoryError, match=f"its object is now {new_size} bytes"):
         window.write([b"x" * SIZE], SIZE)
     with pytest.raises(SharedMemoryError, match="register it again"):
@@ -309,7 +359,7 @@ def test_a_shrunk_object_gives_a_clear_error(objects: Objects, new_size: int) ->
     window.release()
     # Grown back, the registration serves again: it is the same object.
     objects.truncate(key, SIZE)
-    window = shm.use("r", 0, 4)
+    window = shm.use("r", 0, 4, owner=ME)
     window.write([b"back"], 4)
     window.release()
     assert objects.read(key, 0, 4) == b"back"
@@ -320,24 +370,24 @@ def test_an_unlinked_object_stays_the_registered_one(objects: Objects) -> None:
     the registration keeps the object, as the client's own mapping does."""
     key = objects.make("a")
     shm = registry(objects)
-    shm.register("r", key, 0, SIZE)
+    shm.register("r", key, 0, SIZE, owner=ME)
     fd = os.open(objects.path(key), os.O_RDWR)  # the client's hold on it
     try:
         objects.path(key).unlink()
-        window = shm.use("r", 8, 4)
+        window = shm.use("r", 8, 4, owner=ME)
         window.write([b"seen"], 4)
         window.release()
         assert os.pread(fd, 4, 8) == b"seen"
     finally:
         os.close(fd)
-    run(shm.unregister("r"))
+    run(shm.unregister("r", owner=ME))
 
 
 def test_truncation_racing_writes_never_kills_the_process(objects: Objects) -> None:
     size = 8 << 20
     key = objects.make("a", size)
     shm = registry(objects)
-    shm.register("r", key, 0, size)
+    shm.register("r", key, 0, size, owner=ME)
     answer = b"\x5a" * size
     stop = threading.Event()
     truncations = [0]
@@ -353,7 +403,7 @@ def test_truncation_racing_writes_never_kills_the_process(objects: Objects) -> N
     outcomes = {"written": 0, "refused": 0}
     try:
         for _ in range(300):
-            window = shm.use("r", 0, size)
+            window = shm.use("r", 0, size, owner=ME)
             try:
                 window.write([answer[: size // 2], answer[size // 2 :]], size)
                 outcomes["written"] += 1
@@ -369,15 +419,15 @@ def test_truncation_racing_writes_never_kills_the_process(objects: Objects) -> N
     # test run here. Both outcomes happened, so the race was real.
     assert truncations[0] > 0
     assert outcomes["written"] + outcomes["refused"] == 300
-    run(shm.unregister("r"))
+    run(shm.unregister("r", owner=ME))
 
 
 def test_a_huge_input_window_is_refused_before_reading(objects: Objects) -> None:
     huge = 1 << 40  # sparse: tmpfs allocates pages only when written
     key = objects.make("a", huge)
     shm = registry(objects)
-    shm.register("r", key, 0, huge)
-    window = shm.use("r", 0, huge)
+    shm.register("r", key, 0, huge, owner=ME)
+    window = shm.use("r", 0, huge, owner=ME)
     with pytest.raises(SharedMemoryError, match="over the 1048576 bytes a request may carry"):
         window.read(1 << 20)
     window.release()
@@ -386,8 +436,8 @@ def test_a_huge_input_window_is_refused_before_reading(objects: Objects) -> None
 def test_an_answer_larger_than_its_window_is_refused(objects: Objects) -> None:
     key = objects.make("a", data=b"\xee" * SIZE)
     shm = registry(objects)
-    shm.register("r", key, 0, SIZE)
-    window = shm.use("r", 0, 16)
+    shm.register("r", key, 0, SIZE, owner=ME)
+    window = shm.use("r", 0, 16, owner=ME)
     with pytest.raises(SharedMemoryError, match="the output is 17 bytes, over"):
         window.write([b"y" * 17], 17)
     window.release()
@@ -402,15 +452,15 @@ def test_unregister_waits_for_the_requests_using_it(objects: Objects) -> None:
 
     async def scenario() -> None:
         shm = registry(objects)
-        shm.register("r", key, 0, SIZE)
-        window = shm.use("r", 0, 8)
-        unregistering = asyncio.ensure_future(shm.unregister("r"))
+        shm.register("r", key, 0, SIZE, owner=ME)
+        window = shm.use("r", 0, 8, owner=ME)
+        unregistering = asyncio.ensure_future(shm.unregister("r", owner=ME))
         for _ in range(20):  # every step the loop can take without the window's release
             await asyncio.sleep(0)
         assert not unregistering.done()
         # Gone for new requests already; the one in flight still works.
         with pytest.raises(RegionNotFound):
-            shm.use("r", 0, 8)
+            shm.use("r", 0, 8, owner=ME)
         window.write([b"inflight"], 8)
         assert open_descriptors(objects.path(key)) == 1
         window.release()
@@ -419,6 +469,84 @@ def test_unregister_waits_for_the_requests_using_it(objects: Objects) -> None:
 
     run(scenario())
     assert objects.read(key, 0, 8) == b"inflight"
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "timed out"])
+def test_an_unregistration_that_ends_early_still_closes_the_region(
+    objects: Objects, ending: str
+) -> None:
+    """The unregistering call is cancelled (its caller left) or times out while a request
+    holds the region: the region is still closed once that request lets it go."""
+    key = objects.make("a")
+
+    async def scenario() -> None:
+        shm = registry(objects)
+        shm.register("r", key, 0, SIZE, owner=ME)
+        window = shm.use("r", 0, 8, owner=ME)
+        unregistering = asyncio.ensure_future(
+            shm.unregister("r", owner=ME) if ending == "cancelled" else asyncio.wait_for(
+                shm.unregister("r", owner=ME), 0.05
+            )
+        )  # fmt: skip
+        for _ in range(20):
+            await asyncio.sleep(0)
+        if ending == "cancelled":
+            unregistering.cancel()
+        with pytest.raises((asyncio.CancelledError, TimeoutError)):
+            await asyncio.wait_for(unregistering, 30)
+        assert shm.status(owner=ME) == []
+        assert open_descriptors(objects.path(key)) == 1  # the request still uses it
+        window.write([b"inflight"], 8)
+        window.release()
+        assert open_descriptors(objects.path(key)) == 0
+
+    run(scenario())
+    assert objects.read(key, 0, 8) == b"inflight"
+
+
+def test_shutdown_closes_a_region_whose_unregistration_ended_early(objects: Objects) -> None:
+    key = objects.make("a")
+
+    async def scenario() -> None:
+        shm = registry(objects)
+        shm.register("r", key, 0, SIZE, owner=ME)
+        window = shm.use("r", 0, 8, owner=ME)
+        unregistering = asyncio.ensure_future(shm.unregister("r", owner=ME))
+        await asyncio.sleep(0)
+        unregistering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unregistering
+        await shm.close()
+        assert open_descriptors(objects.path(key)) == 0
+        window.release()  # the request ends after the server closed it: nothing to do
+
+    run(scenario())
+
+
+def test_a_region_being_unregistered_counts_until_closed(objects: Objects) -> None:
+    """It holds its descriptor until the request using it ends: it counts against
+    --shared-memory-max-regions until then, whatever became of its unregistration."""
+    key = objects.make("a")
+
+    async def scenario() -> None:
+        shm = registry(objects, max_regions=1)
+        shm.register("r0", key, 0, SIZE, owner=ME)
+        window = shm.use("r0", 0, 8, owner=ME)
+        unregistering = asyncio.ensure_future(shm.unregister("r0", owner=ME))
+        await asyncio.sleep(0)
+        unregistering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unregistering
+        with pytest.raises(SharedMemoryError, match="1 regions are registered, the most"):
+            shm.register("r1", key, 0, SIZE, owner=ME)
+        assert open_descriptors(objects.path(key)) == 1
+        window.release()
+        shm.register("r1", key, 0, SIZE, owner=ME)
+        assert open_descriptors(objects.path(key)) == 1
+        await shm.unregister(owner=ME)
+        assert open_descriptors(objects.path(key)) == 0
+
+    run(scenario())
 
 
 class _HeldPieces(list[bytes]):
@@ -442,14 +570,14 @@ def test_a_copy_in_progress_keeps_its_descriptor(objects: Objects) -> None:
 
     async def scenario() -> None:
         shm = registry(objects)
-        shm.register("r", key, 0, SIZE)
-        window = shm.use("r", 0, 4)
+        shm.register("r", key, 0, SIZE, owner=ME)
+        window = shm.use("r", 0, 4, owner=ME)
         loop = asyncio.get_running_loop()
         writing = loop.run_in_executor(None, window.write, pieces, 4)
         assert await loop.run_in_executor(None, pieces.reading.wait, 30)
         # The caller left: its window is released while the copy still runs.
         window.release()
-        await asyncio.wait_for(shm.unregister("r"), 10)
+        await asyncio.wait_for(shm.unregister("r", owner=ME), 10)
         assert open_descriptors(objects.path(key)) == 1  # not closed under the copy
         pieces.go_on.set()
         await asyncio.wait_for(writing, 30)
@@ -464,8 +592,8 @@ def test_a_window_whose_call_ended_writes_nothing(objects: Objects) -> None:
     that comes after writes nothing, and says so as the domain's Cancelled."""
     key = objects.make("a", data=b"\xee" * SIZE)
     shm = registry(objects)
-    shm.register("r", key, 0, SIZE)
-    window = shm.use("r", 0, 8)
+    shm.register("r", key, 0, SIZE, owner=ME)
+    window = shm.use("r", 0, 8, owner=ME)
     window.release()
     window.release()  # idempotent: gRPC's done callback and a caller may both release
     with pytest.raises(Cancelled, match="the call ended"):
@@ -473,20 +601,20 @@ def test_a_window_whose_call_ended_writes_nothing(objects: Objects) -> None:
     with pytest.raises(Cancelled):
         window.read(8)
     assert objects.read(key, 0, SIZE) == b"\xee" * SIZE
-    run(asyncio.wait_for(shm.unregister("r"), 10))  # nothing held
+    run(asyncio.wait_for(shm.unregister("r", owner=ME), 10))  # nothing held
 
 
 def test_at_most_max_regions(objects: Objects) -> None:
     key = objects.make("a")
     shm = registry(objects, max_regions=3)
     for index in range(3):
-        shm.register(f"r{index}", key, 0, SIZE)
+        shm.register(f"r{index}", key, 0, SIZE, owner=ME)
     with pytest.raises(SharedMemoryError, match="3 regions are registered, the most"):
-        shm.register("r3", key, 0, SIZE)
+        shm.register("r3", key, 0, SIZE, owner=ME)
     assert open_descriptors(objects.path(key)) == 3
-    run(shm.unregister("r0"))
-    shm.register("r3", key, 0, SIZE)
-    run(shm.unregister())
+    run(shm.unregister("r0", owner=ME))
+    shm.register("r3", key, 0, SIZE, owner=ME)
+    run(shm.unregister(owner=ME))
     assert open_descriptors(objects.path(key)) == 0
 
 
@@ -494,24 +622,27 @@ def test_errors_never_name_another_region(objects: Objects) -> None:
     secret_key = objects.make("secret_c0ffee")
     own = objects.make("own")
     shm = registry(objects)
-    shm.register("secret-region-7f3a", secret_key, 16, 64)
+    shm.register("secret-region-7f3a", secret_key, 16, 64, owner=ME)
     messages: list[str] = []
     attempts = [
-        lambda: shm.register("secret-region-7f3a", own, 0, 8),  # the name is taken
-        lambda: shm.register("mine", "/elsewhere", 0, 8),
-        lambda: shm.register("mine", f"/{objects.prefix}nothing", 0, 8),
-        lambda: shm.register("mine", own, 0, SIZE + 1),
-        lambda: shm.register("mine", own, 2**64 - 1, 2),
-        lambda: shm.status("mine"),
-        lambda: shm.use("mine", 0, 8),
-        lambda: shm.use("secret-region-7f3b", 0, 8),
+        lambda: shm.register("secret-region-7f3a", own, 0, 8, owner=ME),  # the name is taken
+        lambda: shm.register("mine", "/elsewhere", 0, 8, owner=ME),
+        lambda: shm.register("mine", f"/{objects.prefix}nothing", 0, 8, owner=ME),
+        lambda: shm.register("mine", own, 0, SIZE + 1, owner=ME),
+        lambda: shm.register("mine", own, 2**64 - 1, 2, owner=ME),
+        lambda: shm.status("mine", owner=ME),
+        lambda: shm.use("mine", 0, 8, owner=ME),
+        lambda: shm.use("secret-region-7f3b", 0, 8, owner=ME),
     ]
     for attempt in attempts:
         with pytest.raises(SharedMemoryError) as caught:
             attempt()
         messages.append(str(caught.value))
-    shm.register("mine", own, 0, 32)
-    for call in (lambda: shm.use("mine", 16, 17), lambda: shm.use("mine", 0, 64)):
+    shm.register("mine", own, 0, 32, owner=ME)
+    for call in (
+        lambda: shm.use("mine", 16, 17, owner=ME),
+        lambda: shm.use("mine", 0, 64, owner=ME),
+    ):
         with pytest.raises(SharedMemoryError) as caught:
             call()
         messages.append(str(caught.value))
@@ -527,10 +658,10 @@ def test_a_taken_name_is_refused(objects: Objects) -> None:
     first = objects.make("first")
     second = objects.make("second")
     shm = registry(objects)
-    shm.register("r", first, 0, SIZE)
+    shm.register("r", first, 0, SIZE, owner=ME)
     with pytest.raises(RegionExists):
-        shm.register("r", second, 0, 8)
-    (status,) = shm.status("r")
+        shm.register("r", second, 0, 8, owner=ME)
+    (status,) = shm.status("r", owner=ME)
     assert (status.key, status.offset, status.byte_size) == (first, 0, SIZE)
     assert open_descriptors(objects.path(second)) == 0
 
@@ -538,28 +669,74 @@ def test_a_taken_name_is_refused(objects: Objects) -> None:
 def test_close_unregisters_everything(objects: Objects) -> None:
     key = objects.make("a")
     shm = registry(objects)
-    shm.register("r1", key, 0, SIZE)
-    shm.register("r2", key, 8, 8)
-    assert [s.name for s in shm.status()] == ["r1", "r2"]
+    shm.register("r1", key, 0, SIZE, owner=ME)
+    shm.register("r2", key, 8, 8, owner=ME)
+    assert [s.name for s in shm.status(owner=ME)] == ["r1", "r2"]
     run(shm.close())
     assert open_descriptors(objects.path(key)) == 0
     with pytest.raises(SharedMemoryOff, match="stopping"):
-        shm.register("r3", key, 0, 8)
+        shm.register("r3", key, 0, 8, owner=ME)
+
+
+def test_a_region_is_its_owner_s_alone(objects: Objects) -> None:
+    """Another owner neither lists, uses, unregisters nor replaces it; each refusal is the
+    one for a name never registered."""
+    mine = objects.make("mine", data=b"m" * SIZE)
+    theirs = objects.make("theirs")
+    other = "owner-2"
+    shm = registry(objects)
+    shm.register("r", mine, 0, SIZE, owner=ME)
+
+    def message(call: object, *args: object, **kwargs: object) -> str:
+        with pytest.raises(SharedMemoryError) as caught:
+            call(*args, **kwargs)  # type: ignore[operator]
+        return str(caught.value).replace("never", "r")
+
+    assert shm.status(owner=other) == []
+    assert message(shm.status, "r", owner=other) == message(shm.status, "never", owner=other)
+    assert message(shm.use, "r", 0, 8, owner=other) == message(shm.use, "never", 0, 8, owner=other)
+    run(shm.unregister("r", owner=other))
+    run(shm.unregister(owner=other))
+    assert [s.key for s in shm.status(owner=ME)] == [mine]
+    # The same name registered by the other owner is its own, beside the first.
+    shm.register("r", theirs, 0, 8, owner=other)
+    assert [s.key for s in shm.status("r", owner=other)] == [theirs]
+    assert [s.key for s in shm.status("r", owner=ME)] == [mine]
+    window = shm.use("r", 0, 8, owner=ME)
+    assert window.read(8) == b"m" * 8
+    window.release()
+    # Unregistering every region is every region of the caller's.
+    run(shm.unregister(owner=ME))
+    assert shm.status(owner=ME) == []
+    assert [s.key for s in shm.status(owner=other)] == [theirs]
+    assert open_descriptors(objects.path(mine)) == 0
+    assert open_descriptors(objects.path(theirs)) == 1
+
+
+def test_the_region_cap_counts_every_owner(objects: Objects) -> None:
+    key = objects.make("a")
+    shm = registry(objects, max_regions=2)
+    shm.register("r", key, 0, SIZE, owner=ME)
+    shm.register("r", key, 0, SIZE, owner="owner-2")
+    with pytest.raises(SharedMemoryError, match="2 regions are registered, the most"):
+        shm.register("s", key, 0, SIZE, owner="owner-3")
+    run(shm.close())
+    assert open_descriptors(objects.path(key)) == 0
 
 
 def test_status_is_triton_s(objects: Objects) -> None:
     key = objects.make("a")
     shm = registry(objects)
-    assert shm.status() == []
-    shm.register("in", key, 0, 1024)
-    shm.register("out", key, 1024, 4096)
-    assert [(s.name, s.key, s.offset, s.byte_size) for s in shm.status()] == [
+    assert shm.status(owner=ME) == []
+    shm.register("in", key, 0, 1024, owner=ME)
+    shm.register("out", key, 1024, 4096, owner=ME)
+    assert [(s.name, s.key, s.offset, s.byte_size) for s in shm.status(owner=ME)] == [
         ("in", key, 0, 1024),
         ("out", key, 1024, 4096),
     ]
-    assert [s.name for s in shm.status("out")] == ["out"]
+    assert [s.name for s in shm.status("out", owner=ME)] == ["out"]
     with pytest.raises(RegionNotFound):
-        shm.status("gone")
-    run(shm.unregister("in"))
-    run(shm.unregister("in"))  # idempotent, as Triton's
-    assert [s.name for s in shm.status()] == ["out"]
+        shm.status("gone", owner=ME)
+    run(shm.unregister("in", owner=ME))
+    run(shm.unregister("in", owner=ME))  # idempotent, as Triton's
+    assert [s.name for s in shm.status(owner=ME)] == ["out"]

@@ -23,6 +23,11 @@ SMALL_V, SMALL_D, SMALL_SEED, SMALL_PAD = 1000, 64, 1, 0
 # A second model, as a decoder's entrance beside the small "encoder": another V and D, no
 # padding id.
 DECODER_V, DECODER_D, DECODER_SEED = 400, 24, 2
+# A model whose padding row is not zeros (a checkpoint may hold any row there), so that an
+# answer padded with zeros, or with row 0, instead of the padding id's row shows. The small
+# model's padding row is zeros, as nn.Embedding initialises it, and its padding id is 0:
+# it cannot tell.
+PAD_V, PAD_D, PAD_SEED, PAD_ID = 50, 16, 3, 7
 # The server's settings for each backend: the table (the default on CPU) and onnxruntime.
 # ``@EVERY_BACKEND`` runs a test with each, as its ``backend`` argument.
 EVERY_BACKEND = pytest.mark.parametrize(
@@ -67,6 +72,20 @@ def decoder_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def pad_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """V=50, D=16, seed 3, padding id 7 whose row is the seeded random row, not zeros;
+    named "padded"."""
+    from tokembed.export.module import TokenEmbedding, random_table
+    from tokembed.export.onnx_export import ExportOptions, export_model
+
+    out_dir = tmp_path_factory.mktemp("pad-model") / "model"
+    table = random_table(PAD_V, PAD_D, PAD_SEED, padding_idx=None)  # row 7 left as drawn
+    module = TokenEmbedding(PAD_V, PAD_D, padding_idx=PAD_ID, weight=table)
+    export_model(module, ExportOptions(out_dir=out_dir, name="padded", seed=PAD_SEED))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
 def small_loaded(small_model_dir: Path) -> Any:
     """The small model loaded as the server loads it (its tables too), once: tests build
     services around it and change nothing in it."""
@@ -90,6 +109,14 @@ def small_rows() -> Any:
 def decoder_rows() -> Any:
     """The decoder model's answer for each id (E[id] * sqrt(D), no padding id)."""
     return _read_only(reference_rows(DECODER_V, DECODER_D, DECODER_SEED))
+
+
+@pytest.fixture(scope="session")
+def pad_rows() -> Any:
+    """The padded model's answer for each id, computed independently of its export."""
+    rows = reference_rows(PAD_V, PAD_D, PAD_SEED)
+    assert (rows[PAD_ID] != 0).all() and (rows[PAD_ID] != rows[0]).any()  # what it is for
+    return _read_only(rows)
 
 
 @pytest.fixture(scope="session")

@@ -94,8 +94,15 @@ _METRICS = re.compile(r"metrics on http://[^:]+:(\d+)/metrics")
 class ServerProcess:
     """``tokembed serve`` as a child process; learns its port from the start-up log."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.args = [sys.executable, "-m", "tokembed.cli", "serve", *args]
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        *,
+        tokembed: Sequence[str] = (sys.executable, "-m", "tokembed.cli"),
+    ) -> None:
+        # tokembed: the command, where another environment's (a fresh install's) is run.
+        self.args = [*tokembed, "serve", *args]
         self.env = {**os.environ, **(env or {})}
         self.lines: list[str] = []
         self.port = 0

@@ -98,6 +98,7 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         if len(result) != job.tokens:
             raise Internal(f"this is a bug: the look-up gave {len(result)} rows for "
                            f"{job.tokens} ids")  # fmt: skip
+        pieces: Sequence[Buffer]
         if job.padded and job.sequence_first:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
@@ -107,12 +108,13 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         elif job.padded:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
-            pieces = []
+            padded: list[Buffer] = []
             offset = 0
             for length in job.lengths:
-                pieces += result.pieces(offset, offset + length)
-                pieces += [pad] * (job.seq_len - length)
+                padded += result.pieces(offset, offset + length)
+                padded += [pad] * (job.seq_len - length)
                 offset += length
+            pieces = padded
         else:
             pieces = result.pieces(0, job.tokens)
         return Answer(
@@ -273,7 +275,7 @@ def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[
 
 
 # Up to this many ids, Python's min() and max() over their ints beat numpy's reductions,
-# whose per-call machinery dominates a tiny request (~2 us against ~10 us in the server);
+# whose per-call machinery dominates a tiny request;
 # the ints are what a table look-up slices rows by anyway.
 _PYTHON_BOUNDS_MAX_IDS = 64
 

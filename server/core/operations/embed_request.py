@@ -31,12 +31,16 @@ class Unread(ABC):
     """An input's bytes where the request left them, not yet taken."""
 
     __slots__ = ()
+    # Whether ``nbytes`` is a size declared apart from the bytes (a region's window), not
+    # that of bytes the request carries: what a refusal calls it.
+    declared = True
 
     @property
     @abstractmethod
     def nbytes(self) -> int | None:
-        """The size the request declares for them (None: the bytes are in the request's
-        own message, already received; their size is checked once taken)."""
+        """Their size: the one the request declares (a region's window), or that of the
+        bytes already in its message (None: not known before they are taken; checked
+        then)."""
 
     @abstractmethod
     async def read(self) -> bytes:
@@ -113,8 +117,10 @@ def check_declared(request: EmbedInput, model: ServedModel) -> None:
             + ("[N] (flat) when lengths are given" if ragged else "[B, S] (or [S, B])")
         )
     tokens = shape[0] if ragged else shape[0] * shape[1]
-    check_tokens(tokens, model)
+    # Size before the limit, as validation orders them: a shape its bytes do not fill is
+    # malformed (INVALID_ARGUMENT), not too large, however large it claims to be.
     _check_declared_size("input_ids", request.data, shape, id_dtype, tokens)
+    check_tokens(tokens, model)
     if request.lengths_input is not None:
         sent = request.lengths_input
         dtype = ids_dtype(LENGTHS, sent.dtype)
@@ -183,12 +189,15 @@ def check_tokens(tokens: int, model: ServedModel) -> None:
 def _check_declared_size(
     name: str, data: bytes | Unread, shape: tuple[int, ...], dtype: DType, count: int
 ) -> None:
-    """An input whose size is declared apart from its bytes (a region's window): that
-    size is what its shape needs. Bytes in hand are checked by validation."""
-    declared = data.nbytes if isinstance(data, Unread) else None
-    if declared is not None and declared != count * dtype.itemsize:
+    """An input whose size is known before it is read (a region's window, bytes in the
+    message): that size is what its shape needs. Bytes in hand are checked by
+    validation."""
+    if not isinstance(data, Unread) or data.nbytes is None:
+        return
+    if data.nbytes != count * dtype.itemsize:
+        size = "is declared as" if data.declared else "data is"
         raise InvalidInput(
-            f"{name} is declared as {declared} bytes, but shape {list(shape)} of "
+            f"{name} {size} {data.nbytes} bytes, but shape {list(shape)} of "
             f"{dtype.name} needs {count * dtype.itemsize}"
         )
 

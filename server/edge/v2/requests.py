@@ -7,7 +7,10 @@ input of the model's kind by its name (``token_type_ids``), and the answer's dat
 named by a ``datatype`` parameter on the requested output or on the request (FP32 unless
 asked). The ids' bytes are ``raw_input_contents`` (what tritonclient sends) or the typed
 ``contents`` field, or a shared-memory region (``shm_service.SharedMemoryInputs``): where
-they come from is one step (``InputSource``), and none is read while parsing.
+they come from is one step (``InputSource``), and none is read while parsing. Which
+regions a request may read depends on who sent it, which only the RPC's handler knows:
+such an input (``CallersInput``) is told its caller there (``InferCall.sent_by``), before
+the data plane reads it.
 
 As for tokembed.v1, a deserializer that raises makes gRPC answer UNKNOWN past our status
 table and metrics, so these never raise: bytes that do not parse, a request this protocol
@@ -60,11 +63,31 @@ class InferCall(Request[EmbedInput]):
     (their parameters say where and how the answer goes: the sink reads them)."""
 
     outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor] = ()
+    callers_inputs: tuple[CallersInput, ...] = ()  # the inputs only its caller may read
+
+    def sent_by(self, caller: str) -> None:
+        """Tells the inputs only their caller may read who that is (an opaque key from the
+        front end's authentication, ``auth.Identities``)."""
+        for sent in self.callers_inputs:
+            sent.caller = caller
+
+
+class CallersInput(Unread):
+    """An input that only the identity which sent the request may read (a shared-memory
+    region: each identity's regions are its own). gRPC's deserializer, which makes it,
+    does not know the caller: the RPC's handler names it (``InferCall.sent_by``) before
+    the data plane reads it; ``caller`` is None until then."""
+
+    __slots__ = ("caller",)
+
+    def __init__(self) -> None:
+        self.caller: str | None = None
 
 
 # Where an input's bytes are: the request, its index among the inputs; returns them
 # unread (``Unread``). Raises ``EmbedError`` for what it can tell from the request alone.
 InputSource = Callable[["pb.ModelInferRequest", int], Unread]
+SHARED_MEMORY_REGION = "shared_memory_region"  # an input's parameter naming its region
 
 
 class InferParser:
@@ -91,12 +114,13 @@ class InferParser:
         except DecodeError as exc:
             return Refused(InvalidInput(f"the request is not a valid ModelInferRequest: {exc}"))
         try:
-            return InferCall(
-                request.model_name, request.model_version, self.embed_input(request),
-                request.id, tuple(request.outputs) if request.outputs else (),
-            )  # fmt: skip
+            body = self.embed_input(request)
         except EmbedError as error:
             return Refused(error, request.id)
+        return InferCall(
+            request.model_name, request.model_version, body, request.id,
+            tuple(request.outputs) if request.outputs else (), _callers_inputs(body),
+        )  # fmt: skip
 
     def embed_input(self, request: pb.ModelInferRequest) -> EmbedInput:
         """The embed request a ModelInferRequest asks for, its inputs unread; raises
@@ -157,9 +181,18 @@ class InRequest(Unread):
         self._request = request
         self._index = index
 
+    declared = False  # their size is that of the bytes the message carries
+
     @property
-    def nbytes(self) -> None:
-        return None
+    def nbytes(self) -> int:
+        request, index = self._request, self._index
+        if request.raw_input_contents:
+            return len(request.raw_input_contents[index])
+        tensor = request.inputs[index]
+        contents = tensor.contents
+        if ID_DTYPES[V2_ID_DTYPES[tensor.datatype]].itemsize == 8:
+            return 8 * len(contents.int64_contents)
+        return 4 * len(contents.int_contents)
 
     async def read(self) -> bytes:
         return self.take()
@@ -178,7 +211,7 @@ class InRequest(Unread):
 def in_request(request: pb.ModelInferRequest, index: int) -> InRequest:
     """The default ``InputSource``: inputs in the request only."""
     tensor = request.inputs[index]
-    if "shared_memory_region" in tensor.parameters:
+    if SHARED_MEMORY_REGION in tensor.parameters:
         raise InvalidInput(
             f"input {tensor.name!r} names a shared-memory region, and this server reads "
             "inputs from the request only"
@@ -188,6 +221,13 @@ def in_request(request: pb.ModelInferRequest, index: int) -> InRequest:
             f"input {tensor.name!r} has both contents and raw_input_contents; send one"
         )
     return InRequest(request, index)
+
+
+def _callers_inputs(body: EmbedInput) -> tuple[CallersInput, ...]:
+    sent = [body.data, *(more.data for more in (body.more_ids or {}).values())]
+    if body.lengths_input is not None:
+        sent.append(body.lengths_input.data)
+    return tuple(data for data in sent if isinstance(data, CallersInput))
 
 
 def _output_dtype(request: pb.ModelInferRequest) -> str:

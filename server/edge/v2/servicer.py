@@ -20,6 +20,7 @@ inference methods answer with bytes already encoded (no serializer).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import Any, NoReturn, Protocol
 
 import grpc
@@ -31,6 +32,7 @@ from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
+from tokembed.server.edge.auth import Identities
 from tokembed.server.edge.status_codes import refuse, trailing_metadata
 from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
 from tokembed.server.edge.v2 import responses
@@ -90,18 +92,23 @@ class InferenceServicer:
         max_message_bytes: int,
         version: str,
         statistics: Callable[[str], ModelTotals | None],
+        identities: Identities,
         extensions: Sequence[str] = EXTENSIONS,
         shared_memory: SharedMemoryRegistry | None = None,
     ) -> None:
         """``parse``: ModelInfer's deserializer; ``max_message_bytes``: the message limit
         ModelConfig reports; ``version``: tokembed's (ServerMetadata); ``statistics``: a
-        model name's totals (None: none yet); ``shared_memory``: the system shared-memory
+        model name's totals (None: none yet); ``identities``: who a call comes from (whose
+        shared-memory regions it may use); ``shared_memory``: the system shared-memory
         regions (None: the extension's methods are not served)."""
         self.parse = parse
         self.shared_memory = (
-            None if shared_memory is None else SharedMemoryService(shared_memory, _abort)
+            None
+            if shared_memory is None
+            else SharedMemoryService(shared_memory, _abort, identities)
         )
         self._regions = shared_memory
+        self._identities = identities
         self._dataplane = dataplane
         self._max_message_bytes = max_message_bytes
         self._version = version
@@ -113,7 +120,7 @@ class InferenceServicer:
     async def ModelInfer(
         self, request: InferCall | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
-        request, sink = self.unary_sink(request, context)
+        request, sink = self.unary_sink(self._sent_by(request, context), context)
         try:
             await self._dataplane.serve(
                 FRONT_END, "ModelInfer", EMBED, request, deadline_of(context), sink
@@ -130,7 +137,9 @@ class InferenceServicer:
         refuses the request (through the data plane, counted as any refusal)."""
         if isinstance(request, InferCall) and self._regions is not None:
             try:
-                window = output_window(self._regions, request.outputs)
+                window = output_window(
+                    self._regions, request.outputs, partial(self._identities.of, context)
+                )
             except EmbedError as error:
                 return Refused(error, request.request_id), UnarySink(context)
             if window is not None:
@@ -143,9 +152,40 @@ class InferenceServicer:
         context: grpc.aio.ServicerContext,
     ) -> None:
         await self._dataplane.serve_stream(
-            FRONT_END, "ModelStreamInfer", EMBED, _in_the_stream(request_iterator),
+            FRONT_END, "ModelStreamInfer", EMBED, self._in_the_stream(request_iterator, context),
             deadline_of(context), StreamItemSink(context),
         )  # fmt: skip
+
+    def _sent_by(
+        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
+    ) -> InferCall | Refused:
+        """The request, its inputs in shared-memory regions told whose regions they may
+        read: the caller's (the data plane reads them)."""
+        if isinstance(request, InferCall) and request.callers_inputs:
+            request.sent_by(self._identities.of(context))
+        return request
+
+    async def _in_the_stream(
+        self,
+        requests: AsyncIterator[InferCall | Refused],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[InferCall | Refused]:
+        """A stream's requests, told their caller; one asking for its answer in shared
+        memory is refused (a stream's answers are its messages; ModelInfer writes answers
+        into regions)."""
+        async for request in requests:
+            if isinstance(request, InferCall) and any(
+                names_region(output.parameters) for output in request.outputs
+            ):
+                yield Refused(
+                    InvalidInput(
+                        f"output {OUTPUT_NAME} names a shared-memory region: ModelStreamInfer "
+                        "answers in the stream; use ModelInfer for answers in shared memory"
+                    ),
+                    request.request_id,
+                )
+            else:
+                yield self._sent_by(request, context)
 
     # --- the server and its models
 
@@ -237,26 +277,6 @@ class InferenceServicer:
         """The versions of ``name`` that requests may name now."""
         return [h.version for h in self._dataplane.repository
                 if h.name == name and h.state.value == "ready"]  # fmt: skip
-
-
-async def _in_the_stream(
-    requests: AsyncIterator[InferCall | Refused],
-) -> AsyncIterator[InferCall | Refused]:
-    """A stream's requests; one asking for its answer in shared memory is refused (a
-    stream's answers are its messages; ModelInfer writes answers into regions)."""
-    async for request in requests:
-        if isinstance(request, InferCall) and any(
-            names_region(output.parameters) for output in request.outputs
-        ):
-            yield Refused(
-                InvalidInput(
-                    f"output {OUTPUT_NAME} names a shared-memory region: ModelStreamInfer "
-                    "answers in the stream; use ModelInfer for answers in shared memory"
-                ),
-                request.request_id,
-            )
-        else:
-            yield request
 
 
 def _statistics(name: str, totals: ModelTotals | None) -> pb.ModelStatistics:

@@ -21,9 +21,11 @@ What this module does about each:
 - A key must name a POSIX shared-memory object (``/NAME``, one path component) whose name
   starts with ``--shared-memory-prefix``: no other ``/``, no ``..``, only letters, digits,
   ``.``, ``_``, ``-``. It is opened with ``O_NOFOLLOW`` (a symbolic link planted under
-  the prefix is refused), never ``O_CREAT``, and must be a regular file: the server
-  creates no object of its own, under the prefix or anywhere, so there is no internal
-  region whose name could leak.
+  the prefix is refused), never ``O_CREAT``, and must be a regular file with one name
+  (a hard link under the prefix to another object is refused: ``O_NOFOLLOW`` does not
+  stop those) owned by the server's user (the server opens it with its own rights): the
+  server creates no object of its own, under the prefix or anywhere, so there is no
+  internal region whose name could leak.
 - Every offset and size is a Python int (no fixed width, so no sum can wrap), checked
   non-negative, and checked against the object's real size (``fstat``) at registration
   and again before every copy.
@@ -36,16 +38,30 @@ What this module does about each:
   write sees the write grow it back, up to the end of the window it registered (checked
   against the object's size at registration, and at most the request's answer); the
   memory is the client's own object's, and the server goes on.
-- An input is read only after its size is checked against the request's limit, so a
-  region of a terabyte cannot make the server allocate one.
+- Nothing is read while a request is parsed. An input is read only after the request's
+  inputs (at most 16) are checked against the model it is routed to, and the size it
+  declares is exactly what its shape needs (within the request's token limit): a refused
+  request reads nothing, an accepted one at most what its shapes need, one input at a
+  time (core/operations/embed_request.py; a large read on a worker thread:
+  shm_service.py). So a region of a terabyte cannot make the server allocate one.
 - Unregistering waits for the requests using the region; the descriptor is closed only
   once the last copy into it has returned (a request whose caller left may still be
-  writing on a worker thread). Everything is unregistered when the server stops.
+  writing on a worker thread). The close is the region's own, made by the last request
+  to let it go, so an unregistering call cancelled or timed out while it waits leaks
+  nothing; until closed, the region counts against the cap below, and shutdown closes
+  it. Everything is unregistered when the server stops.
 - Error messages name only what the request itself named: never another region's name
-  or key. (``SystemSharedMemoryStatus`` lists every region, as the protocol says, to
-  whoever may call the server: the bearer token, when one is set, guards it as it guards
-  registration; the V2 front end is behind the same interceptor as every method.)
-- At most ``--shared-memory-max-regions`` regions at once: each holds a descriptor.
+  or key.
+- A region is its owner's: the identity that registered it (edge/auth.py's
+  ``Identities``: the client certificate, else the bearer token, else one for everyone).
+  ``SystemSharedMemoryStatus`` lists, and requests and unregistrations reach, the
+  caller's regions alone; each owner has names of its own, so another's region is
+  neither replaced nor revealed (the answer is the one for a name never registered).
+  Triton's regions are server-wide: this is beyond it.
+- At most ``--shared-memory-max-regions`` regions at once, every owner's together: each
+  holds a descriptor.
+- One process: ``--workers N`` is refused with it (settings.py), as each process would
+  keep a registry of its own.
 """
 
 from __future__ import annotations
@@ -83,7 +99,12 @@ class RegionNotFound(SharedMemoryError):
 
 
 class SharedMemoryRegistry:
-    """The regions registered with this server, by name."""
+    """The regions registered with this server, by owner and name.
+
+    ``owner``: who calls, an opaque key from the front end's authentication (edge/auth.py's
+    ``Identities``). Each owner has names of its own: another owner's regions are neither
+    listed, used, unregistered nor replaced by it, and every answer about them is the
+    answer about a name never registered (the registry does not say they exist)."""
 
     def __init__(
         self,
@@ -97,23 +118,27 @@ class SharedMemoryRegistry:
         self.prefix = prefix
         self.max_regions = max_regions
         self._root = root
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[str, dict[str, Region]] = {}  # owner -> name -> region
+        # Unregistered, and still used by a request: each holds its descriptor, so it
+        # counts against max_regions, and shutdown closes it, until it is closed.
+        self._leaving: set[Region] = set()
         self._closed = False
 
     # --- the RPCs
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, *, owner: str) -> None:
         """``SystemSharedMemoryRegister``: the window ``[offset, offset + byte_size)`` of the
-        object ``key``, under ``name``."""
+        object ``key``, under ``name``, for ``owner``."""
         self._check_on()
         if not name or len(name) > MAX_NAME_CHARS:
             raise SharedMemoryError(f"a region needs a name of 1 to {MAX_NAME_CHARS} characters")
-        if name in self._regions:
+        if name in self._regions.get(owner, {}):
             raise RegionExists(f"a region named {name!r} is registered already")
-        if len(self._regions) >= self.max_regions:
+        if self._descriptors_held() >= self.max_regions:
             raise SharedMemoryError(
                 f"{self.max_regions} regions are registered, the most this server takes "
-                "(--shared-memory-max-regions); unregister one first"
+                "(--shared-memory-max-regions); unregister one first (one unregistered "
+                "counts until the requests using it end)"
             )
         object_name = self._object_name(key)
         if offset < 0 or byte_size <= 0:
@@ -132,43 +157,56 @@ class SharedMemoryRegistry:
         except BaseException:
             os.close(fd)
             raise
-        self._regions[name] = Region(name, key, offset, byte_size, fd)
+        self._regions.setdefault(owner, {})[name] = Region(name, key, offset, byte_size, fd)
         logger.info(
             "registered shared-memory region %r: %s, %d bytes at offset %d",
             name, key, byte_size, offset,
         )  # fmt: skip
 
-    def status(self, name: str = "") -> list[RegionStatus]:
-        """``SystemSharedMemoryStatus``: the region ``name``, or every region for ``""``."""
+    def status(self, name: str = "", *, owner: str) -> list[RegionStatus]:
+        """``SystemSharedMemoryStatus``: ``owner``'s region ``name``, or every region of
+        ``owner``'s for ``""``."""
         self._check_on()
+        owned = self._regions.get(owner, {})
         if not name:
-            return [region.status for region in self._regions.values()]
-        region = self._regions.get(name)
+            return [region.status for region in owned.values()]
+        region = owned.get(name)
         if region is None:
             raise RegionNotFound(f"no region named {name!r} is registered")
         return [region.status]
 
-    async def unregister(self, name: str = "") -> None:
-        """``SystemSharedMemoryUnregister``: let the region ``name`` go (every region for
-        ``""``) once no request uses it. A name not registered is not an error (Triton's
-        behaviour: unregistering is idempotent)."""
+    async def unregister(self, name: str = "", *, owner: str) -> None:
+        """``SystemSharedMemoryUnregister``: let ``owner``'s region ``name`` go (every region
+        of ``owner``'s for ``""``) once no request uses it. A name not registered is not an
+        error (Triton's behaviour: unregistering is idempotent)."""
         self._check_on()
+        owned = self._regions.get(owner, {})
         if name:
-            region = self._regions.pop(name, None)
+            region = owned.pop(name, None)
             gone = [] if region is None else [region]
         else:
-            gone = list(self._regions.values())
-            self._regions.clear()
+            gone = list(owned.values())
+            owned.clear()
+        if not owned:
+            self._regions.pop(owner, None)
+        for region in gone:
+            # Closed by the request that lets it go last, should this call be cancelled
+            # while it waits for that.
+            region.retire()
+            if region.holds_descriptor:
+                self._leaving.add(region)
+            logger.info("unregistered shared-memory region %r", region.name)
         for region in gone:
             await region.wait_unused()
-            region.close()
-            logger.info("unregistered shared-memory region %r", region.name)
 
     async def close(self) -> None:
-        """The server stops: every region unregistered (its requests are over by now)."""
+        """The server stops: every region closed, those still leaving too (their requests
+        are over by now)."""
         self._closed = True
-        gone = list(self._regions.values())
+        gone = [region for owned in self._regions.values() for region in owned.values()]
+        gone += self._leaving
         self._regions.clear()
+        self._leaving.clear()
         for region in gone:
             region.close()
         if gone:
@@ -176,12 +214,12 @@ class SharedMemoryRegistry:
 
     # --- requests
 
-    def use(self, name: str, offset: int, byte_size: int) -> Window:
-        """``byte_size`` bytes at ``offset`` of the region ``name``'s window, for one tensor
-        of a request (checked against the window); the region is held, and cannot go,
-        until ``Window.release``."""
+    def use(self, name: str, offset: int, byte_size: int, *, owner: str) -> Window:
+        """``byte_size`` bytes at ``offset`` of ``owner``'s region ``name``'s window, for one
+        tensor of a request (checked against the window); the region is held, and cannot
+        go, until ``Window.release``."""
         self._check_on()
-        region = self._regions.get(name)
+        region = self._regions.get(owner, {}).get(name)
         if region is None:
             raise RegionNotFound(f"no shared-memory region named {name!r} is registered")
         if offset < 0 or byte_size <= 0 or offset + byte_size > region.byte_size:
@@ -191,6 +229,10 @@ class SharedMemoryRegistry:
             )
         region.hold()
         return Window(region, offset, byte_size)
+
+    def _descriptors_held(self) -> int:
+        self._leaving = {region for region in self._leaving if region.holds_descriptor}
+        return sum(len(owned) for owned in self._regions.values()) + len(self._leaving)
 
     # --- keys
 
@@ -231,9 +273,29 @@ class SharedMemoryRegistry:
                 f"cannot open shared-memory object {key!r}: {exc.strerror or exc}"
             ) from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SharedMemoryError(f"{key!r} is not a shared-memory object")
+            _check_opened(key, os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+
+def _check_opened(key: str, opened: os.stat_result) -> None:
+    """Refuse what was opened unless it is a client's object of the server's own user,
+    known by one name. Checked on the descriptor, so it is what the copies will use."""
+    if not stat.S_ISREG(opened.st_mode):
+        raise SharedMemoryError(f"{key!r} is not a shared-memory object")
+    # O_NOFOLLOW stops symbolic links only: a hard link under the prefix to an object
+    # elsewhere in SHM_ROOT would be opened with the server's rights.
+    if opened.st_nlink != 1:
+        raise SharedMemoryError(
+            f"{key!r} has {opened.st_nlink} names (hard links); register an object that has "
+            "one name only"
+        )
+    # The server opens objects read-write with its own rights: one of another user's that
+    # it can open (a mode too open) is not the caller's to hand it.
+    if opened.st_uid != os.geteuid():
+        raise SharedMemoryError(
+            f"{key!r} belongs to uid {opened.st_uid}, not to the server's user "
+            f"({os.geteuid()}); register objects made by the server's user"
+        )

@@ -2,14 +2,16 @@
 and the sink that writes an answer into a region (the registry itself: ``shm``).
 
 - ``SystemSharedMemoryRegister`` / ``Status`` / ``Unregister``: the registry's calls, in
-  Triton's messages; a refusal is INVALID_ARGUMENT (through the V2 status table) with the
-  registry's message.
+  Triton's messages, for the caller's identity (``auth.Identities``: whose regions they
+  are); a refusal is INVALID_ARGUMENT (through the V2 status table) with the registry's
+  message.
 - ``SharedMemoryInputs``: ModelInfer's input source (``requests.InputSource``). An input
   whose parameters name a ``shared_memory_region`` (``shared_memory_offset``, default 0,
   and ``shared_memory_byte_size``) is an ``InRegion``: nothing is read while parsing; the
-  data plane reads it once the request's inputs fit the model and its declared size is
-  what its shape needs (a large read on a worker thread). Any other input is the
-  request's own bytes. The region is held only while it is read.
+  RPC's handler tells it its caller, and the data plane reads it from that caller's
+  region once the request's inputs fit the model and its declared size is what its shape
+  needs (a large read on a worker thread). Any other input is the request's own bytes.
+  The region is held only while it is read.
 - ``SharedMemorySink``: a ModelInfer whose requested output names a region gets this sink:
   the answer's bytes go into the region (on the thread that frames it, as a unary answer's
   join would), and the response carries the output's name, datatype and shape but no tensor
@@ -29,10 +31,11 @@ import grpc
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call
 from tokembed.server.core.dataplane import Refused, Sink
-from tokembed.server.core.errors import EmbedError, InvalidInput
+from tokembed.server.core.errors import EmbedError, Internal, InvalidInput
 from tokembed.server.core.operations.embed_request import Unread
 from tokembed.server.core.types import Answer
-from tokembed.server.edge.v2.requests import InputSource, in_request
+from tokembed.server.edge.auth import Identities
+from tokembed.server.edge.v2.requests import CallersInput, InputSource, in_request
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_region import Window
 from tokembed.v2 import grpc_service_pb2 as pb
@@ -68,11 +71,15 @@ def window_spec(tensor: str, parameters: Mapping[str, pb.InferParameter]) -> Win
 
 
 def window_of(
-    registry: SharedMemoryRegistry, tensor: str, parameters: Mapping[str, pb.InferParameter]
+    registry: SharedMemoryRegistry,
+    tensor: str,
+    parameters: Mapping[str, pb.InferParameter],
+    owner: str,
 ) -> Window:
-    """The window a tensor's parameters name (held: release it), or ``InvalidInput``."""
+    """The window of ``owner``'s region a tensor's parameters name (held: release it), or
+    ``InvalidInput``."""
     spec = window_spec(tensor, parameters)
-    return registry.use(spec.region, spec.offset, spec.byte_size)
+    return registry.use(spec.region, spec.offset, spec.byte_size, owner=owner)
 
 
 def _integer(tensor: str, parameters: Mapping[str, pb.InferParameter], name: str) -> int:
@@ -114,13 +121,14 @@ class SharedMemoryInputs:
         return InRegion(self._registry, spec, self._max_bytes)
 
 
-class InRegion(Unread):
-    """An input's bytes in a region's window: the region is looked up and held only
-    while they are read, when the data plane asks."""
+class InRegion(CallersInput):
+    """An input's bytes in a window of its caller's region: the region is looked up and
+    held only while they are read, when the data plane asks."""
 
     __slots__ = ("_max_bytes", "_registry", "_spec")
 
     def __init__(self, registry: SharedMemoryRegistry, spec: WindowSpec, max_bytes: int) -> None:
+        super().__init__()
         self._registry = registry
         self._spec = spec
         self._max_bytes = max_bytes
@@ -131,7 +139,9 @@ class InRegion(Unread):
 
     async def read(self) -> bytes:
         spec = self._spec
-        window = self._registry.use(spec.region, spec.offset, spec.byte_size)
+        if self.caller is None:
+            raise Internal("this is a bug: a region's input was read before its caller was named")
+        window = self._registry.use(spec.region, spec.offset, spec.byte_size, owner=self.caller)
         try:
             if spec.byte_size <= INLINE_READ_BYTES:
                 return window.read(self._max_bytes)
@@ -144,11 +154,13 @@ class InRegion(Unread):
 def output_window(
     registry: SharedMemoryRegistry,
     outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor],
+    owner: Callable[[], str],
 ) -> Window | None:
-    """The window the requested output names (held), None when it names none."""
+    """The window of the caller's region the requested output names (held), None when it
+    names none; ``owner()``: the caller (asked only then)."""
     for output in outputs:
         if names_region(output.parameters):
-            return window_of(registry, f"output {output.name}", output.parameters)
+            return window_of(registry, f"output {output.name}", output.parameters, owner())
     return None
 
 
@@ -183,23 +195,29 @@ class SharedMemorySink(Sink[bytes]):
 
 
 class SharedMemoryService:
-    """SystemSharedMemoryRegister, Status and Unregister over the registry. ``abort``:
-    the front end's way to end a call with a domain error (its status table)."""
+    """SystemSharedMemoryRegister, Status and Unregister over the registry, each for the
+    caller's identity. ``abort``: the front end's way to end a call with a domain error
+    (its status table)."""
 
     def __init__(
         self,
         registry: SharedMemoryRegistry,
         abort: Callable[[grpc.aio.ServicerContext, EmbedError], Awaitable[Any]],
+        identities: Identities,
     ) -> None:
         self._registry = registry
         self._abort = abort
+        self._identities = identities
 
     async def SystemSharedMemoryRegister(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.SystemSharedMemoryRegisterResponse:
         try:
             asked = _parsed(request)
-            self._registry.register(asked.name, asked.key, asked.offset, asked.byte_size)
+            self._registry.register(
+                asked.name, asked.key, asked.offset, asked.byte_size,
+                owner=self._identities.of(context),
+            )  # fmt: skip
         except EmbedError as error:
             await self._abort(context, error)
         return pb.SystemSharedMemoryRegisterResponse()
@@ -208,7 +226,9 @@ class SharedMemoryService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.SystemSharedMemoryStatusResponse:
         try:
-            regions = self._registry.status(_parsed(request).name)
+            regions = self._registry.status(
+                _parsed(request).name, owner=self._identities.of(context)
+            )
         except EmbedError as error:
             await self._abort(context, error)
         response = pb.SystemSharedMemoryStatusResponse()
@@ -224,7 +244,9 @@ class SharedMemoryService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         try:
-            await self._registry.unregister(_parsed(request).name)
+            await self._registry.unregister(
+                _parsed(request).name, owner=self._identities.of(context)
+            )
         except EmbedError as error:
             await self._abort(context, error)
         return pb.SystemSharedMemoryUnregisterResponse()

@@ -15,9 +15,11 @@ import typing
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
+
     from tokembed.client.results import ModelInfo, ModelList
     from tokembed.client.sync import EmbeddingClient
 
@@ -78,8 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     embed = subparsers.add_parser(
         "embed",
         parents=[common],
-        help="embed token ids with a running server and print the shape and a preview",
-        description="Call Embed and print the answer's shape, a preview and the server timings.",
+        help="embed token ids with a running server and print the shape and a preview "
+        "(or save the answer: --output)",
+        description="Call Embed and print the answer's shape, a preview (or save the answer "
+        "to a .npy file: --output) and the server timings.",
     )
     embed.add_argument(
         "--ids",
@@ -115,6 +119,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the answer's axes: [B,S,D] (padded: ragged sequences padded to [B,S_max,D]), "
         "[N,D] (flat: ragged sequences one after another) or [S,B,D] (sequence-first: "
         "ragged ones padded to [S_max,B,D])",
+    )
+    embed.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="save the answer to FILE in numpy's .npy format (np.load reads it) instead of "
+        "printing a preview; bfloat16 answers are saved as their uint16 bits: "
+        "np.load(FILE).view(ml_dtypes.bfloat16)",
     )
     embed.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
     embed.set_defaults(run=run_embed)
@@ -232,14 +245,19 @@ def run_embed(args: argparse.Namespace) -> int:
             token_types=types,
         )
     hs = result.hidden_states
+    # Saved before anything is printed: a path that cannot be written is the one line.
+    saved = None if args.output is None else save_npy(args.output, hs)
     print(
         f"hidden_states {list(hs.shape)} {hs.dtype}, "
         f"model {result.model_name or '?'} {result.model_version}".rstrip()
     )
     if result.lengths is not None:
         print(f"lengths {result.lengths.tolist()}")
-    with np.printoptions(precision=4, suppress=True, threshold=24, edgeitems=2, linewidth=100):
-        print(hs[:2] if hs.ndim == 3 else hs)
+    if saved is not None:
+        print(saved)
+    else:
+        with np.printoptions(precision=4, suppress=True, threshold=24, edgeitems=2, linewidth=100):
+            print(hs[:2] if hs.ndim == 3 else hs)
     t = result.timings
     print(
         f"server: queue {t.queue_seconds * 1e3:.3f} ms, compute {t.compute_seconds * 1e3:.3f} ms, "
@@ -247,6 +265,27 @@ def run_embed(args: argparse.Namespace) -> int:
         f"{t.batch_tokens} token(s)"
     )
     return 0
+
+
+def save_npy(path: Path, answer: npt.NDArray[Any]) -> str:
+    """Write ``answer`` to ``path`` (that name, as given) in the ``.npy`` format and say
+    what was saved. The format has no bfloat16: numpy would write ml_dtypes' type as
+    opaque 2-byte records, which load as bytes, so a bfloat16 answer is saved as its
+    uint16 bits, loadable without pickle, and the line says how to view them again."""
+    import numpy as np
+
+    from tokembed.client.errors import EmbeddingError
+
+    note = ""
+    if answer.dtype.name == "bfloat16":
+        answer = answer.view(np.uint16)
+        note = f" as uint16, bfloat16's bits: np.load({str(path)!r}).view(ml_dtypes.bfloat16)"
+    try:
+        with path.open("wb") as file:
+            np.save(file, answer, allow_pickle=False)
+    except OSError as exc:
+        raise EmbeddingError(f"cannot write --output {path}: {exc.strerror or exc}") from exc
+    return f"saved to {path}{note}"
 
 
 def run_info(args: argparse.Namespace) -> int:
