@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from tokembed.server.core import deadlines
 from tokembed.server.core.admission import Admission, OutputBudget, Ticket
 from tokembed.server.core.batcher import Batcher
 from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal, Unavailable
@@ -107,7 +108,7 @@ class Scheduler:
         placement = policy.place(job.tokens, job.output_bytes, batcher_idle=idle)
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
-        if deadline is not None and deadline <= time.monotonic():
+        if deadlines.passed(deadline, time.monotonic()):
             # As the batcher does for the queued requests it takes: no compute for nobody.
             raise DeadlineExceeded("deadline passed before the look-up")
         if placement is Placement.INLINE:

@@ -11,6 +11,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from tokembed import __version__
+from tokembed.server.core.calls import ModelTotals
 from tokembed.server.core.dataplane import DataPlane
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.auth import BearerTokenInterceptor, Identities, read_token
@@ -22,7 +23,6 @@ from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.requests import InferParser
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
-from tokembed.server.metrics import ModelTotals
 from tokembed.server.settings import Settings
 from tokembed.v1 import embedding_pb2
 

@@ -23,6 +23,7 @@ from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink,
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.types import Answer, Buffer
+from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.status_codes import refuse, status_name, status_of
 from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
@@ -45,12 +46,6 @@ FRONT_END = FrontEnd(
     },
     status_of=status_name,
 )
-
-
-def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
-    """The call's deadline on the ``time.monotonic()`` clock (None: none)."""
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 class EmbeddingServicer:

@@ -21,20 +21,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
-from tokembed.server.core.calls import Call, FrontEnd
+from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
+from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.status_codes import refuse, trailing_metadata
-from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
+from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
@@ -67,20 +68,6 @@ FRONT_END = FrontEnd(
     },
     status_of=status_name,
 )
-
-
-class ModelTotals(Protocol):
-    """A model's cumulative statistics, as ModelStatistics reports them."""
-
-    success_count: int
-    success_s: float
-    fail_count: int
-    fail_s: float
-    queue_count: int
-    queue_s: float
-    batches: int
-    compute_s: float
-    last_served_unix_s: float  # 0: none yet
 
 
 class InferenceServicer:
