@@ -5,7 +5,6 @@ Inference Protocol, health, reflection), and the address it listens on. server/a
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import grpc
 from grpc_health.v1 import health
@@ -85,7 +84,7 @@ def build_grpc_server(
         dataplane,
         parse=InferParser(
             settings.max_request_bytes, settings.max_tokens_per_request,
-            source_for=partial(SharedMemoryInputs, shared_memory, settings.max_request_bytes),
+            source=SharedMemoryInputs(shared_memory, settings.max_request_bytes),
         ),
         max_message_bytes=settings.max_message_bytes, version=__version__,
         statistics=statistics, shared_memory=shared_memory,

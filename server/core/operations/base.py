@@ -1,6 +1,7 @@
 """What an operation supplies to the scheduler, which is generic over them.
 
-An operation (embed) turns its request into a job (validation: a bad request fails here,
+An operation (embed) reads what its request left unread (once what the request declares
+fits the model) and turns it into a job (validation: a bad request fails here,
 alone, before it could join a batch), says what the job costs (tokens for the queue bound,
 output bytes for the process's budget), computes a batch of its jobs on a backend (any of
 its jobs may share a batch), and shapes one job's result into an ``Answer``. It knows
@@ -42,6 +43,15 @@ class Operation(ABC, Generic[RequestT, JobT, ResultT]):
     def validate(self, request: RequestT, model: ServedModel) -> JobT:
         """The request as a job for ``model``; raises ``InvalidInput`` or ``TooLarge``
         naming the offending value."""
+
+    def unread(self, request: RequestT) -> bool:
+        """Whether some of the request's bytes are still where it left them (``read``)."""
+        return False
+
+    async def read(self, request: RequestT, model: ServedModel) -> RequestT:
+        """The request with all its bytes in hand, read only once what it declares fits
+        ``model``; raises ``InvalidInput`` or ``TooLarge`` (before reading anything)."""
+        return request
 
     @abstractmethod
     def compute(self, backend: Backend, jobs: Sequence[JobT]) -> list[ResultT]:
