@@ -3,19 +3,19 @@
 What the service could reach if its transport, request parsing and client cost nothing:
 the model loaded as ``tokembed serve`` loads it (``tokembed.server.loading``: the same
 backend, tables and casts for the same device), its look-up called with each request's
-ids, and the answer's bytes made once: the rows the look-up gives, joined into one buffer
-where it gives them as pieces (a small answer's rows are slices of the table; padding
-rows follow each ragged sequence), taken as they are where it gives one array (a large
-answer, gathered by numpy). That is the least any of the service's paths does: a unary
-answer joins those bytes once more into its response, EmbedChunked sends slices of them.
-So a float16 answer comes from the float16 table, as the service's does.
+ids, and the answer's bytes made once (``Rows.joined``): the rows the look-up gives (views
+of the table's rows; padding rows follow each ragged sequence), joined into one buffer,
+or for a large rectangular answer gathered by numpy into one array (the cheapest single
+copy: numpy's gather lets go of the GIL), taken as they are where the look-up gives one
+array (an onnxruntime run). That is the least any of the service's paths does: a unary
+answer copies those rows once into its response, EmbedChunked into its chunks, a
+shared-memory answer into its region. So a float16 answer comes from the float16 table,
+as the service's does.
 
 Why not an onnxruntime run per request, as the bench once had it: the service (on CPU)
 answers from tables the model computed at load, so a run per request, and for float16 a
-cast of its float32 output, is slower than the service it was meant to bound. On large
-[32,512] float16 answers it read 94.9 MB/s against the service's 611 MB/s; in-process,
-loaded machine, D=512: ~230 ms for the run and numpy's cast, ~20 ms for the float16
-table's look-up and join.
+cast of its float32 output, is slower than the service it was meant to bound
+(docs/benchmarks/README.md has the figures).
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class Ceiling:
     def __call__(self, ids: CeilingIds) -> Buffer:
         rows = self._backend.look_up(LookUp(TokenIds(ids.data, INT64, ids.count), self._dtype))
         if not ids.lengths:
-            whole = rows.pieces(0, ids.count)
-            return whole[0] if len(whole) == 1 else b"".join(whole)
+            return rows.joined()
         longest = max(ids.lengths)
         pieces: list[Buffer] = []
         offset = 0

@@ -3,7 +3,7 @@ endpoint side by side: the floor, the service through each client, no batching, 
 ceiling (the service's look-up in this process, ``ceiling.py``). ``report.ENDPOINTS``
 says what each endpoint is.
 
-Where a target compares two figures ~10% apart, the cells it compares are measured in
+Where a target compares two figures close together, the cells it compares are measured in
 turns (see ``runner.run_interleaved``), so that a slow stretch of this shared machine
 falls on both sides:
 - tiny requests at concurrency 1, with two steps between the floor and the service that
@@ -57,26 +57,22 @@ class _Turns:
     asyncio: bool  # also the asyncio client (and EmbedChunked, for answers of 4 MiB and up)
 
 
-# Tiny requests at c=1, where the first target compares p50s ~0.1 ms apart on ~0.65 ms,
-# with the steps between floor and service, at every width: 3x a cell's time in 24
-# turns. With a cell's time in 8 turns (~1,700 calls each) the service's step over the
-# floor read 1.09-1.30 from run to run, where 30 turns of 250 calls in a script read
-# 1.11-1.14 five times. Tiny calls are cheap: this adds ~10 s per width to a full run.
+# Tiny requests at c=1, where the first target compares p50s close together, with the
+# steps between floor and service, at every width: 3x a cell's time in 24 turns (fewer,
+# longer turns read a ratio that wandered from run to run: docs/benchmarks/README.md).
+# Tiny calls are cheap, so the turns add little to a full run.
 LATENCY_STEPS = _Turns(time_factor=3, rounds=24, warmup=2, latency_steps=True, asyncio=False)
 # Tiny requests at c=64 (the second target, req/s), at the targets' width: twice a
-# cell's time in 4 turns (of ~0.6 s and ~1,500 calls at --duration-s 1.2). One after the
-# other, the floor read 2,200-3,400 req/s from run to run and the ratio 0.70-1.02; D1 of
-# the eighth round read 0.81 with the floor at its fastest yet. Each turn starts and ends
+# cell's time in 4 turns (measured one after the other, the floor and the ratio wandered
+# from run to run: docs/benchmarks/README.md). Each turn starts and ends
 # its 64 callers, which costs the side with the longer latencies a little more: if
 # anything, against the service.
 CONTENTION_TURNS = _Turns(time_factor=2, rounds=4, warmup=2, latency_steps=False, asyncio=True)
 # Large float32 requests at c=1 (the large unary and chunked targets, and float16's
-# reference), at the targets' width: twice a cell's time in 6 turns (of ~5 calls of
-# 40-90 ms at --duration-s 1.2), each turn after one unmeasured call, as a cell measured
-# alone starts after its warm-up (the first call after another endpoint's turn pays for
-# pages the server's heap trim gave back meanwhile, which a steady caller never sees).
-# One after the other, ~15 calls each, large unary read 0.86-1.06 of the floor over nine
-# runs and chunked once 1.11 (1.58-1.89 otherwise).
+# reference), at the targets' width: twice a cell's time in 6 turns, each turn after
+# one unmeasured call, as a cell measured alone starts after its warm-up (the first call
+# after another endpoint's turn pays for pages the server's heap trim gave back
+# meanwhile, which a steady caller never sees).
 LARGE_TURNS = _Turns(time_factor=2, rounds=6, warmup=1, latency_steps=False, asyncio=True)
 
 

@@ -23,7 +23,6 @@ from tokembed.server.edge.v1.requests import WIRE_OUTPUT_DTYPES
 from tokembed.v1 import embedding_pb2 as pb
 
 METHOD = "/tokembed.bench.Floor/Embed"
-CHUNKED_METHOD = "/tokembed.bench.Floor/EmbedChunked"
 _MAX_MESSAGE = 1 << 30
 
 

@@ -9,7 +9,7 @@ each endpoint is):
 - no batching: a second ``tokembed serve`` with ``--max-batch-tokens 1``;
 - ceiling:     the service's own look-up in this process (``ceiling.py``), no transport.
 Then, where the plan has them, the model kinds' cells (``kinds.py``).
-Server CPU seconds per request and peak RSS are read from /proc for the server processes.
+Server CPU seconds per request and peak RSS are read (psutil) for the server processes.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ projection to D) served each way, against a plain token model of the same V and 
   [1,8] float32 requests at concurrency 16 through the asyncio client, in turns with a
   second such service that does not batch (``--max-batch-tokens 1``): what batching buys
   when each run has a fixed cost. (For larger requests a run's cost is its matmul, which
-  batching does not shrink: measured here at [4,32] and [8,128], c=16, batched and
-  unbatched tokens/s were within a factor of 0.5-1.3 of each other.)
+  batching does not shrink: docs/benchmarks/README.md, "Model kinds".)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the server processes spend during a cell: CPU seconds and peak RSS, read from /proc."""
+"""What the server processes spend during a cell: CPU seconds and peak RSS."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ class Plan:
     dtypes: tuple[str, ...]
     duration_s: float
     max_requests: int
-    # Concurrency cap for answers this many bytes or larger (64 x 33.5 MB in flight
-    # measures memory, not transport).
+    # Concurrency cap for answers this many bytes or larger (64 of them in flight measure
+    # memory, not transport).
     large_answer_bytes: int = 16 * MiB
     large_max_concurrency: int = 8
     # The model kinds' cells (bench/kinds.py): a factorized model from its table and per

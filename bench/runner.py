@@ -182,7 +182,8 @@ def run_interleaved(
 
     For figures compared with each other: run one after the other, each in its own
     seconds, a shared machine's slow moment falls on one of them only (the tiny c=1
-    ratio ranged 1.12-1.47 over ten runs that way); taken in turns it falls on all.
+    ratio wandered from run to run that way: docs/benchmarks/README.md); taken in turns
+    it falls on all.
     ``during(name)``, if given, is entered around each of that call's turns (a meter).
     """
     taken: dict[str, list[Run]] = {name: [] for name in turns}

@@ -57,11 +57,11 @@ class Group:
 
 
 GROUPS = (
-    # p50 against p50 ~0.1 ms apart: many short turns, as the main section's tiny c=1.
+    # p50 against p50 close together: many short turns, as the main section's tiny c=1.
     Group(TINY, 1, ("v2", "v1", "mlserver"), time_factor=2, rounds=12),
-    # Ratios of throughputs ~10x apart, the slower side at ~10 req/s ([8,128]): twice a
-    # cell's time in 6 turns, so that each turn of MLServer's holds more than a few calls
-    # (in 4 turns of one cell's time, [8,128] c=1 read 8.4 and 11.1 in two runs).
+    # Ratios of throughputs far apart, the slower side slow ([8,128]): twice a cell's time
+    # in 6 turns, so that each turn of MLServer's holds more than a few calls (with 4
+    # turns of one cell's time the ratio wandered: docs/benchmarks/README.md).
     Group(TINY, 32, ("v2", "v1", "mlserver"), time_factor=2, rounds=6),
     Group(MEDIUM, 1, ("v2", "v1", "mlserver"), time_factor=2, rounds=6),
     Group(MEDIUM, 8, ("v2", "v1", "mlserver"), time_factor=2, rounds=6),

@@ -41,9 +41,8 @@ DEFAULT_TIMEOUT_S = 30.0
 # configured max output bytes; GetModelInfo reports it as limits.max_message_bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # Above this many output bytes the client asks for the answer as a stream of ~1 MiB
-# chunks. Measured on the 2-core dev machine against the real server (medians, noisy):
-# with the zero-copy unary decode, unary and chunked are even from 4 to 16 MiB, and
-# chunked wins from 32 MiB on (1.5x at 32 MiB, ~2x at 64 MiB).
+# chunks: below it, unary and chunked measured even; above it, chunked is faster
+# (docs/benchmarks/README.md has the figures).
 DEFAULT_CHUNKED_THRESHOLD_BYTES = 16 * 1024 * 1024
 
 LOAD_BALANCING_POLICIES = ("round_robin", "pick_first")

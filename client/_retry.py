@@ -1,4 +1,9 @@
-"""A call's retries and its deadline, shared by the sync and asyncio clients."""
+"""A call's retries and its deadline, shared by the sync and asyncio clients.
+
+Not gRPC's own retry policy (a channel's service config): it retries by status code
+alone, and RESOURCE_EXHAUSTED is both too_large (never retried) and overloaded (retried
+when asked), told apart only by the reason in the trailing metadata.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ and to write the varints of an answer's known head (``decode``).
 
 Why: with protobuf's Python runtime (upb), parsing a 32 MiB EmbedResponse copies the
 payload into its arena, and every read of ``tensor.data`` copies it again into a new
-``bytes`` (~15 ms each for 32 MiB here). The client instead receives the raw message
+``bytes``. The client instead receives the raw message
 bytes from gRPC, locates ``hidden_states.data`` in them, points a numpy array at that
 range (``np.frombuffer(raw, offset=...)``, no copy) and lets protobuf parse only the
 small remainder. The wire format is the standard one; nothing here changes it.

@@ -335,9 +335,9 @@ def encode_request(
     from ``encode_token_types``), written by the generated classes.
 
     (Writing them by hand, with the frames of calls of a shape seen before cached,
-    measured within noise of this in an A/B of tiny calls in turns: 0.985 and 1.035 of
-    its p50.) With ``layout="flat"`` rectangular input is sent as flat ids plus equal
-    lengths, so a flat answer is always ``[N,D]`` whatever the input's shape.
+    measured within noise of this in an A/B of tiny calls in turns.) With
+    ``layout="flat"`` rectangular input is sent as flat ids plus equal lengths, so a flat
+    answer is always ``[N,D]`` whatever the input's shape.
     """
     layout = check_layout(layout, encoded.sequence_first)
     ids, lengths = encoded.ids, encoded.lengths

@@ -33,7 +33,7 @@ def frombuffer(
 ) -> npt.NDArray[Any]:
     """A view of ``buf[offset:offset+nbytes]`` as a tensor, checking that sizes agree."""
     # Few, cheap steps: this runs once per answer, and for a tiny answer it was the
-    # client's largest cost (~20 us in a live round trip with a list of dims and any()).
+    # client's largest cost (with a list of dims and any()).
     row = dtypes.BY_WIRE.get(dtype)
     if row is None:
         raise protocol_error(f"tensor dtype {dtypes.name_of(dtype)} is not a known dtype")
@@ -72,8 +72,8 @@ def _result(header: pb.EmbedResponse, hidden_states: npt.NDArray[Any]) -> EmbedR
 
 
 # Below this, protobuf's C parser (which copies the payload) beats finding the payload in
-# Python: 7.5 us against 17 us for a 16 KiB answer, even at 256 KiB; far above it the copy
-# dominates (0.4 ms at 2 MiB, 38 ms at 32 MiB, against 18 us zero-copy at any size).
+# Python (the two measured even around this size); far above it the copy dominates,
+# while the zero-copy view costs the same at any size.
 ZERO_COPY_MIN_BYTES = 256 * 1024
 
 
@@ -103,8 +103,8 @@ def embed_answer(raw: bytes, leading: tuple[int, ...], itemsize: int) -> npt.NDA
     Answers to requests of one shape begin with the same bytes (the tensor's field, dtype,
     shape and the data's length): once one answer has been decoded in full, the next that
     begins with its bytes is a view of its data at once, if nothing after the data holds
-    the tensor field again (which protobuf would merge). Why: decoding a tiny answer took
-    3.5 us in a hot loop and ~27 us live; this way, 1.2 us.
+    the tensor field again (which protobuf would merge). Why: decoding a tiny answer in
+    full is several times the cost of this way.
     """
     key = (leading, itemsize)
     known = _answer_heads.get(key)

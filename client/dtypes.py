@@ -5,7 +5,7 @@ in the proto, and a row in the server's table).
 
 bfloat16 answers are ``ml_dtypes.bfloat16`` arrays (numpy has no bfloat16). ml_dtypes is
 imported the first time a bfloat16 row's numpy type is asked for, not with the client:
-its import took ~1 s on the 2-core development machine, against ~30 ms for the client's.
+its import takes far longer than the client's own.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.errors import ExportError
 
 CONFIG_NAME = "config.json"
@@ -26,7 +27,6 @@ _UNSCALED = ("llama", "mistral", "qwen2", "gpt2", "bert", "albert", "t5")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 # The config's names of the table's rows and width, by architecture.
 _WIDTH = {"gpt2": "n_embd", "t5": "d_model", "bart": "d_model", "albert": "embedding_size"}
-_TABLE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,10 @@ def architecture_of(
     if model_type in _GEMMA:
         # torch.tensor(hidden_size**0.5) is float32, then cast to the weight's dtype:
         # rounded twice.
-        import ml_dtypes  # numpy only once a config is read: `tokembed --help` stays light
-        import numpy as np
+        import numpy as np  # only once a config is read: `tokembed --help` stays light
 
         in_float32 = np.float32(d_model**0.5)
-        numpy_dtypes = {"bfloat16": ml_dtypes.bfloat16}
-        rounded = {
-            name: float(in_float32.astype(numpy_dtypes.get(name, name))) for name in _TABLE_DTYPES
-        }
+        rounded = {name: float(in_float32.astype(d.numpy)) for name, d in WEIGHT_DTYPES.items()}
         scale = rounded.get(table_dtype, float(in_float32))
         rule = (
             f"scales by sqrt(hidden_size {d_model}) rounded to float32, then to the table's "

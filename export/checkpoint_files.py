@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokembed.export.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from tokembed.export.errors import CheckpointError
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -31,22 +32,6 @@ _SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 # safetensors' own limit on a header (the format's specification).
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-# safetensors' dtype names, as torch names them.
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class CheckpointMatrix:
@@ -88,7 +73,7 @@ class CheckpointMatrix:
         A memory-mapped file keeps every page read through the mapping resident, and
         counted as this process's, until it is unmapped; and the kernel maps pages around
         each one read (whole large folios of the page cache, here): a few hundred random
-        rows of a 1 GiB file left 600 MiB of it resident."""
+        rows of a large file left most of it resident."""
 
     def close(self) -> None:
         """Let go of the file."""
@@ -219,7 +204,8 @@ def _entry(name: str, value: Any, data_bytes: int) -> _Entry:
         and 0 <= offsets[0] <= offsets[1] <= data_bytes
     ):
         raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} outside the data")
-    dtype: torch.dtype | str = _SAFETENSORS_DTYPES.get(dtype_name, dtype_name)
+    torch_name = SAFETENSORS_DTYPES.get(dtype_name)
+    dtype: torch.dtype | str = dtype_name if torch_name is None else torch_dtype(torch_name)
     if isinstance(dtype, torch.dtype) and offsets[1] - offsets[0] != math.prod(shape) * (
         dtype.itemsize
     ):

@@ -10,6 +10,7 @@ from tokembed.export import kind_cli
 from tokembed.export.architecture import OVERRIDE_FLAG
 from tokembed.export.checkpoint_dir import checkpoint_in
 from tokembed.export.config_flags import as_configured, print_notes
+from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.errors import ExportError
 from tokembed.export.kinds import TOKEN
 from tokembed.export.manifest import Manifest
@@ -72,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--dtype",
         default=None,
-        choices=["float32", "float16", "bfloat16"],
+        choices=list(WEIGHT_DTYPES),
         help="storage dtype of the table: float16 and bfloat16 take half the bytes (float16 "
         "must hold the table's largest value; bfloat16 has float32's range and 8 bits of "
         "precision, and keeps a bfloat16 checkpoint exactly). Default float32. Answers are "

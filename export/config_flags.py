@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from tokembed.export.architecture import Unknown, architecture_of, settle
+from tokembed.export.dtypes import FLOAT32, WEIGHT_DTYPES
 
 
 def as_configured(
@@ -31,7 +32,8 @@ def as_configured(
             f"config.json's model_type {found.model_type!r} is not one whose scale tokembed "
             f"knows: exported with scale {default_scale}; give --scale as the model computes it"
         )
-    if table_dtype in ("bfloat16", "float16") and not args.dtype_given:
+    # A checkpoint narrower than float32 that the table could be stored as.
+    if table_dtype in WEIGHT_DTYPES and table_dtype != FLOAT32.name and not args.dtype_given:
         args.notes.append(
             f"{args.key!r} is {table_dtype}: stored as float32 (its values exactly, twice the "
             f"bytes); --dtype {table_dtype} keeps it as it is"

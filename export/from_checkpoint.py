@@ -18,18 +18,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from tokembed.export.checkpoint_files import CheckpointMatrix
+from tokembed.export.dtypes import ANSWER_DTYPES, WEIGHT_DTYPES, bits, torch_bits
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.hashing import phase
 from tokembed.export.manifest import (
     INPUT_NAME,
     MODEL_NAME,
     OUTPUT_NAME,
-    WEIGHT_DTYPES,
     Manifest,
     Parity,
     TensorSpec,
@@ -54,7 +53,6 @@ from tokembed.export.table_graph import DATA_NAME, write_graph
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The packages whose versions the manifest records.
 _PRODUCERS = ("torch", "onnx", "onnxruntime")
 # Rows are converted and written this many bytes (of float32) at a time.
@@ -80,7 +78,7 @@ def export_checkpoint(
 ) -> Manifest:
     """Export ``matrix`` times ``scale`` to ``out_dir``, verified against torch; return
     the manifest. ``scale`` is a number (``module.resolve_scale`` reads the flag)."""
-    if weight_dtype not in WEIGHT_DTYPES or weight_dtype not in _TORCH_DTYPES:
+    if weight_dtype not in WEIGHT_DTYPES:
         raise ExportError(f"--dtype must be one of {list(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     vocab_size, d_model = matrix.shape
     check_table_sizes(vocab_size, d_model, padding_idx)
@@ -124,7 +122,7 @@ def _write_table(matrix: CheckpointMatrix, path: Path, weight_dtype: str) -> flo
     """Stream the matrix into ``path`` as ``weight_dtype`` (little-endian, row after row);
     return its largest magnitude. Refuses non-finite values, and a table float16 cannot
     hold (naming its largest magnitude, so the whole matrix is scanned first)."""
-    stored_as = _TORCH_DTYPES[weight_dtype]
+    stored_as = WEIGHT_DTYPES[weight_dtype].torch_dtype()
     limit = float(torch.finfo(stored_as).max)
     largest = 0.0
     with path.open("wb") as out:
@@ -205,17 +203,6 @@ def _check_parity(
     )
 
 
-# What an answer may be asked for (the server's ``core.dtypes.OUTPUT_DTYPES``), and how
-# the server rounds the graph's float32 rows into each: to nearest even, as numpy's
-# float16 and ml_dtypes' bfloat16 do. The same check as ``onnx_export._check_answers``,
-# on the checkpoint's rows of one slice.
-_ANSWER_DTYPES = {
-    "float32": (torch.float32, np.dtype(np.float32)),
-    "float16": (torch.float16, np.dtype(np.float16)),
-    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16)),
-}
-
-
 def _check_answers(
     rows: torch.Tensor, got: np.ndarray, weight_dtype: str, scale: float, ids_checked: int
 ) -> None:
@@ -223,31 +210,25 @@ def _check_answers(
     server rounds them, against torch's answer in that dtype: the rows as stored (widened
     exactly, times the scale in float32, as ``StoredAs`` computes) cast to the dtype; and
     in the table's own dtype also ``embedding(ids) * scale`` computed in that dtype, as a
-    model stored so computes it. ``rows``: the checkpoint's rows, as read."""
-    stored = rows.to(torch.float32).to(_TORCH_DTYPES[weight_dtype])
+    model stored so computes it. ``rows``: the checkpoint's rows, as read. Each answer
+    dtype is rounded to nearest even, as numpy's float16 and ml_dtypes' bfloat16 round
+    (the server's casts); the same check as ``onnx_export._check_answers``, on the
+    checkpoint's rows of one slice."""
+    stored = rows.to(torch.float32).to(WEIGHT_DTYPES[weight_dtype].torch_dtype())
     with torch.no_grad():
         reference = stored.to(torch.float32) * scale
-        for name, (torch_dtype, numpy_dtype) in _ANSWER_DTYPES.items():
+        for name, dtype in ANSWER_DTYPES.items():
             # A float32 answer past float16's largest rounds to infinity, in torch too.
             with np.errstate(over="ignore"):
-                ours = _bits(got.astype(numpy_dtype))
-            theirs = [("the stored table's float32 answer", reference.to(torch_dtype))]
+                ours = bits(got.astype(dtype.numpy))
+            theirs = [("the stored table's float32 answer", reference.to(dtype.torch_dtype()))]
             if name == weight_dtype:
                 theirs.append((f"embedding(ids) * scale in {name}", stored * scale))
             for what, answer in theirs:
-                bits = _bits(answer.contiguous().view(_SAME_WIDTH[answer.element_size()]).numpy())
-                if not np.array_equal(ours, bits):
+                expected = torch_bits(answer)
+                if not np.array_equal(ours, expected):
                     raise ParityError(
                         f"{name} answers differ from torch's ({what}) in "
-                        f"{int(np.count_nonzero(ours != bits))} of {ours.size} values over "
+                        f"{int(np.count_nonzero(ours != expected))} of {ours.size} values over "
                         f"{ids_checked} ids"
                     )
-
-
-# numpy has no bfloat16 of its own: tensors are read through an integer of their width.
-_SAME_WIDTH = {2: torch.int16, 4: torch.int32}
-
-
-def _bits(values: np.ndarray) -> np.ndarray:
-    """The values' bit patterns, as unsigned integers of their width."""
-    return values.view(np.dtype(f"u{values.dtype.itemsize}"))

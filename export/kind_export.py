@@ -24,14 +24,19 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from tokembed.export.dtypes import FLOAT16
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.hashing import phase
-from tokembed.export.kind_graphs import Table, write_factorized_graph, write_segment_graph
+from tokembed.export.kind_graphs import (
+    TABLE_DTYPES,
+    Table,
+    write_factorized_graph,
+    write_segment_graph,
+)
 from tokembed.export.kind_modules import FactorizedEmbedding, SegmentEmbedding
 from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN_TYPE_IDS
 from tokembed.export.manifest import (
@@ -57,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 KindModule = SegmentEmbedding | FactorizedEmbedding
 
-_STORAGE: dict[str, type[np.floating[Any]]] = {"float32": np.float32, "float16": np.float16}
+_STORAGE = {dtype.name: dtype for dtype in TABLE_DTYPES}
 _PRODUCERS = ("torch", "onnx", "onnxruntime")
 _U = 2.0**-24  # float32's unit roundoff
 _HALF = 2.0**-11  # float16's, for normal values
@@ -76,7 +81,7 @@ def export_kind_model(module: KindModule, options: ExportOptions) -> Manifest:
     check_out_dir(out_dir, options.force)
     name = options.name if options.name is not None else model_name_for(out_dir)
     module = module.eval()
-    stored = _STORAGE[options.weight_dtype]
+    stored = _STORAGE[options.weight_dtype].numpy
     staging = make_staging_dir(out_dir)
     try:
         with torch.no_grad():
@@ -116,9 +121,9 @@ def export_kind_model(module: KindModule, options: ExportOptions) -> Manifest:
     return manifest
 
 
-def _stored(what: str, tensor: torch.Tensor, dtype: type[np.floating[Any]]) -> np.ndarray:
+def _stored(what: str, tensor: torch.Tensor, dtype: np.dtype) -> np.ndarray:
     values = tensor.detach().numpy()
-    if dtype is np.float16:
+    if dtype == FLOAT16.numpy:
         largest = float(np.max(np.abs(values))) if values.size else 0.0
         if largest > _HALF_MAX:
             raise ExportError(
@@ -128,7 +133,7 @@ def _stored(what: str, tensor: torch.Tensor, dtype: type[np.floating[Any]]) -> n
     return values.astype(dtype, copy=False)
 
 
-def _write_graph(module: KindModule, dtype: type[np.floating[Any]], staging: Path) -> int:
+def _write_graph(module: KindModule, dtype: np.dtype, staging: Path) -> int:
     words = Table("embedding.weight", _stored("the embedding table",
                                               module.word_embeddings.weight, dtype))  # fmt: skip
     if isinstance(module, SegmentEmbedding):

@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from tokembed.export.dtypes import FLOAT16, FLOAT32, of_numpy
 from tokembed.export.kinds import TOKEN_TYPE_IDS
 from tokembed.export.manifest import INPUT_NAME, OUTPUT_NAME
 from tokembed.export.table_graph import DATA_NAME, SCALE_NAME, save_graph
 
 # Each table starts on a page in the data file, so that onnxruntime can map it.
 _ALIGN = 4096
-_ONNX_TYPES = {np.dtype("<f4"): 1, np.dtype("<f2"): 10}  # TensorProto.FLOAT, FLOAT16
+# What a segment or factorized model's tables may be stored as (no bfloat16 yet).
+TABLE_DTYPES = (FLOAT32, FLOAT16)
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def _write_tables(tables: list[Table], data_path: Path) -> list[Any]:
     with data_path.open("wb") as data:
         for table in tables:
             values = table.values
-            if values.ndim != 2 or values.dtype not in _ONNX_TYPES:
+            dtype = of_numpy(values.dtype)
+            if values.ndim != 2 or dtype is None or dtype not in TABLE_DTYPES:
                 raise ValueError(
                     f"this is a bug: {table.name} must be a float32 or float16 2-D array, got "
                     f"{values.dtype}{list(values.shape)}"
@@ -154,7 +157,7 @@ def _write_tables(tables: list[Table], data_path: Path) -> list[Any]:
             np.ascontiguousarray(values, values.dtype.newbyteorder("<")).tofile(data)
             tensor = TensorProto(
                 name=table.name,
-                data_type=_ONNX_TYPES[values.dtype],
+                data_type=dtype.onnx,
                 dims=[int(n) for n in values.shape],
             )
             # Written by hand: onnx's helpers would hold the table in the message first.

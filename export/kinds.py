@@ -1,9 +1,9 @@
 """Model kinds: what a model directory holds, as the manifest's ``kind`` names it.
 
-A kind says which id inputs a request carries (each bounded by a manifest field), which
-tables the graph must hold, and which operations the model serves. The exporter writes
-it, the loader (``model_dir``) checks the graph against it, and the server's validation
-and backends read it; none of them assumes one input and one table.
+A kind says which id inputs a request carries (each bounded by a manifest field) and which
+tables the graph must hold. The exporter writes it, the loader (``model_dir``) checks the
+graph against it, and the server's validation and backends read it; none of them assumes
+one input and one table.
 
 The kinds:
 
@@ -62,7 +62,6 @@ class TableShape:
 @dataclass(frozen=True)
 class ModelKind:
     name: str
-    operations: tuple[str, ...] = ("embed",)
     # The manifest's optional sizes (``Manifest.type_vocab_size``, ``factor_dim``) this
     # kind needs; a manifest must give these, positive, and none of the others.
     sizes: tuple[str, ...] = ()

@@ -19,7 +19,6 @@ MODEL_NAME = "model.onnx"
 FORMAT = "tokembed-model/1"
 INPUT_NAME = "input_ids"
 OUTPUT_NAME = "hidden_states"
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from tokembed.export.dtypes import WEIGHT_DTYPES, of_onnx
 from tokembed.export.errors import ModelDirError
 from tokembed.export.hashing import sha256_file
 from tokembed.export.kinds import ModelKind, kind_of
-from tokembed.export.manifest import MANIFEST_NAME, MODEL_NAME, WEIGHT_DTYPES, Manifest
-
-# onnx.TensorProto data types, named the way the manifest names them.
-_ONNX_DTYPE_NAMES = {
-    1: "float32",
-    6: "int32",
-    7: "int64",
-    10: "float16",
-    11: "float64",
-    16: "bfloat16",
-}
+from tokembed.export.manifest import MANIFEST_NAME, MODEL_NAME, Manifest
 
 
 @dataclass(frozen=True)
@@ -211,7 +202,7 @@ def _check_graph(manifest: Manifest, kind: ModelKind, directory: Path) -> None:
             f"({[(t.name, list(t.dims)) for t in tables]})"
         )
     for table in tables:
-        table_dtype = _ONNX_DTYPE_NAMES.get(table.data_type, str(table.data_type))
+        table_dtype = _onnx_dtype_name(table.data_type)
         if table_dtype != manifest.weight_dtype:
             raise ModelDirError(
                 f"{where}: table {table.name!r} is {table_dtype}, "
@@ -277,7 +268,7 @@ def _check_value_info(
 ) -> None:
     tensor_type = info.type.tensor_type  # type: ignore[attr-defined]
     name = info.name  # type: ignore[attr-defined]
-    actual_dtype = _ONNX_DTYPE_NAMES.get(tensor_type.elem_type, str(tensor_type.elem_type))
+    actual_dtype = _onnx_dtype_name(tensor_type.elem_type)
     if actual_dtype != dtype:
         raise ModelDirError(
             f"{where}: {name!r} is {actual_dtype} in the graph, but manifest.json {field} "
@@ -297,3 +288,9 @@ def _check_value_info(
             f"{where}: {name!r} last dimension is {dims[-1].dim_value or dims[-1].dim_param!r}, "
             f"but manifest.json d_model is {last_dim}"
         )
+
+
+def _onnx_dtype_name(data_type: int) -> str:
+    """An ``onnx.TensorProto`` data type, named the way the manifest names it."""
+    dtype = of_onnx(data_type)
+    return str(data_type) if dtype is None else dtype.name

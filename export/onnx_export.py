@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
+from tokembed.export.dtypes import ANSWER_DTYPES, WEIGHT_DTYPES, bits, torch_bits
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.hashing import phase
 from tokembed.export.manifest import (
@@ -43,7 +43,6 @@ from tokembed.export.staging import (
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The packages whose versions the manifest records.
 _PRODUCERS = ("torch", "onnx", "onnxscript", "onnxruntime")
 
@@ -62,9 +61,9 @@ class ExportOptions:
 
 def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
     """Export, verify against torch, write the manifest; return it."""
-    if options.weight_dtype not in _TORCH_DTYPES:
+    if options.weight_dtype not in WEIGHT_DTYPES:
         raise ExportError(
-            f"--dtype must be one of {sorted(_TORCH_DTYPES)}, got {options.weight_dtype!r}"
+            f"--dtype must be one of {sorted(WEIGHT_DTYPES)}, got {options.weight_dtype!r}"
         )
     out_dir = options.out_dir
     check_out_dir(out_dir, options.force)
@@ -105,7 +104,7 @@ def export_model(module: TokenEmbedding, options: ExportOptions) -> Manifest:
 
 def _check_fits(module: TokenEmbedding, weight_dtype: str) -> None:
     largest = float(module.embedding.weight.detach().abs().max())
-    finfo = torch.finfo(_TORCH_DTYPES[weight_dtype])
+    finfo = torch.finfo(WEIGHT_DTYPES[weight_dtype].torch_dtype())
     if largest > float(finfo.max):
         raise ExportError(
             f"the table's largest magnitude {largest:g} does not fit {weight_dtype} "
@@ -134,7 +133,7 @@ def _export_graph(module: TokenEmbedding, weight_dtype: str, model_path: Path) -
     """Write ``model.onnx`` with its weights as external data; return the opset used."""
     graph_module: torch.nn.Module = module
     if weight_dtype != "float32":
-        graph_module = StoredAs(module, _TORCH_DTYPES[weight_dtype]).eval()
+        graph_module = StoredAs(module, WEIGHT_DTYPES[weight_dtype].torch_dtype()).eval()
     # B and S >= 2 in the example, so the exporter cannot specialise either to a constant.
     example = torch.zeros((2, 3), dtype=torch.int64)
     batch = torch.export.Dim("batch")
@@ -203,17 +202,6 @@ def _check_parity(module: TokenEmbedding, model_path: Path, weight_dtype: str, s
     return Parity(max_abs_error=error, tolerance=tolerance, ids_checked=int(ids.size))
 
 
-# What an answer may be asked for (the server's ``core.dtypes.OUTPUT_DTYPES``), and how
-# the server rounds the graph's float32 rows into each: to nearest even, as numpy's
-# float16 and ml_dtypes' bfloat16 do (tests/server/test_answer_casts.py proves the
-# server's casts give these bits).
-_ANSWER_DTYPES = {
-    "float32": (torch.float32, np.dtype(np.float32)),
-    "float16": (torch.float16, np.dtype(np.float16)),
-    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16)),
-}
-
-
 def _check_answers(
     module: TokenEmbedding, weight_dtype: str, ids: np.ndarray, got: np.ndarray
 ) -> None:
@@ -223,35 +211,28 @@ def _check_answers(
     stores it) widened exactly and times the scale in float32, cast to the dtype; and in
     the table's own dtype, also that row times the scale computed in that dtype, as
     ``embedding(ids) * scale`` on a table stored so computes it. Only the checked ids'
-    rows are narrowed (rounding commutes with the gather): no second copy of the table."""
+    rows are narrowed (rounding commutes with the gather): no second copy of the table.
+
+    The server rounds the float32 rows into each answer dtype to nearest even, as numpy's
+    float16 and ml_dtypes' bfloat16 do (tests/server/test_answer_casts.py proves the
+    server's casts give these bits)."""
     torch_ids = torch.from_numpy(ids)
     with torch.no_grad():
         rows = torch.nn.functional.embedding(torch_ids, module.embedding.weight)
-        stored = rows.to(_TORCH_DTYPES[weight_dtype])
+        stored = rows.to(WEIGHT_DTYPES[weight_dtype].torch_dtype())
         reference = stored.to(torch.float32) * module.scale
-        for name, (torch_dtype, numpy_dtype) in _ANSWER_DTYPES.items():
+        for name, dtype in ANSWER_DTYPES.items():
             # A float32 answer past float16's largest rounds to infinity, in torch too.
             with np.errstate(over="ignore"):
-                ours = got.astype(numpy_dtype)
-            theirs = [("the stored table's float32 answer", reference.to(torch_dtype))]
+                ours = bits(got.astype(dtype.numpy))
+            theirs = [("the stored table's float32 answer", reference.to(dtype.torch_dtype()))]
             if name == weight_dtype:
                 theirs.append((f"embedding(ids) * scale in {name}", stored * module.scale))
             for what, answer in theirs:
-                bits = _torch_bits(answer)
-                if not np.array_equal(_bits(ours), bits):
-                    differ = int(np.count_nonzero(_bits(ours) != bits))
+                expected = torch_bits(answer)
+                if not np.array_equal(ours, expected):
+                    differ = int(np.count_nonzero(ours != expected))
                     raise ParityError(
                         f"{name} answers differ from torch's ({what}) in {differ} of "
                         f"{ours.size} values over {ids.size} ids"
                     )
-
-
-def _bits(values: np.ndarray) -> np.ndarray:
-    """The values' bit patterns, as unsigned integers of their width."""
-    return values.view(np.dtype(f"u{values.dtype.itemsize}"))
-
-
-def _torch_bits(values: torch.Tensor) -> np.ndarray:
-    """A tensor's bit patterns (numpy has no bfloat16: read through an integer view)."""
-    integer = {2: torch.int16, 4: torch.int32}[values.element_size()]
-    return _bits(values.contiguous().view(integer).numpy())

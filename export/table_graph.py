@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tokembed import __version__
+from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.manifest import INPUT_NAME, MODEL_NAME, OUTPUT_NAME
 
 # The opset torch's exporter writes today, for every graph written here and in
@@ -28,8 +29,6 @@ OPSET = 20
 DATA_NAME = f"{MODEL_NAME}.data"
 TABLE_NAME = "embedding.weight"
 SCALE_NAME = "scale"
-# How a table is stored, by the manifest's weight_dtype: onnx.TensorProto's data types.
-_STORED = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 def write_table_graph(table: np.ndarray, scale: float, directory: Path) -> int:
@@ -49,19 +48,18 @@ def write_graph(
     """Write ``model.onnx`` into ``directory`` for the ``[V, D]`` table of ``weight_dtype``
     that ``directory/model.onnx.data`` already holds (row after row, little-endian), its
     rows widened to float32 and multiplied by ``scale`` in float32; return the opset."""
-    import onnx
     from onnx import TensorProto, helper
 
-    stored = _STORED.get(weight_dtype)
+    stored = WEIGHT_DTYPES.get(weight_dtype)
     if stored is None:
         raise ValueError(f"no ONNX graph for a {weight_dtype} table")
-    length = vocab_size * d_model * onnx.helper.tensor_dtype_to_np_dtype(stored).itemsize
+    length = vocab_size * d_model * stored.itemsize
     written = (directory / DATA_NAME).stat().st_size
     if written != length:
         raise ValueError(f"{DATA_NAME} holds {written} bytes, a [{vocab_size}, {d_model}] "
                          f"{weight_dtype} table {length}")  # fmt: skip
 
-    weight = TensorProto(name=TABLE_NAME, data_type=stored, dims=[vocab_size, d_model])
+    weight = TensorProto(name=TABLE_NAME, data_type=stored.onnx, dims=[vocab_size, d_model])
     # Written by hand: onnx's own helpers move raw_data out of a tensor, and building the
     # tensor in memory first would hold a second copy of a table that may be gigabytes.
     weight.data_location = TensorProto.EXTERNAL

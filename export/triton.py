@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokembed.export.dtypes import ROWS
 from tokembed.export.errors import ExportError, ModelDirError
 from tokembed.export.manifest import MANIFEST_NAME
 
@@ -38,13 +39,6 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.pbtxt"
 # The manifest's dtype names -> Triton's (model_config.proto, DataType).
-TRITON_DTYPES = {
-    "int64": "TYPE_INT64",
-    "int32": "TYPE_INT32",
-    "float32": "TYPE_FP32",
-    "float16": "TYPE_FP16",
-    "bfloat16": "TYPE_BF16",
-}
 INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 
@@ -158,10 +152,10 @@ def _version_of(text: str) -> int:
 
 
 def _triton_dtype(name: str) -> str:
-    dtype = TRITON_DTYPES.get(name)
+    dtype = ROWS.get(name)
     if dtype is None:
         raise ExportError(f"dtype {name} has no Triton datatype here")
-    return dtype
+    return dtype.triton
 
 
 def _check_options(options: TritonOptions) -> None:

@@ -130,7 +130,7 @@ _install() {
     if [ -n "$pin" ]; then
         _say "installing $pin, the CPU build (extra index $TOKEMBED_TORCH_INDEX)"
         # torch alone: its dependencies come with the next step from the usual indexes, so
-        # an unreachable extra index costs one look-up's retries (~8 s), not one per package.
+        # an unreachable extra index costs one look-up's retries, not one per package.
         _pip install --quiet --no-deps --extra-index-url "$TOKEMBED_TORCH_INDEX" "$pin"
     fi
     _say "installing tokembed[$extra] from this checkout (editable) and its dependencies"

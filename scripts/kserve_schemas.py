@@ -5,8 +5,8 @@
 SERVINGRUNTIMES_CRD and INFERENCESERVICES_CRD are KServe's
 ``config/crd/full/serving.kserve.io_{servingruntimes,inferenceservices}.yaml``, SOURCE says
 where they came from (repository and commit: it is written into the files). The full
-CRDs are 0.2 and 2 MB, most of it Kubernetes' own types (containers, volumes, affinity)
-copied in. Those subtrees are cut to stubs here, and tests/deploy/test_kserve.py checks
+CRDs are large, most of it Kubernetes' own types (containers, volumes, affinity) copied
+in. Those subtrees are cut to stubs here, and tests/deploy/test_kserve.py checks
 those parts with kubernetes-validate instead (a Pod made of the runtime's containers, as
 KServe makes it); what is left is KServe's own structure, made strict (an unknown field is
 an error, as ``kubectl apply --validate=strict`` makes it) so that a misspelt field fails.

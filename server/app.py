@@ -286,7 +286,7 @@ class TokembedServer:
         # The process is to be gone within the grace (an orchestrator's kill comes after
         # its own): the end of it is kept for closing down once gRPC has stopped. gRPC
         # may hold the drain to the deadline (calls it took in but never handed over
-        # are only cancelled then); closing down took 0.3 s then, under load.
+        # are only cancelled then), and closing down under load takes a moment after it.
         deadline = drain_started + grace - min(CLOSE_RESERVE_S, grace / 4)
         self.repository.drain()
         await self._set_health(NOT_SERVING)

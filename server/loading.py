@@ -46,8 +46,9 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
-from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
+from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.core.repository import ModelSet
 from tokembed.server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -73,24 +74,17 @@ ModelLoader = Callable[[Path, Settings], LoadedModel]
 def check_model_dirs(directories: Sequence[Path], default_model: str | None) -> None:
     """What can be known of the model directories before the server binds its port (all
     but the files' sha256, which the load checks): each one valid, their names distinct,
-    the default one of them. Raises ``ServerConfigError`` naming the fault."""
-    paths: dict[str, Path] = {}
+    the default one of them (``core.repository.ModelSet``'s rules). Raises
+    ``ServerConfigError`` naming the fault."""
+    given = ModelSet(default_model)
     for directory in directories:
         try:
             name = load_model_dir(directory, verify_hashes=False).manifest.name
         except ModelDirError as exc:
             raise ServerConfigError(f"invalid model directory: {exc}") from exc
-        if name in paths:
-            raise ServerConfigError(
-                f"two models are named {name!r}: {paths[name]} and {directory}; give each "
-                "model directory a distinct name (tokembed export --name)"
-            )
-        paths[name] = directory
-    if directories and default_model is not None and default_model not in paths:
-        served = ", ".join(repr(name) for name in paths)
-        raise ServerConfigError(
-            f"default_model {default_model!r} is not one of the models served ({served})"
-        )
+        given.add(name, directory)
+    if directories:  # none: the built-in default model, whose name is checked as it loads
+        given.check_default()
 
 
 def load_model(directory: Path, settings: Settings) -> LoadedModel:
@@ -157,7 +151,7 @@ def _table_or_runtime(
     manifest = model.manifest
     d_model = manifest.d_model
     # The tables and casts computed at load need no arena: what they allocate is given
-    # back (an arena kept 16-32 MB resident that no look-up used afterwards).
+    # back (an arena kept memory resident that no look-up used afterwards).
     at_load = SessionOptions(
         device=settings.device,
         intra_op_threads=settings.intra_op_threads,
@@ -175,7 +169,7 @@ def _table_or_runtime(
         "onnxruntime": model.weight_bytes + 2 * batch_output_bytes,
     }
     if kept and expects_cpu(settings.device):
-        if manifest.weight_dtype == "bfloat16" and model.kind.name != TOKEN:
+        if manifest.weight_dtype == BFLOAT16.name and model.kind.name != TOKEN:
             # Its tables would be rows cast a chunk at a time by id: a token model's.
             raise ServerConfigError(
                 f"a {model.kind.name} model with bfloat16 weights cannot be served yet"
@@ -216,13 +210,11 @@ def _table_or_runtime(
 
 def _table_way_bytes(settings: Settings, rows: int, d_model: int, model: ModelDir) -> int:
     """What serving from tables would take, whether or not they fit their budgets: the
-    tables ``Settings.tables`` would keep (budgets aside), and for a bfloat16 model the
-    weights mapped for its other answers."""
-    cells = rows * d_model
-    if model.manifest.weight_dtype == "bfloat16":
-        return cells * 2 + model.weight_bytes
-    budgets = (settings.float16_table_max_bytes, settings.bfloat16_table_max_bytes)
-    return cells * 4 + sum(cells * 2 for budget in budgets if cells * 2 <= budget)
+    tables ``Settings.tables`` would keep (the model's own table's budget aside), and for
+    a bfloat16 model the weights mapped for its other answers."""
+    kept = settings.tables(rows, d_model, model.manifest.weight_dtype, main_fits=True)
+    # No float32 table (a bfloat16 model): the model stays mapped to run for the others.
+    return sum(kept.values()) + (0 if FLOAT32.name in kept else model.weight_bytes)
 
 
 def graph_of(model: ModelDir) -> Graph:

@@ -23,6 +23,9 @@ _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "ascti
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object a line: written here (python-json-logger would do it) since these
+    few lines spare the server a dependency."""
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

@@ -3,8 +3,8 @@
 Large answers are large allocations (their response bytes, gRPC's copy of them); once
 freed, glibc keeps some of what they used in its heap. Trimmed every second, resident
 memory follows what is live rather than the highest peak of answers in flight ever seen
-(bounded by admission, but hiding what is live); every 5 s instead of 1 s, the soak's RSS
-swung +-4% between 10 s windows.
+(bounded by admission, but hiding what is live); trimmed less often, a soak's resident
+memory swung from one window to the next.
 
 Everything else about the allocator is deployment configuration, read by glibc at
 start-up from the environment: the Dockerfiles and the Kubernetes manifest set it, and
@@ -34,7 +34,7 @@ def release_free_memory() -> bool:
 
 async def trim_forever(interval_s: float) -> None:
     """``release_free_memory`` every ``interval_s``, off the event loop (it walks the
-    heap: 2-6 ms here)."""
+    heap)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval_s)

@@ -2,9 +2,9 @@
 
 Why not prometheus_client's own: its ``Histogram.observe`` walks the bucket list in
 Python and takes a lock per bucket and per sum, and a tiny request makes ten updates;
-applied in bulk (``metrics.PendingUpdates``) they still cost ~20 us of the server's CPU
-per request, measured live, a quarter of a tiny request's handler. Here an observation
-is one ``bisect`` and two additions.
+applied in bulk (``metrics.PendingUpdates``) they still cost a large part of a tiny
+request's handler, measured live. Here an observation is one ``bisect`` and two
+additions.
 
 These series are only ever changed by ``PendingUpdates.apply``, which holds the lock
 that :class:`RequestMetricsCollector` holds while it reads them: a scrape sees every

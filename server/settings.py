@@ -3,6 +3,8 @@
 Configuration enters here once (``Settings.from_args``) and is passed into the
 constructors; nothing else in the server reads ``os.environ``.
 Precedence: command-line flag, then environment variable, then default.
+Written over argparse and dataclasses (pydantic-settings would do it): the server carries
+no dependency for this alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tokembed.server.core.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from tokembed.server.core.errors import ServerConfigError
 
 ENV_PREFIX = "TOKEMBED_"
@@ -61,8 +64,8 @@ class Settings:
         choices=("cpu", "cuda", "auto"),
     )
     # One thread: the look-up is a memory-bound Gather, and on a small machine a second
-    # onnxruntime thread only takes a core from gRPC (measured: 10.5 ms with one thread,
-    # 16.7 ms with two, for a [32,512] look-up at D=512 on the 2-core dev machine).
+    # onnxruntime thread only takes a core from gRPC (a large look-up measured slower with
+    # two threads than with one on a 2-core machine).
     intra_op_threads: int = _setting(
         1, "onnxruntime intra-op threads (0: one per core, onnxruntime's default)"
     )
@@ -191,7 +194,9 @@ class Settings:
         """gRPC message limit: the largest output plus room for the envelope."""
         return self.max_output_bytes_per_request + MiB
 
-    def tables(self, vocab_size: int, d_model: int, weight_dtype: str) -> dict[str, int]:
+    def tables(
+        self, vocab_size: int, d_model: int, weight_dtype: str, *, main_fits: bool = False
+    ) -> dict[str, int]:
         """The row tables the table backend keeps on CPU for a model of this shape and
         weight dtype: their bytes by answer dtype; empty when it keeps none (the model is
         then served by the onnxruntime backend). The one place this is decided.
@@ -201,23 +206,32 @@ class Settings:
         when it fits (its float32 and float16 answers are runs of the model, whose
         weights onnxruntime maps from the file rather than copying them), so that it takes
         V x D x 2 bytes of memory rather than a float32 table's V x D x 4 besides.
+
+        ``main_fits``: as if the model's own table (float32, or a bfloat16 model's
+        bfloat16 one) fit whatever its budget: what serving from tables would take.
         """
         cells = vocab_size * d_model
-        if self.float32_table_max_bytes == 0:
+        budgets = self.table_budgets
+        if not main_fits and budgets[FLOAT32] == 0:
             return {}
-        if weight_dtype == "bfloat16":
-            fits = cells * 2 <= self.bfloat16_table_max_bytes
-            return {"bfloat16": cells * 2} if fits else {}
-        if cells * 4 > self.float32_table_max_bytes:
+        main = BFLOAT16 if weight_dtype == BFLOAT16.name else FLOAT32
+        if not main_fits and cells * main.itemsize > budgets[main]:
             return {}
-        kept = {"float32": cells * 4}
-        for name, budget in (
-            ("float16", self.float16_table_max_bytes),
-            ("bfloat16", self.bfloat16_table_max_bytes),
-        ):
-            if cells * 2 <= budget:
-                kept[name] = cells * 2
+        kept = {main.name: cells * main.itemsize}
+        if main is FLOAT32:
+            for dtype, budget in budgets.items():
+                if dtype is not FLOAT32 and cells * dtype.itemsize <= budget:
+                    kept[dtype.name] = cells * dtype.itemsize
         return kept
+
+    @property
+    def table_budgets(self) -> dict[DType, int]:
+        """Each answer dtype's table budget, in bytes (float32's 0: no tables at all)."""
+        return {
+            FLOAT32: self.float32_table_max_bytes,
+            FLOAT16: self.float16_table_max_bytes,
+            BFLOAT16: self.bfloat16_table_max_bytes,
+        }
 
     @property
     def max_request_bytes(self) -> int:
@@ -226,8 +240,8 @@ class Settings:
 
         A request needs at most 8 bytes per id and a <= 10-byte varint per length (every
         sequence holds >= 1 id), so it is far smaller than an answer. Decoded whatever
-        their size, 100 MiB of one-byte lengths became ~3 GB (8-byte integers twice over)
-        before validation could refuse them.
+        their size, one-byte lengths became 8-byte integers twice over before validation
+        could refuse them.
         """
         return self.max_tokens_per_request * (8 + 10) + MiB
 

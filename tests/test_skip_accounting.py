@@ -297,5 +297,6 @@ def test_the_repository_allow_list_parses_with_a_reason_per_entry() -> None:
         "tests/server/test_sessions.py::test_cuda_provider_runs_the_look_up[cuda]",
         "tests/server/test_sessions.py::test_cuda_provider_runs_the_look_up[auto]",
         "tests/reliability/test_soak.py::test_soak_long",
+        "tests/server/test_shm_registry.py::test_an_object_of_another_user_is_refused",
     ]
     assert all(e.reason for e in entries)

@@ -6,8 +6,9 @@ batch of requests when the backend gains from company (``batches``); it never as
 
 A request's ids arrive as a ``LookUp``: the primary ids, the answer's dtype, and the
 model kind's further id inputs by name (none for a ``token`` model). Rows come back as
-``Rows``: pieces of bytes in the order of the ids, which the answer is made of without
-another copy (see ``types.Answer``).
+``Rows``: pieces of bytes in the order of the ids (bytes, or flat byte views: each
+piece's ``len`` is its size in bytes), which the answer is made of without another copy
+(see ``types.Answer``).
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ class Rows(ABC):
     """The rows of some ids, in their order."""
 
     @abstractmethod
-    def pieces(self, start: int, stop: int) -> list[Buffer]:
+    def pieces(self, start: int, stop: int) -> Sequence[Buffer]:
         """The bytes of rows ``[start, stop)``, as pieces to join in order."""
 
     @abstractmethod
     def __len__(self) -> int:
         """How many rows."""
+
+    def joined(self) -> Buffer:
+        """Every row's bytes in one buffer (no copy where they are one piece already):
+        the least any writer of the answer does (the bench's ceiling measures it)."""
+        pieces = self.pieces(0, len(self))
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 class ArrayRows(Rows):

@@ -93,7 +93,7 @@ class OnnxRuntimeBackend(Backend):
         """A small, a larger and a full-batch run, so the first request pays no allocation
         cost. The full batch also touches every page of the arena's first region, so the
         resident memory it adds is there from the start rather than creeping up under load
-        as the arena spreads answers over it (which the soak saw as +6% growth)."""
+        as the arena spreads answers over it (which a soak saw as slow growth)."""
         started = time.perf_counter()
         for size in (8, 4096, batch_tokens):
             if size > 0:

@@ -4,13 +4,11 @@ combination: ``T * V`` rows, row ``t * V + id``, each computed by the model at l
 Why every combination, and not ``E * scale`` and ``S`` kept apart and added per request:
 the rows are then the model's own output (its session ran over every id with each type),
 so answers are bit-identical to a run of the model by construction, and a look-up is the
-table backend's gather, with its float16 tables, its slices of bytes for small requests
-and its padding rows. Adding per request costs a second pass over the answer's bytes: in
-numpy at D=768, V=30522, T=2 on this machine (best of 20-300 runs, in isolation), a
-gather, a gather of the type rows and an add took 3.7 us for 8 ids, 1.6 ms for 512 and
-42-70 ms for 16384, against 2.1 us, 0.04 ms and 32-34 ms for one gather from the combined
-table (numpy's gather from a table of 2 rows is slow). The price is memory, T times a
-token model's table (BERT-base, T=2: 188 MB against 94 MB); where that is over
+table backend's, with its float16 tables, its views of the rows and its padding rows.
+Adding per request costs a second pass over the answer's bytes: in numpy (at BERT-base's
+sizes), a gather, a gather of the type rows and an add took longer than one gather from
+the combined table, for few ids and for many (numpy's gather from a table of 2 rows is
+slow). The price is memory, T times a token model's table; where that is over
 ``--float32-table-max-bytes`` the model runs per batch instead (the onnxruntime backend),
 and that graph is the gather-and-add.
 """

@@ -1,28 +1,29 @@
 """The table backend: every row computed by the model once, at load; look-ups slice them.
 
-Why, measured here at D=512: a gather from a table against the onnxruntime run of the
-same ids took 0.075 against 0.22 ms for 512 ids and 6.2 against 10.5 ms for 16384 (the
-graph gathers, then scales: two passes over the rows, and the answer is copied out of
-onnxruntime); inside a busy server a tiny request's onnxruntime call cost 110-150 us more
-CPU than its work. The tables are the model's own output (its session runs over the whole
-vocabulary at load), so answers are bit-identical to a run of the model; the float16
-and bfloat16 tables are that output cast once with the same cast an answer would take.
+Why: a gather from a table measured faster than the onnxruntime run of the same ids, for
+few ids and for many (the graph gathers, then scales: two passes over the rows, and the
+answer is copied out of onnxruntime), and inside a busy server a tiny request's
+onnxruntime call costs more CPU than its work. The tables are the model's own output (its
+session runs over the whole vocabulary at load), so answers are bit-identical to a run of
+the model; the float16 and bfloat16 tables are that output cast once with the same cast an
+answer would take.
 Answers in a dtype without a table are the float32 rows cast per answer: sliced from the
 float32 table, or, for a model stored in bfloat16 (which keeps no float32 table: it would
 double the model's memory), a run of the model (``settings.Settings.tables`` decides).
 
-A small look-up makes no array at all: its rows are slices of the table's bytes, which
-whoever writes the answer joins into the response, copying each row once. For a tiny
-request numpy's per-call machinery was most of the look-up (reading 8 ids and gathering
-their rows took 14 us of a 68 us handler, sampled live). From ``GATHER_MIN_ROWS`` rows on,
-numpy gathers them into one array instead: a slice costs ~0.25 us of Python a row, holding
-the GIL, and joining 16384 of them ~5 ms more than one array of the same bytes, where
-numpy's gather releases the GIL and the join copies one piece (on the bench's quick plan,
-float16 [32,512] answers 1.89-2.17 -> 2.56-2.95 of float32's tokens/s, EmbedChunked
-1.93-2.03 -> 1.97-2.16 of the floor).
+A look-up makes no array and copies nothing: its rows are views of the table, one per
+id, which whoever writes the answer copies once, straight from the table (a response's
+join, a shared-memory region's vectored write). The views are made once, at load (a
+Python object per row of each table kept, a few hundred bytes beside the row's ``D *
+itemsize``), so that a look-up only picks them by id: slicing each row per request cost
+more than the rest of a large look-up, and a numpy gather into an array copied the whole
+answer once before its writer copied it again (docs/benchmarks/README.md has the figures).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -31,26 +32,69 @@ from tokembed.server.backends.sessions import Cast, ModelSession
 from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.types import Buffer, TokenIds
 
-# Look-ups of this many rows and more are gathered by numpy into an array (see above).
+# From this many ids on, numpy works on them as an array (a gather into one array of
+# their own, ``TableRows.joined``; a segment model's row numbers) rather than as ints.
 GATHER_MIN_ROWS = 1024
 
 
 class TableRows(Rows):
-    """Rows as slices of a table's bytes (a memoryview keeps the table alive)."""
+    """Rows as views of a table's rows (each view keeps the table alive)."""
 
-    __slots__ = ("_ids", "_row_bytes", "_table")
+    __slots__ = ("_ids", "_rows", "_views")
 
-    def __init__(self, table: memoryview, row_bytes: int, ids: list[int]) -> None:
-        self._table = table
-        self._row_bytes = row_bytes
+    def __init__(self, views: list[memoryview], rows: np.ndarray, ids: TokenIds) -> None:
+        """``views``: the table's row views by id; ``rows``: the table as one opaque
+        ``[V]`` item per row (numpy's gather, ``joined``)."""
+        self._views = views
+        self._rows = rows
         self._ids = ids
 
-    def pieces(self, start: int, stop: int) -> list[Buffer]:
-        table, size = self._table, self._row_bytes
-        return [table[i * size : (i + 1) * size] for i in self._ids[start:stop]]
+    def pieces(self, start: int, stop: int) -> Sequence[Buffer]:
+        ids = self._ids.values()
+        return RowViews(self._views, ids[start:stop] if start or stop < len(ids) else ids)
+
+    def joined(self) -> Buffer:
+        ids = self._ids
+        if ids.count < GATHER_MIN_ROWS:
+            return super().joined()
+        # mode="clip": the ids are validated; unlike "raise" it writes straight into
+        # ``out`` (no buffered second copy). numpy's gather lets go of the GIL.
+        out = np.empty(ids.count, dtype=self._rows.dtype)
+        self._rows.take(ids.array(), out=out, mode="clip")
+        return byte_view(out)
+
+    def __len__(self) -> int:
+        return self._ids.count
+
+
+class RowViews(Sequence[Buffer]):
+    """The views of rows ``ids``, each looked up as it is read: a large answer's writer
+    then touches each view's object once, as it copies the row, rather than once more
+    beforehand to list them (the objects are scattered and cold: each touch is a cache
+    miss)."""
+
+    __slots__ = ("_ids", "_views")
+
+    def __init__(self, views: list[memoryview], ids: list[int]) -> None:
+        self._views = views
+        self._ids = ids
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    @overload
+    def __getitem__(self, index: int) -> Buffer: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Buffer]: ...
+
+    def __getitem__(self, index: int | slice) -> Buffer | list[Buffer]:
+        if isinstance(index, slice):
+            return list(map(self._views.__getitem__, self._ids[index]))
+        return self._views[self._ids[index]]
+
+    def __iter__(self) -> Iterator[Buffer]:
+        return map(self._views.__getitem__, self._ids)
 
 
 class TableBackend(Backend):
@@ -79,8 +123,8 @@ class TableBackend(Backend):
                 raise ValueError("this is a bug: a row table is a C-contiguous [V, D] array")
             table.flags.writeable = False  # answers are views of it
         self._tables = tables
-        self._bytes = {dtype: byte_view(table) for dtype, table in tables.items()}
-        # Each table as one opaque row per id, for numpy's gather of large answers.
+        self._views = {dtype: _row_views(table) for dtype, table in tables.items()}
+        # Each table as one opaque row per id, for numpy's gather (``TableRows.joined``).
         self._rows = {
             dtype: table.view(np.dtype((np.void, table.shape[1] * table.itemsize))).reshape(-1)
             for dtype, table in tables.items()
@@ -108,16 +152,9 @@ class TableBackend(Backend):
 
     def look_up(self, request: LookUp) -> Rows:
         ids, dtype = request.ids, request.dtype
-        table = self._bytes.get(dtype)
-        if table is not None:
-            if ids.count >= GATHER_MIN_ROWS:
-                rows = self._rows[dtype]
-                out = np.empty(ids.count, dtype=rows.dtype)
-                # mode="clip": the ids are validated; unlike "raise" it writes straight
-                # into ``out`` (no buffered second copy).
-                rows.take(ids.array(), out=out, mode="clip")
-                return ArrayRows(out.view(dtype.numpy).reshape(ids.count, self.d_model))
-            return TableRows(table, self.d_model * dtype.itemsize, ids.values())
+        views = self._views.get(dtype)
+        if views is not None:
+            return TableRows(views, self._rows[dtype], ids)
         # No table of this dtype: the float32 rows, cast as the table would have been.
         if self._session is None:
             rows = self._tables[FLOAT32].take(ids.array(), axis=0)
@@ -131,3 +168,10 @@ class TableBackend(Backend):
     def _one_row(self, index: int, dtype: DType) -> bytes:
         rows = self.look_up(LookUp(TokenIds.of([index]), dtype))
         return b"".join(rows.pieces(0, 1))
+
+
+def _row_views(table: np.ndarray) -> list[memoryview]:
+    """A ``[V, D]`` table's rows, each as a view of its bytes."""
+    data = byte_view(table)
+    size = table.shape[1] * table.itemsize
+    return [data[start : start + size] for start in range(0, len(data), size)]

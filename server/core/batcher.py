@@ -31,13 +31,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from tokembed.server.core.errors import (
-    DeadlineExceeded,
-    EmbedError,
-    Internal,
-    Unavailable,
-    ran_out_of_time,
-)
+from tokembed.server.core import deadlines
+from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +190,9 @@ class Batcher(Generic[ItemT, ResultT]):
             self._queued_tokens -= size
             if item.future.done():  # cancelled by its caller while queued
                 left_at = now if item.left_at is None else item.left_at
-                expired = ran_out_of_time(item.deadline, left_at)
-                self._report_drop("deadline_exceeded" if expired else "cancelled")
+                self._report_drop(deadlines.departure(item.deadline, left_at).reason)
                 continue
-            if item.deadline is not None and item.deadline <= now:
+            if deadlines.passed(item.deadline, now):
                 item.future.set_exception(
                     DeadlineExceeded(f"deadline passed after {now - item.enqueued_at:.6f} s queued")
                 )
@@ -240,8 +234,8 @@ class Batcher(Generic[ItemT, ResultT]):
                     )
                 )
         # The dispatcher's loop variable holds this list until it takes the next batch,
-        # and each future in it holds its answer: one [32,512] answer (33.5 MB) stayed
-        # resident after the server went idle. Let go of them here.
+        # and each future in it holds its answer: one large answer stayed resident after
+        # the server went idle. Let go of them here.
         batch.clear()
 
     def _report_drop(self, reason: str) -> None:

@@ -1,11 +1,12 @@
 """The calls' bookkeeping: how many are in flight (the drain waits for them), when the last
-one came, and how each ended, told to the metrics and the log from here alone, whatever
-the protocol.
+one came, and how each ended, told to the metrics and the log here, whatever the protocol.
+(The scheduler reports its batches and drops itself, and a refusal of a method no front
+end serves, such as reflection's, is counted as a rejection by the server's wiring.)
 
-Refusals are logged so that a flood does not drown the log (a 1 s drain under load once
-wrote 1,719 lines): per reason, the first refusal in full as a WARNING, then one summary
-line per interval ("N more rejected (unavailable) in the last 10 s"); each refusal also
-has its own line at DEBUG. The metrics count every one.
+Refusals are logged so that a flood does not drown the log (a drain under load refuses
+every call that arrives): per reason, the first refusal in full as a WARNING, then one
+summary line per interval ("N more rejected (unavailable) in the last 10 s"); each
+refusal also has its own line at DEBUG. The metrics count every one.
 
 A front end describes itself once (``FrontEnd``: its protocol's name, its methods and the
 operation each serves, and its table from domain errors to status codes); every call
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from tokembed.server.core import deadlines
 from tokembed.server.core.dtypes import DType
 from tokembed.server.core.errors import (
     Cancelled,
@@ -33,7 +35,6 @@ from tokembed.server.core.errors import (
     TooLarge,
     Unauthenticated,
     Unavailable,
-    ran_out_of_time,
 )
 from tokembed.server.core.types import Timings
 
@@ -102,6 +103,23 @@ class Delivered:
     encode_s: float | None  # None: framed as it is sent (slices)
 
 
+@dataclass
+class ModelTotals:
+    """A model's embed calls and batches, summed since start (every protocol and version):
+    what the Open Inference Protocol's ModelStatistics reports. The metrics keep them,
+    beside their series, from what the calls and the batches report."""
+
+    success_count: int = 0
+    success_s: float = 0.0
+    fail_count: int = 0  # refused or failed once routed to the model
+    fail_s: float = 0.0
+    queue_count: int = 0
+    queue_s: float = 0.0
+    batches: int = 0
+    compute_s: float = 0.0
+    last_served_unix_s: float = 0.0  # 0: none yet
+
+
 class CallsObserver(Protocol):
     """What the calls report (the metrics implement it)."""
 
@@ -110,7 +128,8 @@ class CallsObserver(Protocol):
     ) -> None: ...
 
     def call_served(
-        self, protocol: str, operation: str, method: str, model: str, duration_s: float,
+        self, protocol: str, operation: str, method: str, code: str, model: str,
+        duration_s: float,
         tokens: int, output_bytes: int, queue_s: float, encode_s: float | None,
     ) -> None: ...  # fmt: skip
 
@@ -171,9 +190,9 @@ class Calls:
         duration_s = time.perf_counter() - call.started
         if self._observer is not None:
             self._observer.call_served(
-                call.front_end.protocol, call.operation, call.method, call.model, duration_s,
-                delivered.tokens, delivered.nbytes, delivered.timings.queue_s,
-                delivered.encode_s,
+                call.front_end.protocol, call.operation, call.method, call.front_end.ok,
+                call.model, duration_s, delivered.tokens, delivered.nbytes,
+                delivered.timings.queue_s, delivered.encode_s,
             )  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
             timings = delivered.timings
@@ -183,7 +202,7 @@ class Calls:
                 call.method, list(delivered.shape), delivered.dtype.name, call.model,
                 timings.queue_s, timings.compute_s, timings.batch_requests,
                 timings.batch_tokens, duration_s, _request_id(call),
-                extra={"method": call.method, "model": call.model, "code": "OK",
+                extra={"method": call.method, "model": call.model, "code": call.front_end.ok,
                        "protocol": call.front_end.protocol, "request_id": call.request_id},
             )  # fmt: skip
 
@@ -220,13 +239,9 @@ class Calls:
     def gone(self, call: Call, deadline: float | None) -> None:
         """The call's handler was cancelled: its caller went away, or its deadline passed.
 
-        The transport cancels the handler in both cases; only the time left tells them
-        apart, by the same rule as the batcher's drops (``errors.ran_out_of_time``).
+        Which one is ``deadlines.departure``'s to say, as it is for the batcher's drops.
         """
-        if ran_out_of_time(deadline, time.monotonic()):
-            self.refused(call, DeadlineExceeded("deadline passed"))
-        else:
-            self.refused(call, Cancelled("caller left"))
+        self.refused(call, deadlines.departure(deadline, time.monotonic()))
 
 
 class _RefusalLog:

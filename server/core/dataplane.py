@@ -6,6 +6,8 @@ frames an answer and hands it to its transport), and maps the domain error it ma
 back to a status through its own table. Everything else happens here, once:
 
     route (repository: name, version -> handle)
+    read (the operation: a request whose inputs are still where it left them, checked
+          against the model before any is read; V2's)
     validate (the operation: request -> job; a bad one fails alone)
     admit (the handle: room in the queue and the output budget, and a lease)
     run (the handle's scheduler: placement, batching, the one deadline check, compute,
@@ -24,6 +26,7 @@ Nothing here imports a transport.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -68,12 +71,28 @@ class ModelQuery:
     model_version: str
 
 
-@dataclass(slots=True)
 class Refused:
-    """Bytes a front end could not translate into a request: the error to answer with."""
+    """Bytes a front end could not translate into a request: the error to answer with.
 
-    error: EmbedError
-    request_id: str = ""
+    It keeps the error without its traceback, and ``error`` is a new exception each time:
+    the one raised carries the frames that raise it, and were it the one kept here, those
+    frames (holding this ``Refused``) and it would make a cycle that holds the request's
+    bytes until the cyclic collector runs.
+    """
+
+    __slots__ = ("_error", "request_id")
+
+    def __init__(self, error: EmbedError, request_id: str = "") -> None:
+        self._error = error.with_traceback(None)
+        self._error.__context__ = self._error.__cause__ = None
+        self.request_id = request_id
+
+    @property
+    def error(self) -> EmbedError:
+        return copy.copy(self._error)
+
+    def __repr__(self) -> str:
+        return f"Refused({self._error!r}, {self.request_id!r})"
 
 
 class Sink(ABC, Generic[F]):
@@ -127,6 +146,8 @@ class DataPlane:
         already). ``deadline``: ``time.monotonic()`` after which nobody waits."""
         call = self.calls.start(front_end, method, incoming.request_id)
         try:
+            if not isinstance(incoming, Refused) and operation.unread(incoming.body):
+                incoming = await self._read(call, operation, incoming)
             handle, job, ticket = self._prepare(call, operation, incoming)
             try:
                 framed, delivered = await handle.scheduler.run(
@@ -218,6 +239,8 @@ class DataPlane:
         """One answer of a stream, with the room to release once it is sent."""
         call = self.calls.start(front_end, method, incoming.request_id)
         try:
+            if not isinstance(incoming, Refused) and operation.unread(incoming.body):
+                incoming = await self._read(call, operation, incoming)
             handle, job, ticket = self._prepare(call, operation, incoming)
             try:
                 framed, delivered = await handle.scheduler.run(
@@ -241,6 +264,17 @@ class DataPlane:
             return _StreamAnswer(sink.frame_error(internal), None)
         finally:
             self.calls.end()
+
+    async def _read(
+        self, call: Call, operation: Operation[R, Any, Any], incoming: Request[R]
+    ) -> Request[R]:
+        """The request with its bytes read from where it left them, once what it declares
+        fits the model it is routed to (``_prepare`` routes it again: the version may
+        have changed while it was read)."""
+        handle = self.repository.route(incoming.model_name, incoming.model_version)
+        call.model = handle.name
+        body = await operation.read(incoming.body, handle.served)
+        return Request(incoming.model_name, incoming.model_version, body, incoming.request_id)
 
     def _prepare(
         self, call: Call, operation: Operation[R, Any, Any], incoming: Request[R] | Refused

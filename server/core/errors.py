@@ -49,18 +49,6 @@ class DeadlineExceeded(EmbedError):
     reason = "deadline_exceeded"
 
 
-# A call cancelled less than this before its deadline ran out of time: the caller's own
-# timer fires a moment before the server's (its grpc-timeout was measured before the
-# request travelled), so its cancel can arrive first. The edge (the call's status) and
-# the batcher (why a queued request was dropped) tell the two apart by it alike.
-DEADLINE_SLACK_S = 0.05
-
-
-def ran_out_of_time(deadline: float | None, left_at: float) -> bool:
-    """Whether a call that left at ``left_at`` (``time.monotonic()``) left for its deadline."""
-    return deadline is not None and deadline - left_at <= DEADLINE_SLACK_S
-
-
 class Cancelled(EmbedError):
     reason = "cancelled"
 

@@ -10,8 +10,8 @@ placement then goes through the same steps (compute, report, answer, frame).
   A batch the batcher forms is computed on the event loop when it is small, else on a
   worker thread (``runs_inline``, asked per batch).
 - A table gains nothing from company: a request is computed on its own, on the event
-  loop when it is small (a tiny look-up and frame, ~10 us, cost less than the hop to a
-  thread and back), on a worker thread when it is large (its join would hold the loop).
+  loop when it is small (a tiny look-up and frame cost less than the hop to a thread and
+  back), on a worker thread when it is large (its join would hold the loop).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import enum
 from dataclasses import dataclass
 
 # Answers below this are computed (tables) and framed on the event loop; larger ones on a
-# worker thread. Measured when it was set: a 1 MiB encode takes ~0.1-0.3 ms here, about a
-# thread hop's cost.
+# worker thread: around this size, an encode costs about what a hop to a thread does.
 INLINE_MAX_BYTES = 1 << 20
 
 

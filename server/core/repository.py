@@ -25,6 +25,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from tokembed.server.core.admission import Ticket
 from tokembed.server.core.errors import ModelNotFound, ServerConfigError, Unavailable
@@ -79,12 +80,49 @@ class ModelHandle:
 Listener = Callable[[str, bool], None]
 
 
+class ModelSet:
+    """The models given at start, by name, and their rules: each a model of its own name,
+    and the default (the one named, else the first given) one of them. The one place they
+    are decided: the loader checks the model directories by them before the port is bound,
+    and the repository the models as they are added."""
+
+    def __init__(self, default: str | None) -> None:
+        self._named_default = default
+        self._paths: dict[str, Path] = {}  # in the order given
+
+    def add(self, name: str, path: Path) -> None:
+        """The model ``name`` from ``path``, or ``ServerConfigError`` if a model given
+        before has that name."""
+        first = self._paths.get(name)
+        if first is not None:
+            raise ServerConfigError(
+                f"two models are named {name!r}: {first} and {path}; give each model "
+                "directory a distinct name (tokembed export --name)"
+            )
+        self._paths[name] = path
+
+    @property
+    def default(self) -> str | None:
+        """The name that answers requests naming none (None: no model given yet)."""
+        if self._named_default is not None:
+            return self._named_default
+        return next(iter(self._paths), None)
+
+    def check_default(self) -> None:
+        """Every model is given: ``ServerConfigError`` unless the default is one of them."""
+        if self.default not in self._paths:
+            served = ", ".join(repr(name) for name in self._paths) or "no model"
+            raise ServerConfigError(
+                f"default_model {self.default!r} is not one of the models served ({served})"
+            )
+
+
 class Repository:
     def __init__(self, default_model: str | None = None) -> None:
         """``default_model``: the name that answers requests naming none (None: the first
         model added)."""
         self._models: dict[str, list[ModelHandle]] = {}  # by name, in the order activated
-        self._default_name = default_model
+        self._given = ModelSet(default_model)
         self.starting = True  # until every model given at start is in (``started``)
         self.draining = False
         self._listeners: list[Listener] = []
@@ -96,12 +134,8 @@ class Repository:
         each model directory given must be a model of its own name; once started, a
         model of a name served already is a new version of it."""
         served = scheduler.served
-        if self.starting and served.name in self._models:
-            first = self._models[served.name][0].served.model.path
-            raise ServerConfigError(
-                f"two models are named {served.name!r}: {first} and {served.model.path}; "
-                "give each model directory a distinct name (tokembed export --name)"
-            )
+        if self.starting:
+            self._given.add(served.name, served.model.path)
         for handle in self._models.get(served.name, []):
             if handle.version == served.version and handle.state is not ModelState.UNLOADED:
                 raise ServerConfigError(
@@ -110,8 +144,6 @@ class Repository:
                 )
         handle = ModelHandle(scheduler)
         self._models.setdefault(served.name, []).append(handle)
-        if self._default_name is None:
-            self._default_name = served.name
         return handle
 
     def activate(self, handle: ModelHandle) -> None:
@@ -124,11 +156,7 @@ class Repository:
 
     def started(self) -> None:
         """Every model given at start is in: an unknown name is now not found, not loading."""
-        if self._default_name not in self._models:
-            raise ServerConfigError(
-                f"default_model {self._default_name!r} is not one of the models served "
-                f"({self._names()})"
-            )
+        self._given.check_default()
         self.starting = False
 
     async def retire(self, handle: ModelHandle) -> None:
@@ -169,7 +197,7 @@ class Repository:
         ``version`` ("": the newest activated)."""
         if self.draining:
             raise Unavailable("the server is draining; retry on another replica")
-        wanted = name or self._default_name or ""
+        wanted = name or self._given.default or ""
         versions = self._models.get(wanted)
         if not versions:
             if self.starting:
@@ -207,7 +235,7 @@ class Repository:
 
     @property
     def default_name(self) -> str:
-        return self._default_name or ""
+        return self._given.default or ""
 
     @property
     def ready(self) -> bool:

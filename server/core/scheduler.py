@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from tokembed.server.core import deadlines
 from tokembed.server.core.admission import Admission, OutputBudget, Ticket
 from tokembed.server.core.batcher import Batcher
 from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal, Unavailable
@@ -97,7 +98,9 @@ class Scheduler:
             raise Unavailable("this model version is unloaded")
         policy = self._policy
         if policy.batches:
-            key = operation.batch_key(job)
+            # A batch holds one operation's jobs; embed's may mix dtypes (a batch computes
+            # float32 rows and casts each job's own).
+            key = operation.name
             batcher = self._batchers.get(key)
             idle = batcher is None or batcher.idle
         else:  # a backend that never batches has no batcher to ask
@@ -105,7 +108,7 @@ class Scheduler:
         placement = policy.place(job.tokens, job.output_bytes, batcher_idle=idle)
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
-        if deadline is not None and deadline <= time.monotonic():
+        if deadlines.passed(deadline, time.monotonic()):
             # As the batcher does for the queued requests it takes: no compute for nobody.
             raise DeadlineExceeded("deadline passed before the look-up")
         if placement is Placement.INLINE:
@@ -173,7 +176,7 @@ class Scheduler:
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
         """A batch the batcher took: computed where the policy says, for its size."""
-        operation = items[0][0]  # one batch key, one operation
+        operation = items[0][0]  # a batcher per operation
         jobs = [job for _, job in items]
         tokens = sum(job.tokens for job in jobs)
         if self._policy.runs_inline(tokens, sum(job.output_bytes for job in jobs)):

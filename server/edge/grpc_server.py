@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from tokembed import __version__
+from tokembed.server.core.calls import ModelTotals
 from tokembed.server.core.dataplane import DataPlane
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.auth import BearerTokenInterceptor, Identities, read_token
@@ -24,7 +24,6 @@ from tokembed.server.edge.v1.requests import EmbedParser
 from tokembed.server.edge.v1.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.requests import InferParser
-from tokembed.server.edge.v2.servicer import ModelTotals
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
 from tokembed.v1 import embedding_pb2
@@ -109,7 +108,7 @@ def build_grpc_server(
         dataplane,
         parse=InferParser(
             options.max_request_bytes, options.max_tokens_per_request,
-            source_for=partial(SharedMemoryInputs, shared_memory, options.max_request_bytes),
+            source=SharedMemoryInputs(shared_memory, options.max_request_bytes),
         ),
         max_message_bytes=options.max_message_bytes, version=__version__,
         statistics=statistics, shared_memory=shared_memory,

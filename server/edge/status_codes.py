@@ -59,3 +59,14 @@ def status_name(error: EmbedError) -> str:
 
 def trailing_metadata(error: EmbedError) -> tuple[tuple[str, str], ...]:
     return ((REASON_METADATA_KEY, error.reason),)
+
+
+def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, error: EmbedError) -> None:
+    """End a unary call with ``code`` and ``error``'s message and reason once its handler
+    returns (what it returns is then discarded). Not ``context.abort``: gRPC keeps the
+    exception that raises on the call's state, and its traceback holds the handler's
+    frames, which hold the context and the request: a cycle that keeps a refused
+    request's bytes until the cyclic collector runs."""
+    context.set_code(code)
+    context.set_details(str(error))
+    context.set_trailing_metadata(trailing_metadata(error))

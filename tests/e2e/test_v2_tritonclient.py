@@ -224,7 +224,9 @@ def test_errors_have_the_status_v2_clients_expect(
     ("mutate", "words"),
     [
         (lambda r: setattr(r.inputs[0], "datatype", "FP32"), "datatype FP32 is not supported"),
-        (lambda r: setattr(r.inputs[0], "name", "ids"), "input_ids is missing"),
+        (lambda r: setattr(r.inputs[0], "name", "ids"),
+         "unexpected input 'ids': model 'small' (token kind) takes input_ids"),
+        (lambda r: setattr(r.inputs[0], "name", "lengths"), "input input_ids is missing"),
         (lambda r: r.outputs.add(name="logits"), "unexpected inference output 'logits'"),
         (lambda r: r.raw_input_contents.append(b"\0" * 8), "2 raw_input_contents"),
         (lambda r: r.inputs[0].shape.__setitem__(1, 3), "data is 16 bytes, but shape [1, 3]"),

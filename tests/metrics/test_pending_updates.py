@@ -26,8 +26,9 @@ def served(
 ) -> None:
     """``call_served`` of one Embed call, as the calls' bookkeeping reports it."""
     metrics.call_served(
-        "tokembed.v1", "embed", "Embed", model, duration_s, tokens, output_bytes, queue_s, encode_s
-    )
+        "tokembed.v1", "embed", "Embed", "OK", model, duration_s, tokens, output_bytes, queue_s,
+        encode_s,
+    )  # fmt: skip
 
 
 def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:

@@ -29,14 +29,14 @@ CALLS = [
     (V1, "embed", "EmbedStream", "CANCELLED", "", 0.0),
     ("v2", "infer", "ModelInfer", "NOT_FOUND", "enc", 0.001),
 ]
-# Served: (protocol, operation, method, model, seconds, tokens, bytes, queue seconds,
+# Served: (protocol, operation, method, code, model, seconds, tokens, bytes, queue seconds,
 # encode seconds or None); exact bucket edges, values past the last bucket, answers not
 # framed as one message, and two models.
 SERVED = [
-    (V1, "embed", "Embed", "enc", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01),
-    (V1, "embed", "Embed", "dec", 0.00025, 256, 524288, 0.002, 2.5e-5),
-    (V1, "embed", "Embed", "enc", 1e9, 1, 64, 0.0, None),
-    (V1, "embed", "EmbedChunked", "enc", 0.5, 3, 192, 0.25, None),
+    (V1, "embed", "Embed", "OK", "enc", 0.0005, 7, 7 * 4 * 16, 0.0, 0.01),
+    (V1, "embed", "Embed", "OK", "dec", 0.00025, 256, 524288, 0.002, 2.5e-5),
+    (V1, "embed", "Embed", "OK", "enc", 1e9, 1, 64, 0.0, None),
+    (V1, "embed", "EmbedChunked", "OK", "enc", 0.5, 3, 192, 0.25, None),
 ]
 # (model, requests, tokens, seconds)
 BATCHES = [("enc", 1, 7, 1e-5), ("dec", 3, 70000, 1e-6), ("enc", 600, 300000, 12.5)]
@@ -130,8 +130,9 @@ def prometheus_clients_own() -> CollectorRegistry:
     for protocol, operation, method, code, model, seconds in CALLS:
         requests.labels(protocol, operation, method, code, model).inc()
         duration.labels(protocol, operation, method, model).observe(seconds)
-    for protocol, operation, method, model, seconds, count, nbytes, queue_s, encode_s in SERVED:
-        requests.labels(protocol, operation, method, "OK", model).inc()
+    for served in SERVED:
+        protocol, operation, method, code, model, seconds, count, nbytes, queue_s, encode_s = served
+        requests.labels(protocol, operation, method, code, model).inc()
         duration.labels(protocol, operation, method, model).observe(seconds)
         tokens.labels(model=model).inc(count)
         output_bytes.labels(model=model).inc(nbytes)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.backends.table import GATHER_MIN_ROWS
 from tokembed.server.core.dtypes import FLOAT32, ID_DTYPES, OUTPUT_DTYPES, DType
 from tokembed.server.core.types import TokenIds
 from tokembed.server.loading import LoadedModel, load_model
@@ -85,6 +86,23 @@ def test_the_table_s_rows_are_read_only_views(backends: dict[str, Backend]) -> N
     (piece,) = rows.pieces(0, 1)
     view = memoryview(piece)
     assert view.readonly and view.nbytes == SMALL_D * 4
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=["float32", "float16"])
+def test_a_large_look_up_s_rows_are_views_of_the_table(
+    backends: dict[str, Backend], small_rows: np.ndarray, dtype: DType
+) -> None:
+    """Copied once, by whoever writes the answer: not gathered into an array first."""
+    ids = np.random.default_rng(9).integers(0, SMALL_V, GATHER_MIN_ROWS + 3)
+    ids[:4] = [5, 6, 7, 5]
+    rows = backends["table"].look_up(look_up(ids, dtype))
+    pieces = rows.pieces(0, len(rows))
+    tables = {id(memoryview(piece).obj) for piece in pieces}
+    assert len(tables) == 1 and len(pieces) == len(ids)
+    assert memoryview(pieces[0]).obj.nbytes == SMALL_V * SMALL_D * dtype.itemsize
+    want = small_rows[ids].astype(dtype.numpy).tobytes()
+    assert b"".join(pieces) == want
+    assert bytes(rows.joined()) == want  # the least copy (the bench's ceiling)
 
 
 @pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=["float32", "float16"])

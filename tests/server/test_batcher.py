@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 from tokembed.server.core.batcher import Batcher, BatchResult
-from tokembed.server.core.errors import DEADLINE_SLACK_S, DeadlineExceeded, Internal, Unavailable
+from tokembed.server.core.deadlines import DEADLINE_SLACK_S
+from tokembed.server.core.errors import DeadlineExceeded, Internal, Unavailable
 
 T = TypeVar("T")
 D = 4

@@ -95,8 +95,9 @@ class Observed:
         self.done.append((protocol, operation, method, code, model))
 
     def call_served(
-        self, protocol: str, operation: str, method: str, model: str, duration_s: float,
-        tokens: int, output_bytes: int, queue_s: float, encode_s: float | None,
+        self, protocol: str, operation: str, method: str, code: str, model: str,
+        duration_s: float, tokens: int, output_bytes: int, queue_s: float,
+        encode_s: float | None,
     ) -> None:  # fmt: skip
         assert duration_s >= 0 and queue_s >= 0 and encode_s is not None and encode_s >= 0
         self.served.append((protocol, operation, method, model, tokens, output_bytes))
@@ -363,7 +364,7 @@ def test_a_caller_that_leaves_gives_the_room_back_and_is_counted_by_why(
     code: str,
 ) -> None:
     """The transport cancels the handler when its caller goes away or its deadline
-    passes; the time left tells which (``errors.ran_out_of_time``: within its slack of
+    passes; the time left tells which (``deadlines.departure``: within its slack of
     the deadline, the cancel is the deadline's)."""
     gated = HookedBackend(ort_loaded.backend, Gate(open=False))
     plane = make_plane(small=gated)

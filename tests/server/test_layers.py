@@ -31,7 +31,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 # The package's version (protos/tokembed/__init__.py) is every room's to read.
 VERSION = "tokembed.__version__"
 # The model directory's contract, and what it rests on: no torch, no onnxruntime.
-CONTRACT = ("manifest", "kinds", "model_dir", "errors", "hashing")
+CONTRACT = ("manifest", "kinds", "model_dir", "dtypes", "errors", "hashing")
 GRPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf")
 # Packages that are not rooms of the server and its library: the benchmarks drive the
 # server and the client from outside.
@@ -44,6 +44,9 @@ class Room:
     package: str  # where its modules are, sub-packages included
     may_import: tuple[str, ...]  # modules and packages (each with what is inside it)
     modules: tuple[str, ...] = ()  # only these modules of the package; () every other one
+    # Imported only where used (in a function, or for the type checker), never with the
+    # module itself.
+    deferred: tuple[str, ...] = ()
     also: str = ""  # which part of the room, where the table's row has two
 
     @property
@@ -60,8 +63,9 @@ ROOMS = (
     Room(
         "export/",
         "tokembed.export",
-        may_import=("numpy", "onnx", *_export(*CONTRACT)),
+        may_import=("numpy", "ml_dtypes", "onnx", *_export(*CONTRACT)),
         modules=CONTRACT,
+        deferred=("torch",),  # a torch dtype, which the exporter alone asks for
         also="(the contract)",
     ),
     Room(
@@ -88,7 +92,7 @@ ROOMS = (
         "tokembed.server.core",
         may_import=(
             *("numpy", "ml_dtypes", "tokembed.server.core", "tokembed.server.backends"),
-            *_export("manifest", "kinds", "model_dir", "errors"),
+            *_export("manifest", "kinds", "model_dir", "dtypes", "errors"),
         ),
     ),
     Room(
@@ -138,15 +142,18 @@ def _modules() -> dict[str, Path]:
     return dict(sorted(found.items()))
 
 
-def _imports(path: Path, module: str | None = None) -> set[str]:
-    """Every name ``path`` imports, anywhere in it (functions and TYPE_CHECKING blocks
-    included): ``import a.b`` is "a.b", ``from a import b`` "a.b" (b a module or not).
-    ``module``: the module's own name, to resolve relative imports."""
+def _imports(path: Path, module: str | None = None, *, deferred: bool = True) -> set[str]:
+    """Every name ``path`` imports: ``import a.b`` is "a.b", ``from a import b`` "a.b" (b a
+    module or not). ``deferred``: those in functions and for the type checker too (else
+    only what importing the module imports). ``module``: the module's own name, to resolve
+    relative imports."""
     names: set[str] = set()
     package = (module or "").split(".")
     if path.name != "__init__.py":
         package = package[:-1]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    nodes: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+    while nodes:
+        node = nodes.pop()
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -155,6 +162,14 @@ def _imports(path: Path, module: str | None = None) -> set[str]:
                 assert module is not None, f"{path}: a relative import"
                 base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [base])])
             names.update(f"{base}.{alias.name}" for alias in node.names)
+        if deferred:
+            nodes.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes.extend(node.orelse)
+        else:
+            nodes.extend(ast.iter_child_nodes(node))
     return names
 
 
@@ -162,13 +177,15 @@ def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
 
-def _forbidden(names: set[str], room: Room) -> list[str]:
+def _forbidden(path: Path, module: str | None, room: Room) -> list[str]:
+    eager = _imports(path, module, deferred=False)
     return sorted(
         name
-        for name in names
+        for name in _imports(path, module)
         if name.split(".")[0] not in sys.stdlib_module_names
         and name != "__future__.annotations"
         and not _inside(name, room.may_import)
+        and not (_inside(name, room.deferred) and name not in eager)
     )
 
 
@@ -213,9 +230,7 @@ def test_every_module_is_in_a_room() -> None:
 def test_a_room_imports_only_what_its_row_allows(room: Room) -> None:
     checked = {module: path for module, path in _modules().items() if _room_of(module) == room}
     assert checked, room
-    offenders = {
-        module: _forbidden(_imports(path, module), room) for module, path in checked.items()
-    }
+    offenders = {module: _forbidden(path, module, room) for module, path in checked.items()}
     assert {module: names for module, names in offenders.items() if names} == {}
 
 
@@ -239,11 +254,12 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
         "    from tokembed.server import settings\n"
         "    from tokembed.server.core.dtypes import DType\n"
     )
-    names = _imports(module)
-    assert names == {"tokembed.__version__", "tokembed.v1", "grpc.aio",
-                     "tokembed.server.settings", "tokembed.server.core.dtypes.DType"}  # fmt: skip
+    assert _imports(module) == {
+        "tokembed.__version__", "tokembed.v1", "grpc.aio", "tokembed.server.settings",
+        "tokembed.server.core.dtypes.DType",
+    }  # fmt: skip
     backends = next(room for room in ROOMS if room.name == "server/backends/")
-    assert _forbidden(names, backends) == [
+    assert _forbidden(module, None, backends) == [
         "grpc.aio", "tokembed.__version__", "tokembed.server.settings", "tokembed.v1"
     ]  # fmt: skip
     relative = tmp_path / "r.py"
@@ -251,3 +267,19 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     assert _imports(relative, "tokembed.server.backends.r") == {
         "tokembed.server.core.dtypes", "tokembed.server.backends.table"
     }  # fmt: skip
+
+
+def test_a_deferred_import_is_told_from_one_the_module_makes(tmp_path: Path) -> None:
+    """The contract of a model directory may ask torch for a dtype in a function; it may
+    not import torch with itself."""
+    contract = next(room for room in ROOMS if room.deferred)
+    deferred = tmp_path / "deferred.py"
+    deferred.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import torch\n"
+        "def f():\n    import torch\n"
+    )
+    assert _forbidden(deferred, None, contract) == []
+    for eager in ("import torch\n", "class C:\n    import torch.nn\n"):
+        (tmp_path / "eager.py").write_text(eager)
+        assert _forbidden(tmp_path / "eager.py", None, contract) != [], eager

@@ -58,7 +58,8 @@ The attacks, each with the defence it hits (test name in brackets):
 19. an answer framed after its call ended (the caller left)     -> nothing written
     [test_a_window_whose_call_ended_writes_nothing]
 20. another owner's region listed, used, unregistered or replaced -> its owner's alone,
-    refused as a name never registered [test_a_region_is_its_owner_s_alone]; the cap
+    refused as a name never registered [test_a_region_is_its_owner_s_alone,
+    test_a_region_input_is_read_from_its_caller_s_region_alone]; the cap
     counts every owner's [test_the_region_cap_counts_every_owner]
 """
 
@@ -72,9 +73,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tokembed.server.core.errors import Cancelled
+from tokembed.server.core.errors import Cancelled, Internal
+from tokembed.server.edge.v2.requests import InferCall, InferParser
 from tokembed.server.edge.v2.shm import (
     SHM_ROOT,
     RegionExists,
@@ -83,6 +86,8 @@ from tokembed.server.edge.v2.shm import (
     SharedMemoryRegistry,
 )
 from tokembed.server.edge.v2.shm_region import SharedMemoryError
+from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
+from tokembed.v2 import grpc_service_pb2 as pb
 
 pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this system")
 
@@ -711,6 +716,43 @@ def test_a_region_is_its_owner_s_alone(objects: Objects) -> None:
     assert [s.key for s in shm.status(owner=other)] == [theirs]
     assert open_descriptors(objects.path(mine)) == 0
     assert open_descriptors(objects.path(theirs)) == 1
+
+
+def test_a_region_input_is_read_from_its_caller_s_region_alone(objects: Objects) -> None:
+    """The V2 parser describes a region input without its caller (gRPC's deserializer
+    does not know it); the servicer names the caller before the data plane reads it.
+    Read for another identity, it is refused as a name never registered; read for none,
+    it is a bug, never a read of whoever's region has the name."""
+    ids = np.arange(8, dtype="<i8").tobytes()
+    mine = objects.make("in", data=ids)
+    shm = registry(objects)
+    shm.register("in", mine, 0, SIZE, owner=ME)
+    parse = InferParser(1 << 20, 4096, source=SharedMemoryInputs(shm, 1 << 20))
+
+    def parsed(region: str) -> InferCall:
+        request = pb.ModelInferRequest(model_name="m")
+        tensor = request.inputs.add(name="input_ids", datatype="INT64", shape=[1, 8])
+        tensor.parameters["shared_memory_region"].string_param = region
+        tensor.parameters["shared_memory_byte_size"].int64_param = len(ids)
+        call = parse(request.SerializeToString())
+        assert isinstance(call, InferCall)
+        return call
+
+    call = parsed("in")
+    [region] = call.callers_inputs
+    assert call.body.data is region
+    with pytest.raises(Internal, match="before its caller was named"):
+        run(region.read())
+    call.sent_by("owner-2")
+    with pytest.raises(SharedMemoryError) as theirs:
+        run(region.read())
+    never = parsed("never")
+    never.sent_by("owner-2")
+    with pytest.raises(SharedMemoryError) as missing:
+        run(never.callers_inputs[0].read())
+    assert str(theirs.value) == str(missing.value).replace("never", "in")
+    call.sent_by(ME)
+    assert run(region.read()) == ids
 
 
 def test_the_region_cap_counts_every_owner(objects: Objects) -> None:

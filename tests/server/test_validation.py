@@ -299,8 +299,9 @@ def test_ids_a_token_model_does_not_take_are_refused_naming_them(model: ServedMo
     sent = request([[1, 2]], more_ids={"token_type_ids": extra})
     with pytest.raises(InvalidInput) as error:
         validate(sent, model)
-    assert (
-        str(error.value) == "model 'small' (token kind) takes no other ids; it got token_type_ids"
+    assert str(error.value) == (
+        "unexpected input 'token_type_ids': model 'small' (token kind) takes input_ids "
+        "(and lengths, for ragged ids)"
     )
 
 

@@ -1,16 +1,17 @@
 """What an operation supplies to the scheduler, which is generic over them.
 
-An operation (embed today; the reverse look-up of ROADMAP.md next) turns its request into
-a job (validation: a bad request fails here, alone, before it could join a batch), says
-what the job costs (tokens for the queue bound, output bytes for the process's budget)
-and which jobs may share a batch, computes a batch of jobs on a backend, and shapes one
-job's result into an ``Answer``. It knows nothing of protocols, placement or batching.
+An operation (embed) reads what its request left unread (once what the request declares
+fits the model) and turns it into a job (validation: a bad request fails here,
+alone, before it could join a batch), says what the job costs (tokens for the queue bound,
+output bytes for the process's budget), computes a batch of its jobs on a backend (any of
+its jobs may share a batch), and shapes one job's result into an ``Answer``. It knows
+nothing of protocols, placement or batching.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 from tokembed.server.backends.base import Backend
@@ -43,10 +44,14 @@ class Operation(ABC, Generic[RequestT, JobT, ResultT]):
         """The request as a job for ``model``; raises ``InvalidInput`` or ``TooLarge``
         naming the offending value."""
 
-    def batch_key(self, job: JobT) -> Hashable:
-        """Jobs of one key may share a batch (one compute). Embed's jobs all may: a batch
-        computes float32 rows and casts each job's own."""
-        return self.name
+    def unread(self, request: RequestT) -> bool:
+        """Whether some of the request's bytes are still where it left them (``read``)."""
+        return False
+
+    async def read(self, request: RequestT, model: ServedModel) -> RequestT:
+        """The request with all its bytes in hand, read only once what it declares fits
+        ``model``; raises ``InvalidInput`` or ``TooLarge`` (before reading anything)."""
+        return request
 
     @abstractmethod
     def compute(self, backend: Backend, jobs: Sequence[JobT]) -> list[ResultT]:

@@ -6,6 +6,9 @@ message naming the offending value. It checks ids against their bound itself:
 onnxruntime's CPU Gather silently wraps -1 to the last row and its CUDA Gather writes
 zeros for ids out of range. The ids a request must carry are the model kind's
 (``tokembed.export.kinds``): ``input_ids``, and whatever further inputs a kind declares.
+
+The request as a front end hands it over, and what is checked of it before its inputs
+are read: ``embed_request``.
 """
 
 from __future__ import annotations
@@ -17,41 +20,25 @@ from typing import NoReturn
 import numpy as np
 
 from tokembed.server.backends.base import Backend, LookUp, Rows
-from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
+from tokembed.server.core.dtypes import OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
 from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.operations.embed_request import BATCH_FIRST as BATCH_FIRST
+from tokembed.server.core.operations.embed_request import FLAT as FLAT
+from tokembed.server.core.operations.embed_request import PADDED as PADDED
+from tokembed.server.core.operations.embed_request import SEQUENCE_FIRST as SEQUENCE_FIRST
+from tokembed.server.core.operations.embed_request import EmbedInput as EmbedInput
+from tokembed.server.core.operations.embed_request import IdsInput as IdsInput
+from tokembed.server.core.operations.embed_request import (
+    check_data_size,
+    check_names,
+    check_tokens,
+    ids_dtype,
+    in_hand,
+    read_inputs,
+)
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer, Timings, TokenIds
-
-PADDED = "padded"
-FLAT = "flat"
-# The order of the batch and sequence axes, of the ids and of the answer.
-BATCH_FIRST = "batch_first"
-SEQUENCE_FIRST = "sequence_first"
-
-
-@dataclass(slots=True)
-class IdsInput:
-    """Ids as decoded from the wire, not yet validated."""
-
-    dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
-    shape: tuple[int, ...]
-    data: bytes
-
-
-@dataclass(slots=True)
-class EmbedInput:
-    """An embed request as decoded from the wire, not yet validated. ``more_ids``: the
-    model kind's further id inputs by name (``token_type_ids``), each of the ids' shape."""
-
-    ids_dtype: str  # "int64", "int32", or whatever else was sent (refused by validation)
-    shape: tuple[int, ...]
-    data: bytes
-    lengths: tuple[int, ...] = ()
-    output_dtype: str = "float32"
-    layout: str = PADDED
-    more_ids: dict[str, IdsInput] | None = None
-    order: str = BATCH_FIRST  # or SEQUENCE_FIRST, or whatever else was sent (refused)
 
 
 @dataclass(slots=True)
@@ -90,6 +77,16 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
     def validate(self, request: EmbedInput, model: ServedModel) -> EmbedJob:
         return validate(request, model)
 
+    def unread(self, request: EmbedInput) -> bool:
+        return (
+            not isinstance(request.data, bytes)
+            or request.lengths_input is not None
+            or any(not isinstance(sent.data, bytes) for sent in (request.more_ids or {}).values())
+        )
+
+    async def read(self, request: EmbedInput, model: ServedModel) -> EmbedInput:
+        return await read_inputs(request, model)
+
     def compute(self, backend: Backend, jobs: Sequence[EmbedJob]) -> list[Rows]:
         return backend.look_up_batch([job.look_up for job in jobs])
 
@@ -101,6 +98,7 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         if len(result) != job.tokens:
             raise Internal(f"this is a bug: the look-up gave {len(result)} rows for "
                            f"{job.tokens} ids")  # fmt: skip
+        pieces: Sequence[Buffer]
         if job.padded and job.sequence_first:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
@@ -110,12 +108,13 @@ class Embed(Operation[EmbedInput, EmbedJob, Rows]):
         elif job.padded:
             assert job.lengths is not None
             pad = model.backend.pad_row(job.output_dtype)
-            pieces = []
+            padded: list[Buffer] = []
             offset = 0
             for length in job.lengths:
-                pieces += result.pieces(offset, offset + length)
-                pieces += [pad] * (job.seq_len - length)
+                padded += result.pieces(offset, offset + length)
+                padded += [pad] * (job.seq_len - length)
                 offset += length
+            pieces = padded
         else:
             pieces = result.pieces(0, job.tokens)
         return Answer(
@@ -152,11 +151,9 @@ def _positions_first(
 
 
 def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
-    id_dtype = ID_DTYPES.get(request.ids_dtype)
-    if id_dtype is None:
-        raise InvalidInput(
-            f"input_ids dtype {request.ids_dtype} is not supported; send int64 or int32"
-        )
+    check_names(request, model)
+    data = in_hand(request.data)
+    id_dtype = ids_dtype("input_ids", request.ids_dtype)
     output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
     if output_dtype is None:
         *others, last = OUTPUT_DTYPES
@@ -195,13 +192,9 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
         if tokens == 0:
             raise InvalidInput(f"input_ids shape {list(shape)} is empty; send at least one id")
     # Python ints: a huge declared shape cannot overflow into a plausible size.
-    _check_data_size("input_ids", request.data, shape, id_dtype, tokens)
+    check_data_size("input_ids", data, shape, id_dtype, tokens)
+    check_tokens(tokens, model)
     limits = model.limits
-    if tokens > limits.max_tokens_per_request:
-        raise TooLarge(
-            f"request has {tokens} tokens, over the limit of {limits.max_tokens_per_request} "
-            "per request; split it"
-        )
     layout = request.layout if request.lengths else PADDED
     rows = batch * seq_len if layout == PADDED else tokens
     output_bytes = rows * model.d_model * output_dtype.itemsize
@@ -212,7 +205,7 @@ def validate(request: EmbedInput, model: ServedModel) -> EmbedJob:
             "bytes per request; split it or ask for float16"
         )
 
-    ids = TokenIds(request.data, id_dtype, tokens)
+    ids = TokenIds(data, id_dtype, tokens)
     if not within_bound(ids, model.bounds[0]):
         _refuse_bound(model.inputs[0].name, ids, shape, model.bounds[0])
     more = None
@@ -232,12 +225,6 @@ def _more_ids(
     is left out: every backend computes it as 0s (``LookUp.more``)."""
     inputs = model.inputs[1:]
     given = dict(request.more_ids or {})
-    unknown = sorted(set(given) - {spec.name for spec in inputs})
-    if unknown:
-        takes = ", ".join(spec.name for spec in inputs) or "no other ids"
-        raise InvalidInput(
-            f"model {model.name!r} ({model.kind.name} kind) takes {takes}; it got {unknown[0]}"
-        )
     if not inputs:
         return None
     more: dict[str, TokenIds] = {}
@@ -247,17 +234,14 @@ def _more_ids(
             if not spec.optional:
                 raise InvalidInput(f"{spec.name} is missing; model {model.name!r} needs it")
             continue
-        dtype = ID_DTYPES.get(sent.dtype)
-        if dtype is None:
-            raise InvalidInput(
-                f"{spec.name} dtype {sent.dtype} is not supported; send int64 or int32"
-            )
+        dtype = ids_dtype(spec.name, sent.dtype)
         if sent.shape != shape:
             raise InvalidInput(
                 f"{spec.name} shape {list(sent.shape)} differs from input_ids shape {list(shape)}"
             )
-        _check_data_size(spec.name, sent.data, shape, dtype, tokens)
-        ids = TokenIds(sent.data, dtype, tokens)
+        data = in_hand(sent.data)
+        check_data_size(spec.name, data, shape, dtype, tokens)
+        ids = TokenIds(data, dtype, tokens)
         if not within_bound(ids, bound):
             _refuse_bound(spec.name, ids, shape, bound)
         more[spec.name] = ids
@@ -272,17 +256,6 @@ def request_over_limit(size: int, max_bytes: int, max_tokens: int) -> TooLarge:
         f"max_tokens_per_request={max_tokens} allows; split it, or raise "
         "--max-tokens-per-request (TOKEMBED_MAX_TOKENS_PER_REQUEST)"
     )
-
-
-def _check_data_size(
-    name: str, data: bytes, shape: tuple[int, ...], dtype: DType, tokens: int
-) -> None:
-    expected_bytes = tokens * dtype.itemsize
-    if len(data) != expected_bytes:
-        raise InvalidInput(
-            f"{name} data is {len(data)} bytes, but shape {list(shape)} of "
-            f"{dtype.name} needs {expected_bytes}"
-        )
 
 
 def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, int]:
@@ -302,7 +275,7 @@ def _ragged_geometry(shape: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[
 
 
 # Up to this many ids, Python's min() and max() over their ints beat numpy's reductions,
-# whose per-call machinery dominates a tiny request (~2 us against ~10 us in the server);
+# whose per-call machinery dominates a tiny request;
 # the ints are what a table look-up slices rows by anyway.
 _PYTHON_BOUNDS_MAX_IDS = 64
 

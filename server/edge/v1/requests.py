@@ -57,7 +57,7 @@ class EmbedParser:
     gRPC receives messages up to its own limit, which is set well above the largest
     valid request so that a larger one reaches this point and gets our answer (naming
     the limit and the setting that raises it); it is refused by its size alone, before
-    it is decoded (100 MiB of one-byte lengths decode into ~3 GB of integers).
+    it is decoded (one-byte lengths decode into 8-byte integers, twice over).
     """
 
     def __init__(self, max_bytes: int, max_tokens: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -23,7 +23,8 @@ from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink,
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.types import Answer, Buffer
-from tokembed.server.edge.status_codes import status_name, status_of, trailing_metadata
+from tokembed.server.edge.deadlines import deadline_of
+from tokembed.server.edge.status_codes import refuse, status_name, status_of
 from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
@@ -45,12 +46,6 @@ FRONT_END = FrontEnd(
     },
     status_of=status_name,
 )
-
-
-def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
-    """The call's deadline on the ``time.monotonic()`` clock (None: none)."""
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 class EmbeddingServicer:
@@ -103,7 +98,8 @@ class EmbeddingServicer:
                 FRONT_END, "GetModelInfo", request.model_name, request.model_version
             )
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, status_of(error), error)
+            return pb.ModelInfo()
         return responses.model_info(served, self._max_message_bytes)
 
     async def ListModels(
@@ -115,7 +111,8 @@ class EmbeddingServicer:
                 raise request.error
             served, default = self._dataplane.list_models(FRONT_END, "ListModels")
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, status_of(error), error)
+            return pb.ListModelsResponse()
         return responses.list_models(served, default, self._max_message_bytes)
 
     async def _serve(
@@ -130,7 +127,7 @@ class EmbeddingServicer:
                 FRONT_END, method, EMBED, request, deadline_of(context), sink
             )
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, status_of(error), error)
 
 
 # --- the sinks: how tokembed.v1 frames an answer and hands it to gRPC
@@ -210,11 +207,6 @@ class _StreamItemSink(GrpcStreamItemSink):
     def frame_error(self, error: EmbedError) -> bytes:
         code = status_of(error)
         return responses.stream_error(code.value[0], str(error), error.reason)
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
-    await context.abort(status_of(error), str(error), trailing_metadata=trailing_metadata(error))
-    raise AssertionError("this is a bug: context.abort returned")
 
 
 def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:

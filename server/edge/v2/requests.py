@@ -6,10 +6,11 @@ A ``ModelInferRequest`` becomes an embed request: the input ``input_ids`` (INT64
 input of the model's kind by its name (``token_type_ids``), and the answer's datatype,
 named by a ``datatype`` parameter on the requested output or on the request (FP32 unless
 asked). The ids' bytes are ``raw_input_contents`` (what tritonclient sends) or the typed
-``contents`` field; where they come from is one step (``InputSource``), so that another
-source (a shared-memory region) is one more case there. Which regions a request may read
-depends on who sent it, which only the RPC's handler knows: a request with an input in a
-region is decoded here and translated there (``Unread``, ``InferParser.read``).
+``contents`` field, or a shared-memory region (``shm_service.SharedMemoryInputs``): where
+they come from is one step (``InputSource``), and none is read while parsing. Which
+regions a request may read depends on who sent it, which only the RPC's handler knows:
+such an input (``CallersInput``) is told its caller there (``InferCall.sent_by``), before
+the data plane reads it.
 
 As for tokembed.v1, a deserializer that raises makes gRPC answer UNKNOWN past our status
 table and metrics, so these never raise: bytes that do not parse, a request this protocol
@@ -30,12 +31,14 @@ from tokembed.export.manifest import INPUT_NAME, OUTPUT_NAME
 from tokembed.server.core.dataplane import ModelQuery, Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
 from tokembed.server.core.errors import EmbedError, InvalidInput
-from tokembed.server.core.operations.embed import (
+from tokembed.server.core.operations.embed import request_over_limit
+from tokembed.server.core.operations.embed_request import (
     FLAT,
+    LENGTHS,
     PADDED,
     EmbedInput,
     IdsInput,
-    request_over_limit,
+    Unread,
 )
 from tokembed.v2 import grpc_service_pb2 as pb
 
@@ -45,7 +48,10 @@ V2_ID_DTYPES = {dtype.v2: dtype.name for dtype in ID_DTYPES.values()}
 V2_OUTPUT_DTYPES = {dtype.v2: dtype.name for dtype in OUTPUT_DTYPES.values()}
 DEFAULT_OUTPUT_DTYPE = "float32"  # what the model computes; the answer unless asked
 
-LENGTHS_NAME = "lengths"  # the ragged input's sequence lengths
+# Far above what any model kind takes (input_ids, lengths, and a kind's further ids:
+# export.kinds): the model's own inputs are checked later, but a request naming tens of
+# thousands of inputs would cost the loop a descriptor each before that.
+MAX_INPUTS = 16
 DATATYPE_PARAMETER = "datatype"  # the answer's datatype (on the requested output or request)
 LAYOUT_PARAMETER = "ragged_layout"  # "padded" (the default) or "flat"
 _LAYOUTS = {"padded": PADDED, "flat": FLAT}
@@ -57,31 +63,31 @@ class InferCall(Request[EmbedInput]):
     (their parameters say where and how the answer goes: the sink reads them)."""
 
     outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor] = ()
+    callers_inputs: tuple[CallersInput, ...] = ()  # the inputs only its caller may read
+
+    def sent_by(self, caller: str) -> None:
+        """Tells the inputs only their caller may read who that is (an opaque key from the
+        front end's authentication, ``auth.Identities``)."""
+        for sent in self.callers_inputs:
+            sent.caller = caller
 
 
-# An input's bytes, from the request: the input's message, and its entry of
-# raw_input_contents (None: the request has none). Raises ``EmbedError``.
-InputSource = Callable[["pb.ModelInferRequest.InferInputTensor", "bytes | None"], bytes]
-# The source of a request's inputs for the caller who sent it (an opaque key from the
-# front end's authentication: the regions it may read are its own).
-CallersSource = Callable[[str], InputSource]
+class CallersInput(Unread):
+    """An input that only the identity which sent the request may read (a shared-memory
+    region: each identity's regions are its own). gRPC's deserializer, which makes it,
+    does not know the caller: the RPC's handler names it (``InferCall.sent_by``) before
+    the data plane reads it; ``caller`` is None until then."""
+
+    __slots__ = ("caller",)
+
+    def __init__(self) -> None:
+        self.caller: str | None = None
+
+
+# Where an input's bytes are: the request, its index among the inputs; returns them
+# unread (``Unread``). Raises ``EmbedError`` for what it can tell from the request alone.
+InputSource = Callable[["pb.ModelInferRequest", int], Unread]
 SHARED_MEMORY_REGION = "shared_memory_region"  # an input's parameter naming its region
-
-
-@dataclass(slots=True)
-class Unread:
-    """A ModelInferRequest with an input in a shared-memory region, decoded, its inputs
-    not read: the RPC's handler reads them for its caller (``InferParser.read``)."""
-
-    request: pb.ModelInferRequest
-
-    @property
-    def request_id(self) -> str:
-        return str(self.request.id)
-
-    @property
-    def outputs(self) -> Sequence[pb.ModelInferRequest.InferRequestedOutputTensor]:
-        return self.request.outputs
 
 
 class InferParser:
@@ -89,119 +95,139 @@ class InferParser:
 
     gRPC receives messages up to its own limit, set above the largest valid request (the
     server's ``max_request_bytes``) so that a larger one reaches this point and is refused
-    by its size alone, before it is decoded.
+    by its size alone, before it is decoded. No input's bytes are read here: each input
+    becomes a descriptor (name, datatype, shape, where its bytes are), checked against
+    the model it is routed to before anything is read (``operations.embed.read``).
     """
 
-    def __init__(
-        self, max_bytes: int, max_tokens: int, source_for: CallersSource | None = None
-    ) -> None:
-        """``source_for``: where a caller's inputs that name a shared-memory region are read
-        from (None: such an input is refused)."""
+    def __init__(self, max_bytes: int, max_tokens: int, source: InputSource | None = None) -> None:
+        """``source``: where an input's bytes come from (default: the request itself)."""
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
-        self._source_for = source_for
+        self._source = source or in_request
 
-    def __call__(self, data: bytes) -> InferCall | Unread | Refused:
+    def __call__(self, data: bytes) -> InferCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
             request = pb.ModelInferRequest.FromString(data)
         except DecodeError as exc:
             return Refused(InvalidInput(f"the request is not a valid ModelInferRequest: {exc}"))
-        if self._source_for is not None and any(
-            SHARED_MEMORY_REGION in tensor.parameters for tensor in request.inputs
-        ):
-            return Unread(request)
-        return self._translate(request, contents_of)
-
-    def read(self, unread: Unread, caller: str) -> InferCall | Refused:
-        """``unread``'s inputs read for ``caller``, and the request translated."""
-        if self._source_for is None:
-            raise AssertionError("this is a bug: a request left unread with no source to read")
-        return self._translate(unread.request, self._source_for(caller))
-
-    def _translate(self, request: pb.ModelInferRequest, source: InputSource) -> InferCall | Refused:
         try:
-            return InferCall(
-                request.model_name, request.model_version, self.embed_input(request, source),
-                request.id, tuple(request.outputs) if request.outputs else (),
-            )  # fmt: skip
+            body = self.embed_input(request)
         except EmbedError as error:
             return Refused(error, request.id)
+        return InferCall(
+            request.model_name, request.model_version, body, request.id,
+            tuple(request.outputs) if request.outputs else (), _callers_inputs(body),
+        )  # fmt: skip
 
-    def embed_input(self, request: pb.ModelInferRequest, source: InputSource) -> EmbedInput:
-        """The embed request a ModelInferRequest asks for, its inputs' bytes from
-        ``source``; raises ``EmbedError``."""
-        raw = request.raw_input_contents
-        if raw and len(raw) != len(request.inputs):
+    def embed_input(self, request: pb.ModelInferRequest) -> EmbedInput:
+        """The embed request a ModelInferRequest asks for, its inputs unread; raises
+        ``EmbedError``."""
+        if len(request.inputs) > MAX_INPUTS:
             raise InvalidInput(
-                f"the request has {len(request.inputs)} inputs but {len(raw)} "
+                f"the request has {len(request.inputs)} inputs; an embed request takes at "
+                f"most {MAX_INPUTS} (input_ids, {LENGTHS} and the model kind's further ids)"
+            )
+        raw = len(request.raw_input_contents)
+        if raw and raw != len(request.inputs):
+            raise InvalidInput(
+                f"the request has {len(request.inputs)} inputs but {raw} "
                 "raw_input_contents; send one raw content per input, in the inputs' order"
             )
         ids: IdsInput | None = None
-        lengths: tuple[int, ...] = ()
+        lengths: IdsInput | None = None
         more: dict[str, IdsInput] = {}
         for index, tensor in enumerate(request.inputs):
-            if tensor.name in more or (tensor.name == INPUT_NAME and ids is not None):
-                raise InvalidInput(f"input {tensor.name} is given twice")
+            name = tensor.name
+            if (
+                name in more
+                or (name == INPUT_NAME and ids is not None)
+                or (name == LENGTHS and lengths is not None)
+            ):
+                raise InvalidInput(f"input {name!r} is given twice")
             dtype = V2_ID_DTYPES.get(tensor.datatype)
             if dtype is None:
                 raise InvalidInput(
-                    f"input {tensor.name} datatype {tensor.datatype or '(none)'} is not "
+                    f"input {name!r} datatype {tensor.datatype or '(none)'} is not "
                     f"supported; send {' or '.join(V2_ID_DTYPES)}"
                 )
-            sent = IdsInput(dtype, tuple(tensor.shape), source(tensor, raw[index] if raw else None))
-            if tensor.name == INPUT_NAME:
+            sent = IdsInput(dtype, tuple(tensor.shape), self._source(request, index))
+            if name == INPUT_NAME:
                 ids = sent
-            elif tensor.name == LENGTHS_NAME:
-                lengths = _lengths(sent)
-            else:  # the model's kind says whether it takes it (validation)
-                more[tensor.name] = sent
-        if ids is None:
-            raise InvalidInput(f"input {INPUT_NAME} is missing")
+            elif name == LENGTHS:
+                lengths = sent
+            else:  # the model's kind says whether it takes it (checked before any read)
+                more[name] = sent
         return EmbedInput(
-            ids_dtype=ids.dtype,
-            shape=ids.shape,
-            data=ids.data,
-            lengths=lengths,
+            ids_dtype=ids.dtype if ids is not None else "",
+            shape=ids.shape if ids is not None else (),
+            data=ids.data if ids is not None else None,
             output_dtype=_output_dtype(request),
             layout=_layout(request.parameters),
             more_ids=more or None,
+            lengths_input=lengths,
         )
 
 
-def contents_of(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> bytes:
-    """An input's bytes as the request carries them: its raw content, or its typed
+class InRequest(Unread):
+    """An input's bytes in the request's own message: its raw content, or its typed
     ``contents`` (int64_contents for INT64, int_contents for INT32), little-endian."""
+
+    __slots__ = ("_index", "_request")
+
+    def __init__(self, request: pb.ModelInferRequest, index: int) -> None:
+        self._request = request
+        self._index = index
+
+    declared = False  # their size is that of the bytes the message carries
+
+    @property
+    def nbytes(self) -> int:
+        request, index = self._request, self._index
+        if request.raw_input_contents:
+            return len(request.raw_input_contents[index])
+        tensor = request.inputs[index]
+        contents = tensor.contents
+        if ID_DTYPES[V2_ID_DTYPES[tensor.datatype]].itemsize == 8:
+            return 8 * len(contents.int64_contents)
+        return 4 * len(contents.int_contents)
+
+    async def read(self) -> bytes:
+        return self.take()
+
+    def take(self) -> bytes:
+        request, index = self._request, self._index
+        if request.raw_input_contents:
+            return request.raw_input_contents[index]
+        tensor = request.inputs[index]
+        dtype = ID_DTYPES[V2_ID_DTYPES[tensor.datatype]]  # the parser took only these
+        contents = tensor.contents
+        values = contents.int64_contents if dtype.itemsize == 8 else contents.int_contents
+        return np.asarray(values, dtype=dtype.numpy).tobytes()
+
+
+def in_request(request: pb.ModelInferRequest, index: int) -> InRequest:
+    """The default ``InputSource``: inputs in the request only."""
+    tensor = request.inputs[index]
     if SHARED_MEMORY_REGION in tensor.parameters:
         raise InvalidInput(
-            f"input {tensor.name} names a shared-memory region, and this server reads inputs "
-            "from the request only"
+            f"input {tensor.name!r} names a shared-memory region, and this server reads "
+            "inputs from the request only"
         )
-    if raw is not None:
-        if tensor.HasField("contents"):
-            raise InvalidInput(
-                f"input {tensor.name} has both contents and raw_input_contents; send one"
-            )
-        return raw
-    dtype = ID_DTYPES[V2_ID_DTYPES[tensor.datatype]]  # the parser took only these
-    values = tensor.contents.int64_contents if dtype.itemsize == 8 else tensor.contents.int_contents
-    return np.asarray(values, dtype=dtype.numpy).tobytes()
-
-
-def _lengths(sent: IdsInput) -> tuple[int, ...]:
-    """The ragged input's lengths as ints (validation checks them against the ids)."""
-    dtype = ID_DTYPES[sent.dtype]
-    if len(sent.shape) != 1:
-        raise InvalidInput(f"input {LENGTHS_NAME} shape {list(sent.shape)} must be [B]")
-    if len(sent.data) != sent.shape[0] * dtype.itemsize:
+    if request.raw_input_contents and tensor.HasField("contents"):
         raise InvalidInput(
-            f"input {LENGTHS_NAME} data is {len(sent.data)} bytes, but shape "
-            f"{list(sent.shape)} of {dtype.v2} needs {sent.shape[0] * dtype.itemsize}"
+            f"input {tensor.name!r} has both contents and raw_input_contents; send one"
         )
-    if not sent.shape[0]:
-        raise InvalidInput(f"input {LENGTHS_NAME} is empty; send one length per sequence")
-    return tuple(np.frombuffer(sent.data, dtype=dtype.numpy).tolist())
+    return InRequest(request, index)
+
+
+def _callers_inputs(body: EmbedInput) -> tuple[CallersInput, ...]:
+    sent = [body.data, *(more.data for more in (body.more_ids or {}).values())]
+    if body.lengths_input is not None:
+        sent.append(body.lengths_input.data)
+    return tuple(data for data in sent if isinstance(data, CallersInput))
 
 
 def _output_dtype(request: pb.ModelInferRequest) -> str:

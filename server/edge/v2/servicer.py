@@ -21,25 +21,25 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
-from tokembed.server.core.calls import Call, FrontEnd
+from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
-from tokembed.server.edge.status_codes import trailing_metadata
-from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink, deadline_of
+from tokembed.server.edge.deadlines import deadline_of
+from tokembed.server.edge.status_codes import refuse, trailing_metadata
+from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
     InferParser,
-    Unread,
     parse_message,
     parse_model_query,
 )
@@ -68,20 +68,6 @@ FRONT_END = FrontEnd(
     },
     status_of=status_name,
 )
-
-
-class ModelTotals(Protocol):
-    """A model's cumulative statistics, as ModelStatistics reports them."""
-
-    success_count: int
-    success_s: float
-    fail_count: int
-    fail_s: float
-    queue_count: int
-    queue_s: float
-    batches: int
-    compute_s: float
-    last_served_unix_s: float  # 0: none yet
 
 
 class InferenceServicer:
@@ -119,15 +105,15 @@ class InferenceServicer:
     # --- inference
 
     async def ModelInfer(
-        self, request: InferCall | Unread | Refused, context: grpc.aio.ServicerContext
+        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
-        request, sink = self.unary_sink(self._read(request, context), context)
+        request, sink = self.unary_sink(self._sent_by(request, context), context)
         try:
             await self._dataplane.serve(
                 FRONT_END, "ModelInfer", EMBED, request, deadline_of(context), sink
             )
         except EmbedError as error:
-            await _abort(context, error)
+            refuse(context, status_of(error), error)  # not an abort: see refuse
         return sink.payload
 
     def unary_sink(
@@ -149,7 +135,7 @@ class InferenceServicer:
 
     async def ModelStreamInfer(
         self,
-        request_iterator: AsyncIterator[InferCall | Unread | Refused],
+        request_iterator: AsyncIterator[InferCall | Refused],
         context: grpc.aio.ServicerContext,
     ) -> None:
         await self._dataplane.serve_stream(
@@ -157,23 +143,25 @@ class InferenceServicer:
             deadline_of(context), StreamItemSink(context),
         )  # fmt: skip
 
-    def _read(
-        self, request: InferCall | Unread | Refused, context: grpc.aio.ServicerContext
+    def _sent_by(
+        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
     ) -> InferCall | Refused:
-        """A request whose inputs name shared-memory regions, read from the caller's."""
-        if isinstance(request, Unread):
-            return self.parse.read(request, self._identities.of(context))
+        """The request, its inputs in shared-memory regions told whose regions they may
+        read: the caller's (the data plane reads them)."""
+        if isinstance(request, InferCall) and request.callers_inputs:
+            request.sent_by(self._identities.of(context))
         return request
 
     async def _in_the_stream(
         self,
-        requests: AsyncIterator[InferCall | Unread | Refused],
+        requests: AsyncIterator[InferCall | Refused],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[InferCall | Refused]:
-        """A stream's requests, read; one asking for its answer in shared memory is refused
-        (a stream's answers are its messages; ModelInfer writes answers into regions)."""
+        """A stream's requests, told their caller; one asking for its answer in shared
+        memory is refused (a stream's answers are its messages; ModelInfer writes answers
+        into regions)."""
         async for request in requests:
-            if isinstance(request, InferCall | Unread) and any(
+            if isinstance(request, InferCall) and any(
                 names_region(output.parameters) for output in request.outputs
             ):
                 yield Refused(
@@ -184,7 +172,7 @@ class InferenceServicer:
                     request.request_id,
                 )
             else:
-                yield self._read(request, context)
+                yield self._sent_by(request, context)
 
     # --- the server and its models
 

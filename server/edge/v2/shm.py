@@ -38,8 +38,12 @@ What this module does about each:
   write sees the write grow it back, up to the end of the window it registered (checked
   against the object's size at registration, and at most the request's answer); the
   memory is the client's own object's, and the server goes on.
-- An input is read only after its size is checked against the request's limit, so a
-  region of a terabyte cannot make the server allocate one.
+- Nothing is read while a request is parsed. An input is read only after the request's
+  inputs (at most 16) are checked against the model it is routed to, and the size it
+  declares is exactly what its shape needs (within the request's token limit): a refused
+  request reads nothing, an accepted one at most what its shapes need, one input at a
+  time (core/operations/embed_request.py; a large read on a worker thread:
+  shm_service.py). So a region of a terabyte cannot make the server allocate one.
 - Unregistering waits for the requests using the region; the descriptor is closed only
   once the last copy into it has returned (a request whose caller left may still be
   writing on a worker thread). The close is the region's own, made by the last request

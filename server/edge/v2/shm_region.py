@@ -7,9 +7,11 @@ the object as it is at that moment. Why it is done this way: shm.py's docstring
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tokembed.server.core.errors import Cancelled, InvalidInput
@@ -111,13 +113,16 @@ class Region:
             )
         return data
 
-    def write(self, offset: int, pieces: Sequence[Buffer]) -> None:
-        """The bytes of ``pieces``, joined, at ``offset`` of the window (the caller checked
-        that they fit it)."""
+    def write(self, offset: int, pieces: Sequence[Buffer], nbytes: int) -> None:
+        """The ``nbytes`` of ``pieces``, joined, at ``offset`` of the window (the caller
+        checked that they fit it)."""
         fd = self._begin_copy()
         try:
-            self._check_object(fd)
-            _pwrite_all(fd, pieces, self.offset + offset)
+            check = functools.partial(self._check_object, fd)
+            if _pwrite_batches(fd, pieces, self.offset + offset, check) != nbytes:
+                # A call wrote less than it was given (a signal, the file system full),
+                # so the calls after it wrote at the wrong places: all again, resumed.
+                _pwrite_all(fd, pieces, self.offset + offset, check)
         except OSError as exc:
             raise SharedMemoryError(
                 f"cannot write region {self.name!r}: {exc.strerror or exc}"
@@ -196,7 +201,7 @@ class Window:
                 f"the output is {nbytes} bytes, over the shared_memory_byte_size "
                 f"{self.byte_size} given for it in region {region.name!r}"
             )
-        region.write(self.offset, pieces)
+        region.write(self.offset, pieces, nbytes)
 
     def release(self) -> None:
         """The request is done with the window (idempotent; on the event loop)."""
@@ -211,21 +216,45 @@ class Window:
         return region
 
 
-def _pwrite_all(fd: int, pieces: Sequence[Buffer], position: int) -> None:
-    """Write every byte of ``pieces`` at ``position``: at most IOV_MAX buffers a call,
-    and on from where a short write stopped."""
-    views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
-    while views:
-        batch = views[:_IOV_MAX]
-        written = os.pwritev(fd, batch, position)
-        if written <= 0:
-            raise OSError(0, "the write made no progress")
-        position += written
-        done = 0
-        while done < len(batch) and written >= len(batch[done]):
-            written -= len(batch[done])
-            done += 1
-        rest = views[done:]
-        if written:
-            rest[0] = rest[0][written:]
-        views = rest
+def _pwrite_batches(
+    fd: int, pieces: Iterable[Buffer], position: int, check: Callable[[], None]
+) -> int:
+    """Write ``pieces`` at ``position``, straight from them (one copy, by the kernel), IOV_MAX
+    buffers a call, ``check`` (the object still holds the window) before each; how many
+    bytes the calls wrote. An answer's pieces may be a row each: each is touched only by the
+    call that copies it (its object is likely out of the cache: a second touch, to size it,
+    would cost a second miss)."""
+    start = position
+    rest = iter(pieces)
+    while batch := list(itertools.islice(rest, _IOV_MAX)):
+        check()
+        position += os.pwritev(fd, batch, position)
+    return position - start
+
+
+def _pwrite_all(
+    fd: int, pieces: Iterable[Buffer], position: int, check: Callable[[], None]
+) -> None:
+    """Write every byte of ``pieces`` at ``position`` as ``_pwrite_batches`` does, and on
+    from where a short write stopped."""
+    rest = iter(pieces)
+    while batch := list(itertools.islice(rest, _IOV_MAX)):
+        left = sum(map(len, batch))  # bytes (``types.Buffer``)
+        while left:
+            check()
+            written = os.pwritev(fd, batch, position)
+            if written <= 0:
+                raise OSError(0, "the write made no progress")
+            position += written
+            left -= written
+            if left:
+                batch = _unwritten(batch, written)
+
+
+def _unwritten(batch: list[Buffer], written: int) -> list[Buffer]:
+    """What is left of ``batch`` once its first ``written`` bytes (fewer than all) are."""
+    done = 0
+    while written >= len(batch[done]):
+        written -= len(batch[done])
+        done += 1
+    return [memoryview(batch[done])[written:], *batch[done + 1 :]]

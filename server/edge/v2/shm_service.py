@@ -5,11 +5,13 @@ and the sink that writes an answer into a region (the registry itself: ``shm``).
   Triton's messages, for the caller's identity (``auth.Identities``: whose regions they
   are); a refusal is INVALID_ARGUMENT (through the V2 status table) with the registry's
   message.
-- ``SharedMemoryInputs``: ModelInfer's input source (``requests.InputSource``) for one
-  caller. An input whose parameters name a ``shared_memory_region`` is read from that
-  caller's region (``shared_memory_offset``, default 0, and ``shared_memory_byte_size``),
-  at most the request's size limit; any other is the request's own bytes. The region is
-  held only while it is read.
+- ``SharedMemoryInputs``: ModelInfer's input source (``requests.InputSource``). An input
+  whose parameters name a ``shared_memory_region`` (``shared_memory_offset``, default 0,
+  and ``shared_memory_byte_size``) is an ``InRegion``: nothing is read while parsing; the
+  RPC's handler tells it its caller, and the data plane reads it from that caller's
+  region once the request's inputs fit the model and its declared size is what its shape
+  needs (a large read on a worker thread). Any other input is the request's own bytes.
+  The region is held only while it is read.
 - ``SharedMemorySink``: a ModelInfer whose requested output names a region gets this sink:
   the answer's bytes go into the region (on the thread that frames it, as a unary answer's
   join would), and the response carries the output's name, datatype and shape but no tensor
@@ -19,7 +21,9 @@ and the sink that writes an answer into a region (the registry itself: ``shm``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,10 +31,11 @@ import grpc
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call
 from tokembed.server.core.dataplane import Refused, Sink
-from tokembed.server.core.errors import EmbedError, InvalidInput
+from tokembed.server.core.errors import EmbedError, Internal, InvalidInput
+from tokembed.server.core.operations.embed_request import Unread
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
-from tokembed.server.edge.v2.requests import InputSource, contents_of
+from tokembed.server.edge.v2.requests import CallersInput, InputSource, in_request
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_region import Window
 from tokembed.v2 import grpc_service_pb2 as pb
@@ -44,6 +49,27 @@ def names_region(parameters: Mapping[str, pb.InferParameter]) -> bool:
     return REGION in parameters
 
 
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """The window a tensor's parameters name, not yet looked up."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+def window_spec(tensor: str, parameters: Mapping[str, pb.InferParameter]) -> WindowSpec:
+    """The window a tensor's parameters name, or ``InvalidInput``."""
+    region = parameters[REGION]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidInput(f"{tensor}: parameter {REGION} must be a string")
+    if BYTE_SIZE not in parameters:
+        raise InvalidInput(f"{tensor}: parameter {BYTE_SIZE} is missing beside {REGION}")
+    byte_size = _integer(tensor, parameters, BYTE_SIZE)
+    offset = _integer(tensor, parameters, OFFSET) if OFFSET in parameters else 0
+    return WindowSpec(region.string_param, offset, byte_size)
+
+
 def window_of(
     registry: SharedMemoryRegistry,
     tensor: str,
@@ -52,14 +78,8 @@ def window_of(
 ) -> Window:
     """The window of ``owner``'s region a tensor's parameters name (held: release it), or
     ``InvalidInput``."""
-    region = parameters[REGION]
-    if region.WhichOneof("parameter_choice") != "string_param":
-        raise InvalidInput(f"{tensor}: parameter {REGION} must be a string")
-    if BYTE_SIZE not in parameters:
-        raise InvalidInput(f"{tensor}: parameter {BYTE_SIZE} is missing beside {REGION}")
-    byte_size = _integer(tensor, parameters, BYTE_SIZE)
-    offset = _integer(tensor, parameters, OFFSET) if OFFSET in parameters else 0
-    return registry.use(region.string_param, offset, byte_size, owner=owner)
+    spec = window_spec(tensor, parameters)
+    return registry.use(spec.region, spec.offset, spec.byte_size, owner=owner)
 
 
 def _integer(tensor: str, parameters: Mapping[str, pb.InferParameter], name: str) -> int:
@@ -72,35 +92,63 @@ def _integer(tensor: str, parameters: Mapping[str, pb.InferParameter], name: str
     raise InvalidInput(f"{tensor}: parameter {name} must be an integer")
 
 
+# Reads up to this size are done on the event loop (such a copy costs less than the hop
+# to a thread); larger ones on a worker thread, so that no read holds the loop.
+INLINE_READ_BYTES = 64 * 1024
+
+
 class SharedMemoryInputs:
-    """ModelInfer's input source for the caller ``owner``: its region where an input names
-    one, else the request."""
+    """ModelInfer's input source: a region where an input names one, else the request.
+    Nothing is read here (``InRegion``)."""
 
     def __init__(
-        self,
-        registry: SharedMemoryRegistry,
-        max_bytes: int,
-        owner: str,
-        request: InputSource = contents_of,
+        self, registry: SharedMemoryRegistry, max_bytes: int, request: InputSource = in_request
     ) -> None:
         self._registry = registry
         self._max_bytes = max_bytes
-        self._owner = owner
         self._request = request
 
-    def __call__(self, tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> bytes:
+    def __call__(self, request: pb.ModelInferRequest, index: int) -> Unread:
+        tensor = request.inputs[index]
         if not names_region(tensor.parameters):
-            return self._request(tensor, raw)
-        if raw is not None:
+            return self._request(request, index)
+        if request.raw_input_contents:
             raise InvalidInput(
-                f"input {tensor.name} names a shared-memory region and has raw_input_contents "
-                "too; send one"
+                f"input {tensor.name!r} names a shared-memory region and has "
+                "raw_input_contents too; send one"
             )
-        window = window_of(self._registry, f"input {tensor.name}", tensor.parameters, self._owner)
+        spec = window_spec(f"input {tensor.name!r}", tensor.parameters)
+        return InRegion(self._registry, spec, self._max_bytes)
+
+
+class InRegion(CallersInput):
+    """An input's bytes in a window of its caller's region: the region is looked up and
+    held only while they are read, when the data plane asks."""
+
+    __slots__ = ("_max_bytes", "_registry", "_spec")
+
+    def __init__(self, registry: SharedMemoryRegistry, spec: WindowSpec, max_bytes: int) -> None:
+        super().__init__()
+        self._registry = registry
+        self._spec = spec
+        self._max_bytes = max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._spec.byte_size
+
+    async def read(self) -> bytes:
+        spec = self._spec
+        if self.caller is None:
+            raise Internal("this is a bug: a region's input was read before its caller was named")
+        window = self._registry.use(spec.region, spec.offset, spec.byte_size, owner=self.caller)
         try:
-            return window.read(self._max_bytes)
+            if spec.byte_size <= INLINE_READ_BYTES:
+                return window.read(self._max_bytes)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, window.read, self._max_bytes)
         finally:
-            window.release()
+            window.release()  # a copy still running keeps the descriptor open (shm_region)
 
 
 def output_window(

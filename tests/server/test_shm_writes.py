@@ -1,0 +1,167 @@
+"""An answer's copy into a shared-memory region: straight from its pieces, however many
+(more than one vectored write takes), on from where a short write stopped, and the object
+checked before every write call of it. The region's other defences are tried in
+test_shm_registry.py; the answers' bytes end to end in tests/e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokembed.server.edge.v2.shm import SHM_ROOT, SharedMemoryRegistry
+from tokembed.server.edge.v2.shm_region import SharedMemoryError
+
+pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this system")
+
+SIZE = 1 << 16
+ME = "owner-1"  # the caller, as the front end names it (edge/auth.py's Identities)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+IOV_MAX = IOV_MAX if IOV_MAX > 0 else 1024
+REAL_PWRITEV = os.pwritev
+
+
+@pytest.fixture
+def region() -> Iterator[tuple[SharedMemoryRegistry, Path]]:
+    """A registry with one region ``r``: an object of SIZE bytes of 0xff, the window all
+    of it but its first 64 bytes."""
+    prefix = f"tokembedtest{secrets.token_hex(4)}_"
+    path = SHM_ROOT / f"{prefix}a"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.pwrite(fd, b"\xff" * SIZE, 0)
+    finally:
+        os.close(fd)
+    registry = SharedMemoryRegistry(enabled=True, prefix=prefix, max_regions=4)
+    registry.register("r", f"/{path.name}", 64, SIZE - 64, owner=ME)
+    try:
+        yield registry, path
+    finally:
+        asyncio.run(registry.close())
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def pieces_of(count: int) -> list[Any]:
+    """``count`` pieces of 0 to 9 bytes, bytes and byte views of an array, some empty."""
+    rng = np.random.default_rng(count)
+    data = rng.integers(0, 255, size=count * 9, dtype=np.uint8)
+    view = memoryview(data).cast("B")
+    pieces: list[Any] = []
+    offset = 0
+    for index, size in enumerate(rng.integers(0, 10, size=count).tolist()):
+        piece = view[offset : offset + size]
+        pieces.append(bytes(piece) if index % 3 else piece)
+        offset += size
+    return pieces
+
+
+def write(registry: SharedMemoryRegistry, pieces: Sequence[Any], nbytes: int | None = None) -> None:
+    window = registry.use("r", 0, SIZE - 64, owner=ME)
+    try:
+        window.write(pieces, sum(map(len, pieces)) if nbytes is None else nbytes)
+    finally:
+        window.release()
+
+
+def written(path: Path, size: int) -> bytes:
+    data = path.read_bytes()
+    assert data[:64] == b"\xff" * 64, "a byte before the window was written"
+    assert data[64 + size :] == b"\xff" * (SIZE - 64 - size), "a byte after the answer"
+    return data[64 : 64 + size]
+
+
+def record_calls(
+    monkeypatch: pytest.MonkeyPatch, change: Callable[[int, list[Any], int], int] | None = None
+) -> list[int]:
+    """The buffers of every ``os.pwritev`` call, counted (``change``: the call itself)."""
+    calls: list[int] = []
+
+    def pwritev(fd: int, buffers: Sequence[Any], position: int) -> int:
+        calls.append(len(buffers))
+        buffers = list(buffers)
+        return change(fd, buffers, position) if change else REAL_PWRITEV(fd, buffers, position)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    return calls
+
+
+def test_more_pieces_than_one_vectored_write_takes_land_whole_and_in_order(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, path = region
+    pieces = pieces_of(IOV_MAX * 3 + 17)
+    calls = record_calls(monkeypatch)
+    write(registry, pieces)
+    want = b"".join(pieces)
+    assert written(path, len(want)) == want
+    assert calls == [IOV_MAX] * 3 + [17]  # once each, none written twice
+
+
+def test_a_short_write_goes_on_from_the_byte_where_it_stopped(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call writes at most 1000 bytes, so most stop inside a piece."""
+    registry, path = region
+
+    def at_most_1000_bytes(fd: int, buffers: list[Any], position: int) -> int:
+        joined = b"".join(buffers)[:1000]
+        return REAL_PWRITEV(fd, [joined[:333], joined[333:]], position)
+
+    pieces = pieces_of(IOV_MAX + 600)
+    calls = record_calls(monkeypatch, at_most_1000_bytes)
+    write(registry, pieces)
+    want = b"".join(pieces)
+    assert written(path, len(want)) == want
+    assert len(calls) >= len(want) // 1000
+
+
+def test_rows_of_a_table_land_whole(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row views of an array (as an answer's are, one per id) and a padding row,
+    written straight from them: no buffer a write call gets is a copy."""
+    registry, path = region
+    table = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+    data = table.data.cast("B")
+    pad = bytes(32)
+    ids = np.random.default_rng(3).integers(0, 40, size=1500).tolist()
+    pieces = [data[i * 32 : (i + 1) * 32] for i in ids] + [pad] * 20
+    seen: list[Any] = []
+
+    def keep(fd: int, buffers: list[Any], position: int) -> int:
+        seen.extend(buffers)
+        return REAL_PWRITEV(fd, buffers, position)
+
+    record_calls(monkeypatch, keep)
+    write(registry, pieces)
+    want = table[ids].tobytes() + pad * 20
+    assert written(path, len(want)) == want
+    owners = {id(memoryview(piece).obj) for piece in seen}
+    assert owners <= {id(table), id(pad)}
+
+
+def test_an_object_shrunk_between_two_write_calls_is_refused_and_not_grown(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The object is checked before each call of a write, not once before the first: a
+    write call past the end of a shrunk object would grow it again."""
+    registry, path = region
+
+    def then_shrink(fd: int, buffers: list[Any], position: int) -> int:
+        done = REAL_PWRITEV(fd, buffers, position)
+        os.truncate(path, 4096)
+        return done
+
+    calls = record_calls(monkeypatch, then_shrink)
+    with pytest.raises(SharedMemoryError, match="its object is now 4096 bytes"):
+        write(registry, [b"\x01" * 4] * (IOV_MAX + 10))
+    assert calls == [IOV_MAX]
+    assert os.stat(path).st_size == 4096
