@@ -61,7 +61,8 @@ class StatusTable:
         return str(self.status_of(error).name)
 
     async def abort(self, context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
-        """End the call with ``error``'s code, its message and its reason."""
+        """End the call now with ``error``'s code, its message and its reason (a unary call
+        that holds a large request ends by ``refuse`` instead: see there why)."""
         await context.abort(
             self.status_of(error), str(error), trailing_metadata=trailing_metadata(error)
         )
