@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokembed.server.edge.v1 import responses
+from tokembed.server.edge import wire
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_PAD
@@ -110,7 +110,7 @@ def unknown_field(rng: random.Random) -> bytes:
 
 def varint(value: int) -> bytes:
     """Protobuf's varint of ``value``; negative values as their 64-bit two's complement."""
-    return responses.varint(value & ((1 << 64) - 1))
+    return wire.varint(value & ((1 << 64) - 1))
 
 
 # --- the server process's memory, from /proc

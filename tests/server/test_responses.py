@@ -1,4 +1,5 @@
-"""server/edge/v1/responses.py against the generated classes (tokembed.v1.embedding_pb2).
+"""server/edge/v1/responses.py (and the wire format's pieces it writes with, edge/wire.py)
+against the generated classes (tokembed.v1.embedding_pb2).
 
 Every message responses.py encodes by hand is compared with what protobuf serialises for
 the same content, byte for byte (protobuf writes fields in number order, repeated scalars
@@ -29,6 +30,7 @@ from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.core import dtypes
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.core.types import Answer, Buffer, Timings
+from tokembed.server.edge import wire
 from tokembed.server.edge.v1 import responses
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -211,19 +213,19 @@ def protobuf_varint(value: int) -> bytes:
 
 @pytest.mark.parametrize("value", VARINT_EDGES)
 def test_varint_is_protobuf_s_at_every_width(value: int) -> None:
-    assert responses.varint(value) == protobuf_varint(value)
-    assert len(responses.varint(value)) == max(1, math.ceil(value.bit_length() / 7))
+    assert wire.varint(value) == protobuf_varint(value)
+    assert len(wire.varint(value)) == max(1, math.ceil(value.bit_length() / 7))
 
 
 @settings(deadline=None)
 @given(st.integers(min_value=0, max_value=2**64 - 1))
 def test_varint_matches_protobuf_for_any_uint64(value: int) -> None:
-    assert responses.varint(value) == protobuf_varint(value)
+    assert wire.varint(value) == protobuf_varint(value)
 
 
 def test_varint_of_a_negative_number_is_a_bug() -> None:
     with pytest.raises(ValueError, match="this is a bug"):
-        responses.varint(-1)
+        wire.varint(-1)
 
 
 # --- EmbedResponse (Embed), and the stream item around it (EmbedStream)

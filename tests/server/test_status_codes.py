@@ -12,6 +12,7 @@ from tokembed.server.edge.status_codes import (
     status_of,
     trailing_metadata,
 )
+from tokembed.server.edge.v2 import status as v2_status
 from tokembed.server.metrics import REJECTION_REASONS
 
 EXPECTED = {
@@ -31,6 +32,7 @@ def test_every_domain_error_class_is_in_the_table() -> None:
     declared = set(errors.EmbedError.__subclasses__())
     assert declared == set(EXPECTED), "a new error class needs a row here and in status.py"
     assert set(STATUS_BY_ERROR) == declared
+    assert set(v2_status.STATUS_BY_ERROR) == declared  # the Open Inference Protocol's own
 
 
 @pytest.mark.parametrize("cls", list(EXPECTED), ids=lambda cls: cls.__name__)

@@ -22,14 +22,10 @@ from tokembed.server.core.dtypes import OUTPUT_DTYPES, DType
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer, Timings
 from tokembed.server.edge.v1.requests import WIRE_ID_DTYPES, WIRE_OUTPUT_DTYPES
+from tokembed.server.edge.wire import I64, LEN, VARINT, field_key, string_field, varint
 from tokembed.v1 import embedding_pb2 as pb
 
 _WIRE_DTYPES = {OUTPUT_DTYPES[name]: code for code, name in WIRE_OUTPUT_DTYPES.items()}
-
-LEN = 2  # protobuf wire types: length-delimited, varint, 64-bit
-VARINT = 0
-_I64 = 1
-
 
 # --- EmbedResponse
 
@@ -196,38 +192,7 @@ def list_models(
     )
 
 
-# --- the wire format's pieces
-
-
-def varint(value: int) -> bytes:
-    if value < 0:
-        raise ValueError(f"this is a bug: varint of negative {value}")
-    if value < _SMALL_VARINTS_LIMIT:
-        return _SMALL_VARINTS[value]
-    return _encode_varint(value)
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-# Shapes, tags and small lengths are almost always below 2**14: look them up, don't build
-# them (a response has about a dozen varints; building one in Python costs more than a
-# look-up).
-_SMALL_VARINTS_LIMIT = 1 << 14
-_SMALL_VARINTS = tuple(_encode_varint(value) for value in range(_SMALL_VARINTS_LIMIT))
-
-
-def field_key(field_number: int, wire_type: int) -> bytes:
-    return varint(field_number << 3 | wire_type)
+# --- tokembed.v1's messages, in the wire format's pieces (edge.wire)
 
 
 def _tensor_fields(shape: tuple[int, ...], dtype: DType) -> bytes:
@@ -277,13 +242,6 @@ def _varint_field(key: bytes, value: int) -> bytes:
     return key + varint(value) if value else b""
 
 
-def string_field(key: bytes, value: str) -> bytes:
-    if not value:
-        return b""
-    encoded = value.encode("utf-8")
-    return key + varint(len(encoded)) + encoded
-
-
 _pack_double = struct.Struct("<d").pack
 # EmbedResponse fields 2..6, Timings fields 1..5 (embedding.proto), EmbedChunk.data.
 _LENGTHS_KEY = field_key(2, LEN)
@@ -291,9 +249,9 @@ _TIMINGS_KEY = field_key(3, LEN)
 _MODEL_NAME_KEY = field_key(4, LEN)
 _MODEL_VERSION_KEY = field_key(5, LEN)
 _REQUEST_ID_KEY = field_key(6, LEN)
-_QUEUE_SECONDS_KEY = field_key(1, _I64)
-_COMPUTE_SECONDS_KEY = field_key(2, _I64)
-_SERVER_SECONDS_KEY = field_key(3, _I64)
+_QUEUE_SECONDS_KEY = field_key(1, I64)
+_COMPUTE_SECONDS_KEY = field_key(2, I64)
+_SERVER_SECONDS_KEY = field_key(3, I64)
 _BATCH_REQUESTS_KEY = field_key(4, VARINT)
 _BATCH_TOKENS_KEY = field_key(5, VARINT)
 _CHUNK_DATA_KEY = field_key(2, LEN)

@@ -19,11 +19,12 @@ from typing import Any
 import grpc
 
 from tokembed.server.core.calls import Call, FrontEnd
-from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink, StreamSink
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.types import Answer, Buffer
 from tokembed.server.edge.deadlines import deadline_of
+from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.status_codes import refuse, status_name, status_of
 from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
@@ -136,34 +137,6 @@ class EmbeddingServicer:
 def _server_s(call: Call) -> float:
     """The answer's ``timings.server_seconds``: from the request's decoding until now."""
     return time.perf_counter() - call.started
-
-
-class GrpcUnarySink(Sink[bytes]):
-    """A unary answer of a gRPC front end (each protocol says how it is framed): the
-    handler returns ``payload``; its bytes are gone when the RPC ends (gRPC's documented
-    done callback), sent or not."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-        self.payload = b""
-
-    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
-        self.payload = framed
-        self._context.add_done_callback(lambda _context: sent())
-
-
-class GrpcStreamItemSink(StreamSink[bytes]):
-    """A gRPC stream's answers (or a request's error), each as the stream's next message
-    (each protocol says how they are framed)."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-
-    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
-        try:
-            await self._context.write(framed)
-        finally:
-            sent()
 
 
 class _UnarySink(GrpcUnarySink):

@@ -2,7 +2,7 @@
 the models (ModelMetadata, ModelConfig, RepositoryIndex).
 
 A ``ModelInferResponse`` is written by hand around the tensor, as tokembed.v1's answers
-are (``edge.v1.responses``, which also supplies the wire format's pieces): the few header
+are, with the wire format's pieces both front ends share (``edge.wire``): the few header
 bytes, then the answer's pieces (views of the looked-up rows) as ``raw_output_contents``,
 joined once, so each byte of the tensor is copied once. A stream's answer
 (``ModelStreamInferResponse.infer_response``) wraps the same parts in the same single join.
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer
-from tokembed.server.edge.v1.responses import LEN, field_key, varint
+from tokembed.server.edge.wire import LEN, field_key, string_field, varint
 from tokembed.v2 import grpc_service_pb2 as pb
 from tokembed.v2 import model_config_pb2 as config_pb
 
@@ -45,7 +45,7 @@ def infer_response_parts(answer: Answer, output_name: str, request_id: str) -> l
     (its key and length, and the answer's pieces)."""
     return [
         _model_fields(answer.model_name, answer.model_version),
-        _string_field(_ID_KEY, request_id),
+        string_field(_ID_KEY, request_id),
         _output_prefix(output_name, answer.shape, answer.dtype, answer.nbytes),
         *answer.pieces,
     ]
@@ -70,7 +70,7 @@ def stream_error(message: str) -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def _model_fields(model_name: str, model_version: str) -> bytes:
-    return _string_field(_MODEL_NAME_KEY, model_name) + _string_field(
+    return string_field(_MODEL_NAME_KEY, model_name) + string_field(
         _MODEL_VERSION_KEY, model_version
     )
 
@@ -84,8 +84,8 @@ def _output_prefix(name: str, shape: tuple[int, ...], dtype: DType, nbytes: int)
     if prefix is None:
         packed_shape = b"".join([varint(int(dim)) for dim in shape])
         tensor = b"".join([
-            _string_field(_TENSOR_NAME_KEY, name),
-            _string_field(_TENSOR_DATATYPE_KEY, dtype.v2),
+            string_field(_TENSOR_NAME_KEY, name),
+            string_field(_TENSOR_DATATYPE_KEY, dtype.v2),
             _TENSOR_SHAPE_KEY, varint(len(packed_shape)), packed_shape,
         ])  # fmt: skip
         prefix = b"".join([_OUTPUTS_KEY, varint(len(tensor)), tensor, _RAW_OUTPUT_KEY,
@@ -97,15 +97,6 @@ def _output_prefix(name: str, shape: tuple[int, ...], dtype: DType, nbytes: int)
 
 _PREFIXES_CACHED = 4096
 _prefixes: dict[tuple[str, tuple[int, ...], str], bytes] = {}
-
-
-def _string_field(key: bytes, value: str) -> bytes:
-    # v1's string_field, written here again: it runs for every answer, and a call into
-    # edge/v1/responses would add a module to each ModelInfer's walk (docs/architecture.md).
-    if not value:
-        return b""
-    encoded = value.encode("utf-8")
-    return key + varint(len(encoded)) + encoded
 
 
 # --- the models, described

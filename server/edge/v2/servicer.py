@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -34,8 +34,8 @@ from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
 from tokembed.server.edge.deadlines import deadline_of
-from tokembed.server.edge.status_codes import refuse, trailing_metadata
-from tokembed.server.edge.v1.servicer import GrpcStreamItemSink, GrpcUnarySink
+from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
+from tokembed.server.edge.status_codes import refuse
 from tokembed.server.edge.v2 import responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
@@ -50,7 +50,7 @@ from tokembed.server.edge.v2.shm_service import (
     names_region,
     output_window,
 )
-from tokembed.server.edge.v2.status import status_name, status_of
+from tokembed.server.edge.v2.status import V2, status_name, status_of
 from tokembed.v2 import grpc_service_pb2 as pb
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -68,6 +68,7 @@ FRONT_END = FrontEnd(
     },
     status_of=status_name,
 )
+_abort = V2.abort  # a call ended with a domain error, by this protocol's table
 
 
 class InferenceServicer:
@@ -303,11 +304,6 @@ class StreamItemSink(GrpcStreamItemSink):
 
     def frame_error(self, error: EmbedError) -> bytes:
         return responses.stream_error(str(error))
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
-    await context.abort(status_of(error), str(error), trailing_metadata=trailing_metadata(error))
-    raise AssertionError("this is a bug: context.abort returned")
 
 
 def _unary(

@@ -20,18 +20,33 @@ from __future__ import annotations
 
 import grpc
 
-from tokembed.server.core.errors import EmbedError
-from tokembed.server.edge import status_codes
+from tokembed.server.core.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    EmbedError,
+    Internal,
+    InvalidInput,
+    ModelNotFound,
+    Overloaded,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
+from tokembed.server.edge.status_codes import StatusTable
 
 # The same codes as tokembed.v1's today (see above): a code this protocol comes to answer
 # differently is a line here, not a change to tokembed.v1's table.
-STATUS_BY_ERROR: dict[type[EmbedError], grpc.StatusCode] = dict(status_codes.STATUS_BY_ERROR)
-
-
-def status_of(error: EmbedError) -> grpc.StatusCode:
-    return status_codes.status_in(STATUS_BY_ERROR, error)
-
-
-def status_name(error: EmbedError) -> str:
-    """The status code's name (``FrontEnd.status_of``)."""
-    return str(status_of(error).name)
+STATUS_BY_ERROR: dict[type[EmbedError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cancelled: grpc.StatusCode.CANCELLED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Internal: grpc.StatusCode.INTERNAL,
+}
+V2 = StatusTable(STATUS_BY_ERROR)
+status_of = V2.status_of
+status_name = V2.status_name
