@@ -45,7 +45,11 @@ _EXPORT = frozenset({"torch", "onnxscript", "onnx", "onnxruntime", "safetensors"
 _EXTRAS = {
     "serve": Extra("pip install 'tokembed[server]' ('tokembed[gpu]' on a GPU)", _SERVER),
     "export-triton": Extra("pip install 'tokembed[server]'", _SERVER),
-    "export": Extra("install a CPU torch and tokembed[export] (see the README)", _EXPORT),
+    "export": Extra(
+        "install a CPU torch and tokembed[export] (see the README); --builtin needs only "
+        "tokembed[server]",
+        _EXPORT,
+    ),
     # Its models are exported with torch the first time, its plots drawn by matplotlib.
     "bench": Extra(
         "install a CPU torch and tokembed[server,export,bench] (see the README)",

@@ -190,7 +190,7 @@ class Health:
         except ImportError as exc:
             raise EmbeddingError(
                 "health checks need the grpcio-health-checking package "
-                "(pip install grpcio-health-checking)"
+                "(pip install 'tokembed[server]', whose pin of it installs beside tritonclient)"
             ) from exc
         self._pb = health_pb2
         self.check: Callable[..., Any] = health_pb2_grpc.HealthStub(channel).Check

@@ -446,7 +446,7 @@ def test_health_without_the_package(
     monkeypatch.setitem(sys.modules, "grpc_health.v1", None)  # import now fails
     with (
         client_for(real_server) as client,
-        pytest.raises(EmbeddingError, match="pip install grpcio-health-checking"),
+        pytest.raises(EmbeddingError, match=r"pip install 'tokembed\[server\]'"),
     ):
         client.health()
 

@@ -22,7 +22,11 @@ CASES = {
         "onnxruntime",
         "tokembed[server,export,bench]",
     ),
-    "export": (["export", "--out", "{tmp}/exported"], "torch", "tokembed[export]"),
+    "export": (
+        ["export", "--out", "{tmp}/exported"],
+        "torch",
+        "tokembed[export] (see the README); --builtin needs only tokembed[server]",
+    ),
 }
 
 
