@@ -215,8 +215,23 @@ def _compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str,
     return config
 
 
+def _ports(service: dict[str, Any]) -> list[dict[str, Any]]:
+    """A service's published ports in compose's long form, whichever form `config` printed:
+    docker-compose 1.x keeps a port bound to an address as the short string it was written
+    as (``IP:PUBLISHED:TARGET/PROTOCOL``), where compose v2 gives ``host_ip``."""
+    ports: list[dict[str, Any]] = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            ports.append(port)
+            continue
+        *host, published, target = str(port).split("/")[0].split(":")
+        long = {"target": int(target), "published": int(published)}
+        ports.append({**long, "host_ip": host[0]} if host else long)
+    return ports
+
+
 def _published(service: dict[str, Any]) -> dict[int, int]:
-    return {int(p["target"]): int(p["published"]) for p in service.get("ports", [])}
+    return {int(p["target"]): int(p["published"]) for p in _ports(service)}
 
 
 def test_compose_config_validates_and_publishes_the_server_ports() -> None:
@@ -244,7 +259,7 @@ def test_compose_config_validates_and_publishes_the_server_ports() -> None:
     # The metrics port is published on the host's loopback alone: Prometheus reaches it
     # over the compose network, not through the published port.
     for name in ("tokembed", "tokembed-gpu"):
-        (metrics,) = [p for p in services[name]["ports"] if int(p["target"]) == 9464]
+        (metrics,) = [p for p in _ports(services[name]) if int(p["target"]) == 9464]
         assert metrics.get("host_ip") == "127.0.0.1", metrics
     gpu = services["tokembed-gpu"]
     assert gpu["profiles"] == ["gpu"] and gpu["build"]["dockerfile"] == "Dockerfile.cuda"
