@@ -1,10 +1,9 @@
 """Server settings: one definition gives the flag, the TOKEMBED_* variable and the help.
 
 Configuration enters here once (``Settings.from_args``) and is passed into the
-constructors; nothing else in the server reads ``os.environ``.
-Precedence: command-line flag, then environment variable, then default.
-Written over argparse and dataclasses (pydantic-settings would do it): the server carries
-no dependency for this alone.
+constructors; nothing else in the server reads ``os.environ``. This module says what the
+settings are and which combinations are valid; how a field becomes a flag and a variable
+(precedence: flag, then variable, then default) is ``flags``.
 """
 
 from __future__ import annotations
@@ -15,28 +14,28 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tokembed.server import flags
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.flags import ENV_PREFIX, setting, shown
 
-ENV_PREFIX = "TOKEMBED_"
+# ENV_PREFIX and shown: what the settings table's script and the tests name beside Settings.
+__all__ = ["ENV_PREFIX", "MiB", "Settings", "shown"]
+
 MiB = 1024 * 1024
 # What a shared-memory prefix may be: the start of a POSIX shared-memory object's name,
 # so no '/' (the name is one path component) and nothing a shell or a log would mangle.
 SHM_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
-def _setting(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass(frozen=True)
 class Settings:
     # --- model
-    model_dir: tuple[Path, ...] = _setting(
+    model_dir: tuple[Path, ...] = setting(
         (),
         "model directory to serve (model.onnx + manifest.json), each under its manifest's "
         "name; give the flag once per model (the variable: paths separated by commas). "
@@ -44,21 +43,21 @@ class Settings:
         "built there on first start (no torch needed)",
         many=True,
     )
-    default_model: str | None = _setting(
+    default_model: str | None = setting(
         None,
         "name of the model that answers requests naming none (default: the first model_dir)",
     )
-    default_model_dir: Path = _setting(
+    default_model_dir: Path = setting(
         Path("models/default"),
         "where the built-in default model lives when model_dir is unset",
     )
     # --- network
-    host: str = _setting("127.0.0.1", "gRPC bind address (0.0.0.0 exposes it to the network)")
-    port: int = _setting(50051, "gRPC port (0 picks a free one)")
-    metrics_host: str = _setting("127.0.0.1", "Prometheus /metrics bind address")
-    metrics_port: int = _setting(9464, "Prometheus /metrics port (0 picks a free one, -1 disables)")
+    host: str = setting("127.0.0.1", "gRPC bind address (0.0.0.0 exposes it to the network)")
+    port: int = setting(50051, "gRPC port (0 picks a free one)")
+    metrics_host: str = setting("127.0.0.1", "Prometheus /metrics bind address")
+    metrics_port: int = setting(9464, "Prometheus /metrics port (0 picks a free one, -1 disables)")
     # --- runtime
-    device: str = _setting(
+    device: str = setting(
         "cpu",
         "execution provider: cpu, cuda, or auto (cuda if it works, else cpu with a warning)",
         choices=("cpu", "cuda", "auto"),
@@ -66,53 +65,53 @@ class Settings:
     # One thread: the look-up is a memory-bound Gather, and on a small machine a second
     # onnxruntime thread only takes a core from gRPC (a large look-up measured slower with
     # two threads than with one on a 2-core machine).
-    intra_op_threads: int = _setting(
+    intra_op_threads: int = setting(
         1, "onnxruntime intra-op threads (0: one per core, onnxruntime's default)"
     )
     # Measured (tests/server/test_sessions.py): onnxruntime runs tokembed's graphs in its
     # sequential execution mode, which has no inter-op pool; the value reaches the session
     # and changes nothing. Kept so that configurations setting it keep starting.
-    inter_op_threads: int = _setting(
+    inter_op_threads: int = setting(
         0,
         "onnxruntime inter-op threads (0: onnxruntime's default); no effect on today's "
         "models, whose graphs onnxruntime runs sequentially",
     )
     # --- batching
-    max_batch_tokens: int = _setting(16384, "a batch closes when it holds this many tokens")
-    max_delay_ms: float = _setting(
+    max_batch_tokens: int = setting(16384, "a batch closes when it holds this many tokens")
+    max_delay_ms: float = setting(
         2.0, "while the runtime is busy, a batch waits at most this long for company"
     )
-    max_concurrent_batches: int = _setting(1, "batches computing at the same time")
-    inline_compute_max_tokens: int = _setting(
+    max_concurrent_batches: int = setting(1, "batches computing at the same time")
+    inline_compute_max_tokens: int = setting(
         256,
         "look-ups (and batches) of up to this many tokens, under 1 MiB of answer, run on "
         "the event loop itself: a tiny look-up (~10 us) costs less than the hop to a worker "
         "thread (0: always off-loop)",
     )
     # --- limits and admission
-    max_tokens_per_request: int = _setting(65536, "tokens one request may carry")
-    max_output_bytes_per_request: int = _setting(
+    max_tokens_per_request: int = setting(65536, "tokens one request may carry")
+    max_output_bytes_per_request: int = setting(
         128 * MiB, "output bytes one request may ask for (sets the gRPC message limit too)"
     )
-    max_queued_tokens: int = _setting(
+    max_queued_tokens: int = setting(
         262144, "tokens waiting for a batch; past it new requests get RESOURCE_EXHAUSTED at once"
     )
-    max_inflight_output_bytes: int = _setting(
+    max_inflight_output_bytes: int = setting(
         1024 * MiB, "output bytes of all admitted, unfinished requests; past it RESOURCE_EXHAUSTED"
     )
-    stream_chunk_bytes: int = _setting(MiB, "slice size of EmbedChunked answers")
-    float32_table_max_bytes: int = _setting(
+    stream_chunk_bytes: int = setting(MiB, "slice size of EmbedChunked answers")
+    float32_table_max_bytes: int = setting(
         512 * MiB,
         "on CPU, serve a model from a table of its rows (V x D x 4 bytes, computed by the "
         "model at load: the table backend) if it is at most this big; else, and on CUDA, "
         "the model runs for every batch (the onnxruntime backend); 0: never a table",
     )
-    float16_table_max_bytes: int = _setting(
+    float16_table_max_bytes: int = setting(
         512 * MiB,
         "with the table backend, keep a float16 table too (V x D x 2 bytes) for float16 "
         "answers if it is at most this big; else they are cast from the float32 rows",
     )
-    bfloat16_table_max_bytes: int = _setting(
+    bfloat16_table_max_bytes: int = setting(
         512 * MiB,
         "with the table backend, keep a bfloat16 table too (V x D x 2 bytes) for bfloat16 "
         "answers if it is at most this big; else they are cast from the float32 rows. A "
@@ -120,51 +119,51 @@ class Settings:
         "the table backend when this table fits (and --float32-table-max-bytes is not 0), "
         "its float32 and float16 answers computed by the model per answer",
     )
-    memory_trim_interval_s: float = _setting(
+    memory_trim_interval_s: float = setting(
         1.0,
         "hand free heap memory back to the OS this often, so resident memory follows what "
         "is live rather than the highest peak seen (0: never)",
     )
-    max_concurrent_streams: int = _setting(
+    max_concurrent_streams: int = setting(
         100,
         "calls open at once on one client connection (HTTP/2 streams); further calls wait "
         "in the client until one ends. Bounds what one connection can make the server hold "
         "before its calls are authenticated",
     )
     # --- lifecycle and logs
-    max_connection_age_s: float = _setting(
+    max_connection_age_s: float = setting(
         0.0,
         "close client connections after this long (0: never), so clients balancing over "
         "DNS re-resolve and find new replicas",
     )
-    grace_s: float = _setting(
+    grace_s: float = setting(
         10.0,
         "on SIGTERM/SIGINT, the process is gone within this long; in-flight requests get "
         "all of it but the last second (at most a quarter), kept for closing down",
     )
-    log_level: str = _setting(
+    log_level: str = setting(
         "info", "debug, info, warning or error", choices=("debug", "info", "warning", "error")
     )
-    log_format: str = _setting(
+    log_format: str = setting(
         "text", "text or json (one object per line)", choices=("text", "json")
     )
-    log_summary_interval_s: float = _setting(
+    log_summary_interval_s: float = setting(
         10.0,
         "refused requests are logged per reason as the first one in full, then one line per "
         "interval this long saying how many more there were (each has its own line at debug)",
     )
-    workers: int = _setting(1, "server processes sharing the port through SO_REUSEPORT")
+    workers: int = setting(1, "server processes sharing the port through SO_REUSEPORT")
     # --- security
-    tls_cert: Path | None = _setting(None, "PEM certificate chain: serve TLS on the gRPC port")
-    tls_key: Path | None = _setting(None, "PEM private key for tls_cert")
-    tls_client_ca: Path | None = _setting(
+    tls_cert: Path | None = setting(None, "PEM certificate chain: serve TLS on the gRPC port")
+    tls_key: Path | None = setting(None, "PEM private key for tls_cert")
+    tls_client_ca: Path | None = setting(
         None, "PEM CA bundle: require client certificates signed by it (mutual TLS)"
     )
-    auth_token_file: Path | None = _setting(
+    auth_token_file: Path | None = setting(
         None, "file holding a bearer token; every RPC but health checks must present it"
     )
     # --- same-host transfer (the V2 protocol's system shared-memory extension)
-    shared_memory: str = _setting(
+    shared_memory: str = setting(
         "off",
         "system: V2 clients on this host may register POSIX shared-memory regions "
         "(Triton's system shared-memory extension) to send ids and receive answers through "
@@ -174,12 +173,12 @@ class Settings:
         "not with workers > 1",
         choices=("off", "system"),
     )
-    shared_memory_prefix: str = _setting(
+    shared_memory_prefix: str = setting(
         "tokembed",
         "a region's key must name a POSIX shared-memory object whose name starts with this "
         "(after the leading /); letters, digits, '.', '_' and '-' only",
     )
-    shared_memory_max_regions: int = _setting(
+    shared_memory_max_regions: int = setting(
         64,
         "regions registered at once (each holds an open file, one unregistered too until the "
         "requests using it end); past it registration fails",
@@ -334,45 +333,15 @@ class Settings:
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes).validate()
 
-    # --- construction from the command line and the environment
+    # --- construction from the command line and the environment (``flags``)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for spec in fields(cls):
-            flag = "--" + spec.name.replace("_", "-")
-            env = ENV_PREFIX + spec.name.upper()
-            kind = _value_type(spec.type)
-            parser.add_argument(
-                flag,
-                dest=spec.name,
-                type=kind,
-                default=None,
-                action="append" if spec.metadata.get("many") else "store",
-                choices=spec.metadata.get("choices"),
-                metavar=spec.name.upper(),
-                # argparse formats help with %: a literal percent sign must be doubled.
-                help=f"{spec.metadata['help']} [env {env}; default {shown(spec.default)}]".replace(
-                    "%", "%%"
-                ),
-            )
+        flags.add_arguments(cls, parser)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
-        values: dict[str, Any] = {}
-        for spec in fields(cls):
-            given = getattr(args, spec.name, None)
-            if given is None:
-                raw = environ.get(ENV_PREFIX + spec.name.upper())
-                if raw is None or raw == "":
-                    continue
-                kind, choices = _value_type(spec.type), spec.metadata.get("choices")
-                if spec.metadata.get("many"):
-                    given = [_parse_env(spec.name, part.strip(), kind, choices)
-                             for part in raw.split(",") if part.strip()]  # fmt: skip
-                else:
-                    given = _parse_env(spec.name, raw, kind, choices)
-            values[spec.name] = tuple(given) if spec.metadata.get("many") else given
-        return cls(**values).validate()
+        return cls(**flags.values_from(cls, args, environ)).validate()
 
     @classmethod
     def from_cli(cls, argv: Sequence[str]) -> Settings:
@@ -383,32 +352,3 @@ class Settings:
 
     def describe(self) -> dict[str, Any]:
         return {spec.name: getattr(self, spec.name) for spec in fields(self)}
-
-
-def shown(default: Any) -> str:
-    """A default as the flags take it (nothing given as "unset")."""
-    if default is None or default == ():
-        return "unset"
-    return str(default)
-
-
-def _value_type(annotation: object) -> Any:
-    text = str(annotation)
-    if "Path" in text:
-        return Path
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str
-
-
-def _parse_env(name: str, raw: str, kind: Any, choices: Sequence[str] | None) -> Any:
-    env = ENV_PREFIX + name.upper()
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ServerConfigError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
-    if choices is not None and value not in choices:
-        raise ServerConfigError(f"{env}={raw!r} is not one of {list(choices)}")
-    return value
