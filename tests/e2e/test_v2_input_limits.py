@@ -20,7 +20,6 @@ Proved here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import threading
 import time
@@ -35,9 +34,9 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from support.fixtures import SMALL_D, SMALL_V
+from support.shared_memory import SHM_ROOT, MakeRegion, made_regions, serve
 
 MODEL = "small"
-SHM_ROOT = Path("/dev/shm")
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this system")
 
@@ -48,27 +47,9 @@ def prefix() -> str:
 
 
 @pytest.fixture
-def regions(prefix: str) -> Iterator[Any]:
-    """Make regions as a tritonclient user does (sparse: ``ftruncate``, nothing written)."""
-    made: list[Any] = []
-
-    def make(suffix: str, byte_size: int) -> tuple[str, str, Any]:
-        name = f"{prefix}_{suffix}"
-        handle = shm.create_shared_memory_region(name, f"/{name}", byte_size, create_only=True)
-        made.append(handle)
-        return name, f"/{name}", handle
-
-    yield make
-    for handle in made:
-        with contextlib.suppress(Exception):
-            shm.destroy_shared_memory_region(handle)
-    for path in SHM_ROOT.glob(f"{prefix}*"):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def serve(start_server: Any, model_dir: Path, prefix: str, **settings: Any) -> Any:
-    return start_server(model_dir, shared_memory="system", shared_memory_prefix=prefix, **settings)
+def regions(prefix: str) -> Iterator[MakeRegion]:
+    with made_regions(prefix) as make:
+        yield make
 
 
 def bytes_read() -> int:
