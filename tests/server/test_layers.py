@@ -211,7 +211,7 @@ def test_every_module_is_in_a_room() -> None:
         module: where[f"tokembed.{module}"]
         for module in ("server.core.operations.embed", "server.edge.v1.servicer",
                        "server.backends.table", "server.metrics", "server", "export.model_dir",
-                       "export.onnx_export", "v1.embedding_pb2_grpc", "client.aio", "cli.main")
+                       "export.pipeline", "v1.embedding_pb2_grpc", "client.aio", "cli.main")
     } == {
         "server.core.operations.embed": "server/core/",
         "server.edge.v1.servicer": "server/edge/",
@@ -219,7 +219,7 @@ def test_every_module_is_in_a_room() -> None:
         "server.metrics": "server/ top",
         "server": "server/ top",
         "export.model_dir": "export/ (the contract)",
-        "export.onnx_export": "export/ (the exporter)",
+        "export.pipeline": "export/ (the exporter)",
         "v1.embedding_pb2_grpc": "protos/",
         "client.aio": "client/",
         "cli.main": "cli/",

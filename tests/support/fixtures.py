@@ -75,8 +75,8 @@ def decoder_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pad_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """V=50, D=16, seed 3, padding id 7 whose row is the seeded random row, not zeros;
     named "padded"."""
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    from tokembed.export.modules import TokenEmbedding, random_table
+    from tokembed.export.pipeline import ExportOptions, export_model
 
     out_dir = tmp_path_factory.mktemp("pad-model") / "model"
     table = random_table(PAD_V, PAD_D, PAD_SEED, padding_idx=None)  # row 7 left as drawn
