@@ -39,7 +39,7 @@ class Extra:
 
 
 _SERVER = frozenset({"onnxruntime", "onnx", "prometheus_client", "grpc_health", "grpc_reflection"})
-_EXPORT = frozenset({"torch", "onnxscript", "onnx", "onnxruntime", "safetensors"})
+_EXPORT = frozenset({"torch", "onnx", "onnxruntime", "safetensors"})
 # The subcommands that need an extra; the others need only the base install. A module
 # missing that is not the extra's is a broken install or a bug, and keeps its traceback.
 _EXTRAS = {

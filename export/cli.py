@@ -131,86 +131,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Export; a bad input is reported as one line (by the caller) via ExportError."""
-    # Left out, --dtype is float32; a checkpoint in another one is then told so.
-    args.dtype_given, args.dtype = args.dtype is not None, args.dtype or "float32"
-    # What the export has to say beside its result, printed once it succeeded.
-    args.notes = []
-    if args.builtin:
-        return _builtin(args)
-    # Flags that need no checkpoint are checked before torch is imported: a mistyped
-    # command then answers at once instead of after a second of imports.
-    if args.key is not None and args.weights is None:
-        raise ExportError("--key needs --weights")
-    if args.weights is not None and args.key is None:
-        raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
-    if args.output_projection is not None and args.weights is None:
-        raise ExportError("--output-projection needs --weights")
-    if args.override_config and args.weights is None:
-        raise ExportError(f"{OVERRIDE_FLAG} needs --weights (it overrides their config.json's)")
-    if args.weights is not None:
-        args.weights = checkpoint_in(args.weights)
-    # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
-    # ValueError deep inside the export, which would surface as a traceback.
-    if not 0 <= args.seed < 2**64:
-        raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
-    kind = kind_asked(args)
-    # Before loading and hashing a checkpoint that may be many GB, not after.
-    check_out_dir(args.out, args.force)
-    name = args.name if args.name is not None else model_name_for(args.out)
-    if args.weights is None:
-        vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
-        d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
-        _check_positive("--vocab-size", vocab_size)
-        _check_positive("--d-model", d_model)
-        check_padding(args.padding_idx, vocab_size)
-
-    # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
-    # Without it (a server-only install), cli/main.py says which extra to install.
-    from tokembed.export import sources
-    from tokembed.export.pipeline import ExportOptions
-
-    logging.getLogger("tokembed").setLevel(logging.INFO)
-    options = ExportOptions(
-        out_dir=args.out,
-        name=name,
-        version=args.model_version,
-        weight_dtype=args.dtype,
-        force=args.force,
-        seed=args.seed,
-    )
-    if args.weights is None:
-        manifest = sources.export_random(args, kind, vocab_size, d_model, options)
-    else:
-        manifest = sources.export_checkpoint(args, kind, options)
-    _print_exported(manifest, args.out)
-    print_notes(args.notes)
-    return 0
-
-
-def _print_exported(manifest: Manifest, out: Path) -> None:
-    """The export's result on stdout: the model (a kind other than token named, with its
-    sizes), its parity (the bound where it is not 0), and its tie when asked."""
-    kind = "" if manifest.kind == TOKEN else f" ({manifest.kind})"
-    sizes = "".join(
-        f" {label}={size}"
-        for label, size in (("T", manifest.type_vocab_size), ("D'", manifest.factor_dim))
-        if size is not None
-    )
-    parity = manifest.parity
-    bound = f" (bound {parity.tolerance:g})" if parity.tolerance != 0 else ""
-    print(
-        f"exported {manifest.name} v{manifest.version}{kind}: V={manifest.vocab_size} "
-        f"D={manifest.d_model}{sizes} scale={manifest.scale:g} weights={manifest.weight_dtype} "
-        f"max_abs_error={parity.max_abs_error:g}{bound} -> {out}"
-    )
-    if manifest.tie is not None:
-        tie = manifest.tie
-        state = "tied to" if tie.tied else "not tied to"
-        print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
-
-
 def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "model kinds",
@@ -261,7 +181,65 @@ def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def kind_asked(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace) -> int:
+    """Export; a bad input is reported as one line (by the caller) via ExportError."""
+    # Left out, --dtype is float32; a checkpoint in another one is then told so.
+    args.dtype_given, args.dtype = args.dtype is not None, args.dtype or "float32"
+    # What the export has to say beside its result, printed once it succeeded.
+    args.notes = []
+    if args.builtin:
+        return _builtin(args)
+    # Flags that need no checkpoint are checked before torch is imported: a mistyped
+    # command then answers at once instead of after a second of imports.
+    if args.key is not None and args.weights is None:
+        raise ExportError("--key needs --weights")
+    if args.weights is not None and args.key is None:
+        raise ExportError("--weights needs --key (the name of the [V,D] matrix)")
+    if args.output_projection is not None and args.weights is None:
+        raise ExportError("--output-projection needs --weights")
+    if args.override_config and args.weights is None:
+        raise ExportError(f"{OVERRIDE_FLAG} needs --weights (it overrides their config.json's)")
+    if args.weights is not None:
+        args.weights = checkpoint_in(args.weights)
+    # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
+    # ValueError deep inside the export, which would surface as a traceback.
+    if not 0 <= args.seed < 2**64:
+        raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
+    kind = _kind_asked(args)
+    # Before loading and hashing a checkpoint that may be many GB, not after.
+    check_out_dir(args.out, args.force)
+    name = args.name if args.name is not None else model_name_for(args.out)
+    if args.weights is None:
+        vocab_size = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
+        d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
+        _check_positive("--vocab-size", vocab_size)
+        _check_positive("--d-model", d_model)
+        check_padding(args.padding_idx, vocab_size)
+
+    # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
+    # Without it (a server-only install), cli/main.py says which extra to install.
+    from tokembed.export import sources
+    from tokembed.export.pipeline import ExportOptions
+
+    logging.getLogger("tokembed").setLevel(logging.INFO)
+    options = ExportOptions(
+        out_dir=args.out,
+        name=name,
+        version=args.model_version,
+        weight_dtype=args.dtype,
+        force=args.force,
+        seed=args.seed,
+    )
+    if args.weights is None:
+        manifest = sources.export_random(args, kind, vocab_size, d_model, options)
+    else:
+        manifest = sources.export_checkpoint(args, kind, options)
+    _print_exported(manifest, args.out)
+    print_notes(args.notes)
+    return 0
+
+
+def _kind_asked(args: argparse.Namespace) -> str:
     """The kind the flags ask for (``ExportError`` for flags that do not go together)."""
     if args.projection_bias_key is not None and args.projection_key is None:
         raise ExportError("--projection-bias-key needs --projection-key")
@@ -295,6 +273,28 @@ def kind_asked(args: argparse.Namespace) -> str:
         if value is not None and value <= 0:
             raise ExportError(f"{flag} must be positive, got {value}")
     return kind
+
+
+def _print_exported(manifest: Manifest, out: Path) -> None:
+    """The export's result on stdout: the model (a kind other than token named, with its
+    sizes), its parity (the bound where it is not 0), and its tie when asked."""
+    kind = "" if manifest.kind == TOKEN else f" ({manifest.kind})"
+    sizes = "".join(
+        f" {label}={size}"
+        for label, size in (("T", manifest.type_vocab_size), ("D'", manifest.factor_dim))
+        if size is not None
+    )
+    parity = manifest.parity
+    bound = f" (bound {parity.tolerance:g})" if parity.tolerance != 0 else ""
+    print(
+        f"exported {manifest.name} v{manifest.version}{kind}: V={manifest.vocab_size} "
+        f"D={manifest.d_model}{sizes} scale={manifest.scale:g} weights={manifest.weight_dtype} "
+        f"max_abs_error={parity.max_abs_error:g}{bound} -> {out}"
+    )
+    if manifest.tie is not None:
+        tie = manifest.tie
+        state = "tied to" if tie.tied else "not tied to"
+        print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
 
 
 def _builtin(args: argparse.Namespace) -> int:
