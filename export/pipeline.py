@@ -77,7 +77,7 @@ def export_model(
     module: TokenEmbedding | SegmentEmbedding | FactorizedEmbedding, options: ExportOptions
 ) -> Manifest:
     """Export a kind's torch module, verified against it; return the manifest."""
-    return export(part_of(module.eval()), options)
+    return export(part_of(module), options)
 
 
 def export(part: Part, options: ExportOptions) -> Manifest:
