@@ -69,6 +69,8 @@ _DECODER_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: AS_SERVED, SGLANG: AS_SERVED}
 # transformers' (and both engines' Gemma 3) scale inside the embedding module.
 _GEMMA_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: UNSCALED, SGLANG: UNSCALED}
 _ENCODER_ENGINES = {TRANSFORMERS: AS_SERVED}
+# SGLang's GPT2Model.forward takes no input_embeds (python/sglang/srt/models/gpt2.py).
+_GPT2_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: AS_SERVED}
 
 
 def _llama_like(heads: tuple[str, ...], norm: NormRule, engines: dict[str, str]) -> Row:
@@ -102,7 +104,7 @@ ROWS: dict[str, Row] = {
         heads=("GPT2LMHeadModel", "GPT2DoubleHeadsModel"),
         norm=NormRule("ln_f.weight", "layernorm", "layer_norm_epsilon", bias_key="ln_f.bias"),
         after="the model adds its position embeddings (wpe)",
-        engines=_DECODER_ENGINES,
+        engines=_GPT2_ENGINES,
     ),
     "bert": Row(
         embedding=("embeddings.word_embeddings.weight",),

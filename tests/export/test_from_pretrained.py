@@ -192,20 +192,21 @@ def test_served_vectors_are_what_inputs_embeds_takes(
 
 
 # What each architecture's manifest says: the key of its table, the scale its served
-# vectors carry (that of transformers' embedding module), the scale vLLM and SGLang expect.
+# vectors carry (that of transformers' embedding module), the scale vLLM and SGLang expect
+# (None: not recorded, that engine takes no inputs_embeds for it).
 GEMMA_SCALE = float(np.float32(math.sqrt(D)))
 EXPECTED = {
-    "llama": ("model.embed_tokens.weight", 1.0, 1.0),
-    "mistral": ("model.embed_tokens.weight", 1.0, 1.0),
-    "qwen2": ("model.embed_tokens.weight", 1.0, 1.0),
-    "gemma": ("model.embed_tokens.weight", GEMMA_SCALE, 1.0),
-    "gemma2": ("model.embed_tokens.weight", GEMMA_SCALE, 1.0),
-    "gemma3_text": ("model.embed_tokens.weight", GEMMA_SCALE, GEMMA_SCALE),
-    "gpt2": ("transformer.wte.weight", 1.0, 1.0),
-    "bert": ("bert.embeddings.word_embeddings.weight", 1.0, None),
-    "albert": ("albert.embeddings.word_embeddings.weight", 1.0, None),
-    "t5": ("shared.weight", 1.0, None),
-    "bart": ("model.shared.weight", math.sqrt(D), None),
+    "llama": ("model.embed_tokens.weight", 1.0, 1.0, 1.0),
+    "mistral": ("model.embed_tokens.weight", 1.0, 1.0, 1.0),
+    "qwen2": ("model.embed_tokens.weight", 1.0, 1.0, 1.0),
+    "gemma": ("model.embed_tokens.weight", GEMMA_SCALE, 1.0, 1.0),
+    "gemma2": ("model.embed_tokens.weight", GEMMA_SCALE, 1.0, 1.0),
+    "gemma3_text": ("model.embed_tokens.weight", GEMMA_SCALE, GEMMA_SCALE, GEMMA_SCALE),
+    "gpt2": ("transformer.wte.weight", 1.0, 1.0, None),
+    "bert": ("bert.embeddings.word_embeddings.weight", 1.0, None, None),
+    "albert": ("albert.embeddings.word_embeddings.weight", 1.0, None, None),
+    "t5": ("shared.weight", 1.0, None, None),
+    "bart": ("model.shared.weight", math.sqrt(D), None, None),
 }
 
 
@@ -213,7 +214,7 @@ EXPECTED = {
 def test_the_manifest_and_get_model_info_report_the_convention(
     arch: str, exported: _Exported, client: EmbeddingClient
 ) -> None:
-    key, scale, engine_scale = EXPECTED[arch]
+    key, scale, vllm, sglang = EXPECTED[arch]
     manifest = json.loads((exported.dirs[arch] / "manifest.json").read_text())
     pretrained = manifest["pretrained"]
     assert pretrained["architecture"] == arch
@@ -224,11 +225,11 @@ def test_the_manifest_and_get_model_info_report_the_convention(
     assert (info.architecture, info.convention) == (arch, pretrained["convention"])
     assert info.scale == manifest["scale"]
     assert info.engine_scales["transformers"] == info.scale
-    if engine_scale is None:  # an encoder: vLLM's and SGLang's conventions not recorded
-        assert set(info.engine_scales) == {"transformers"}
-    else:
-        assert info.engine_scales["vllm"] == pytest.approx(engine_scale, rel=1e-7)
-        assert info.engine_scales["sglang"] == info.engine_scales["vllm"]
+    for engine, expected in (("vllm", vllm), ("sglang", sglang)):
+        if expected is None:
+            assert engine not in info.engine_scales
+        else:
+            assert info.engine_scales[engine] == pytest.approx(expected, rel=1e-7)
     assert arch in info.convention and "inputs_embeds" in info.convention
 
 
@@ -359,3 +360,16 @@ def test_a_directory_without_config_json_is_refused(
     user_error(proc, "no config.json", "give --weights and --key")
     proc = tokembed_main("export", "--from-pretrained", tmp_path / "nope", "--out", tmp_path / "o")
     user_error(proc, "nope: not a directory")
+
+
+def test_the_v2_model_config_reports_the_convention(client: EmbeddingClient) -> None:
+    import tritonclient.grpc as triton
+
+    with triton.InferenceServerClient(client.target) as v2:
+        config = v2.get_model_config("gemma2", as_json=True)["config"]
+    parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
+    info = client.info("gemma2")
+    assert parameters["architecture"] == "gemma2"
+    assert parameters["convention"] == info.convention
+    assert float(parameters["engine_scale_vllm"]) == 1.0
+    assert float(parameters["engine_scale_transformers"]) == info.scale
