@@ -78,11 +78,14 @@ def _models() -> dict[str, Callable[[], Any]]:
 MODELS = _models()
 # Saved sharded too (small shards: the table alone in one), to read through an index.
 SHARDED = ("llama", "gemma2")
+# Saved as a torch state_dict too (pytorch_model.bin, as transformers 4.x saved by default;
+# 5.x writes safetensors only): GPT-2's tied keys are then one stored tensor.
+TORCH_FILE = ("gpt2",)
 GENERATING = ("llama", "gpt2", "gemma", "gemma2", "gemma3_text")
 
 
 class _Exported:
-    """Per name ("llama", "llama-sharded"): the model, its saved directory, the exported
+    """Per name ("llama", "llama-sharded", "gpt2-bin"): the model, its saved directory, the exported
     model directory and what the export printed."""
 
     def __init__(self, root: Path) -> None:
@@ -107,6 +110,12 @@ class _Exported:
                 assert (sharded / "model.safetensors.index.json").is_file()
                 assert len(list(sharded.glob("model-*.safetensors"))) > 1
                 self._export(f"{arch}-sharded", sharded, capsys)
+            if arch in TORCH_FILE:
+                as_bin = self.root / "saved" / f"{arch}-bin"
+                as_bin.mkdir(parents=True)
+                (as_bin / "config.json").write_bytes((saved / "config.json").read_bytes())
+                torch.save(model.state_dict(), as_bin / "pytorch_model.bin")
+                self._export(f"{arch}-bin", as_bin, capsys)
 
     def _export(self, name: str, saved: Path, capsys: Any) -> None:
         out = self.root / "models" / name
@@ -172,14 +181,14 @@ def _bits(array: np.ndarray) -> np.ndarray:
     return array.view(np.uint32)
 
 
-NAMES = [*MODELS, *(f"{arch}-sharded" for arch in SHARDED)]
+NAMES = [*MODELS, *(f"{arch}-sharded" for arch in SHARDED), *(f"{a}-bin" for a in TORCH_FILE)]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_served_vectors_are_what_inputs_embeds_takes(
     name: str, exported: _Exported, client: EmbeddingClient
 ) -> None:
-    arch = name.removesuffix("-sharded")
+    arch = name.removesuffix("-sharded").removesuffix("-bin")
     model = exported.models[arch]
     info = client.info(name)
     ids = _ids(len(name), info.padding_id)
@@ -263,6 +272,9 @@ def test_findings_for_the_later_flags(exported: _Exported) -> None:
     }
     assert ties == {"llama": False, "gemma2": True, "gpt2": True, "bert": True, "albert": True,
                     "t5": True, "bart": True}  # fmt: skip
+    # From the torch file, GPT-2's tie is the shared storage itself.
+    tie = json.loads((exported.dirs["gpt2-bin"] / "manifest.json").read_text())["tie"]
+    assert (tie["tied"], tie["evidence"]) == (True, "shared storage")
 
 
 @pytest.mark.parametrize("arch", GENERATING)
