@@ -213,7 +213,7 @@ BAD_MANIFESTS = {
             }
         ),
         "engine_scales['vllm'] must be a positive number, got 0",
-    ),  # fmt: skip
+    ),
 }
 
 
