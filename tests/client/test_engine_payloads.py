@@ -299,3 +299,15 @@ def test_the_docs_examples_run_and_say_what_they_do(
     # SGLang: the served float32 rows, through JSON.
     body = json.loads(run["sglang"]["request"])
     assert np.array(body["input_embeds"]).shape == (5, D)
+
+
+def test_tokembed_info_prints_the_architecture_and_what_each_engine_expects(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(["info", "--target", server.target, "--model", "gemma2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert "architecture       gemma2" in lines
+    assert any(line.startswith("convention         gemma2: served vectors are E[id] * 6.9282")
+               for line in lines)  # fmt: skip
+    assert "engine scales      sglang 1, transformers 6.9282, vllm 1" in lines
