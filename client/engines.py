@@ -41,6 +41,20 @@ VLLM, SGLANG = "vllm", "sglang"
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _torch() -> Any:
+    """torch, or a ModuleNotFoundError that says how to install it (the client runs
+    without it; only torch answers need it)."""
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "torch answers (embed_torch, vllm_prompt_embeds) need torch, which is not "
+            "installed: pip install torch --extra-index-url https://download.pytorch.org/whl/cpu",
+            name="torch",
+        ) from exc
+    return torch
+
+
 def as_torch(array: npt.NDArray[Any]) -> torch.Tensor:
     """``array`` (float32, float16 or bfloat16) as a torch tensor over the same memory.
 
@@ -48,7 +62,7 @@ def as_torch(array: npt.NDArray[Any]) -> torch.Tensor:
     (torch does not mark tensors read-only; writing to it is undefined). ``.clone()`` it to
     write. DLPack carries the read-only flag that ``torch.from_numpy`` would warn about.
     """
-    import torch
+    torch = _torch()
     from torch.utils.dlpack import from_dlpack
 
     if array.dtype == ml_dtypes.bfloat16:
@@ -98,7 +112,7 @@ def vllm_prompt_embeds(
     """vLLM's ``prompt_embeds`` for one prompt: ``vectors`` (``[S, hidden]``, or
     ``[1, S, hidden]``) times ``scale``, as a ``dtype`` tensor, ``torch.save``-d and
     base64-encoded (standard alphabet, padded: what ``b64decode(validate=True)`` takes)."""
-    import torch
+    torch = _torch()
 
     if dtype not in VLLM_DTYPES:
         raise client_invalid_input(f"vLLM takes prompt_embeds in {VLLM_DTYPES}, not {dtype!r}")
