@@ -31,7 +31,7 @@ from tokembed.bench.plan import TARGETS_D_MODEL, Cell, MiB, Plan, Results
 from tokembed.bench.workloads import LARGE, MEDIUM, Workload
 from tokembed.client import EmbeddingClient
 from tokembed.client._config import METHOD_EMBED
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 VOCAB_SIZE = 32000
 

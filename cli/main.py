@@ -23,7 +23,7 @@ from tokembed import __version__
 _SUBCOMMAND_MODULES = (
     "tokembed.export.cli",
     "tokembed.export.triton",
-    "tokembed.server.cli",
+    "tokembed.server.process.cli",
     "tokembed.cli.client",
     "tokembed.bench.cli",
 )

@@ -36,7 +36,7 @@ from tokembed.client import (
     UnknownConventionError,
     engines,
 )
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 from support.no_torch import env_without_torch
 from support.server import ServerThread

@@ -28,7 +28,7 @@ import transformers
 
 from tokembed.cli.main import main as cli_main
 from tokembed.client import EmbeddingClient
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 from support.server import ServerThread
 

@@ -89,8 +89,8 @@ def pad_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_loaded(small_model_dir: Path) -> Any:
     """The small model loaded as the server loads it (its tables too), once: tests build
     services around it and change nothing in it."""
-    from tokembed.server.loading import load_model
-    from tokembed.server.settings import Settings
+    from tokembed.server.models.loading import load_model
+    from tokembed.server.process.settings import Settings
 
     return load_model(small_model_dir, Settings())
 
@@ -161,7 +161,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 @pytest.fixture
 def start_server() -> Iterator[Callable[..., ServerThread]]:
     """Start real servers (in threads, port 0); all are stopped after the test."""
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     started: list[ServerThread] = []
 
