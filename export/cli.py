@@ -16,6 +16,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from tokembed.export import pretrained_cli
 from tokembed.export.architecture import OVERRIDE_FLAG
 from tokembed.export.checkpoint_dir import checkpoint_in
 from tokembed.export.config_flags import print_notes
@@ -127,6 +128,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the one `tokembed serve` builds when given no model; needs no torch, and takes "
         "no other option but --out",
     )
+    pretrained_cli.add_argument(parser)
     _add_kind_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -189,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
     args.notes = []
     if args.builtin:
         return _builtin(args)
+    # A Hugging Face model directory: the flags it stands for (--weights, --key, ...).
+    findings = pretrained_cli.apply(args)
     # Flags that need no checkpoint are checked before torch is imported: a mistyped
     # command then answers at once instead of after a second of imports.
     if args.key is not None and args.weights is None:
@@ -234,7 +238,11 @@ def run(args: argparse.Namespace) -> int:
         manifest = sources.export_random(args, kind, vocab_size, d_model, options)
     else:
         manifest = sources.export_checkpoint(args, kind, options)
+        if findings is not None:
+            manifest = pretrained_cli.record(args.out, manifest, findings)
     _print_exported(manifest, args.out)
+    if findings is not None:
+        print("\n".join(pretrained_cli.describe(manifest, findings)))
     print_notes(args.notes)
     return 0
 
@@ -302,7 +310,8 @@ def _builtin(args: argparse.Namespace) -> int:
     from tokembed.export.builtin import DEFAULT, build_builtin_model
 
     others = [flag for flag, given in (
-        ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
+        ("--weights", args.weights), ("--key", args.key),
+        ("--from-pretrained", args.from_pretrained), ("--vocab-size", args.vocab_size),
         ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
         ("--force", args.force or None), ("--segment-key", args.segment_key),
         (OVERRIDE_FLAG, args.override_config or None),
