@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from tokembed.export import kind_cli
+from tokembed.export import head_cli, kind_cli
 from tokembed.export.architecture import OVERRIDE_FLAG
 from tokembed.export.checkpoint_dir import checkpoint_in
 from tokembed.export.config_flags import as_configured, print_notes
@@ -117,6 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "no other option but --out",
     )
     kind_cli.add_arguments(parser)
+    head_cli.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError("--output-projection needs --weights")
     if args.override_config and args.weights is None:
         raise ExportError(f"{OVERRIDE_FLAG} needs --weights (it overrides their config.json's)")
+    head_cli.check_arguments(args)
     if args.weights is not None:
         args.weights = checkpoint_in(args.weights)
     # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
@@ -161,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     from tokembed.export.onnx_export import ExportOptions, export_model
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
+    if kind != TOKEN and head_cli.wants_head(args):
+        raise ExportError(f"a {kind} model has no head yet: the head is a token model's")
     if kind != TOKEN:  # the segment and factorized kinds (BERT's, ALBERT's)
         random_sizes = (vocab_size, d_model) if args.weights is None else None
         code = kind_cli.run(args, kind, name, random_sizes)
@@ -202,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
         tie = manifest.tie
         state = "tied to" if tie.tied else "not tied to"
         print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
+    head = head_cli.write_head(args, manifest.tie)
+    if head is not None:
+        print(f"head: {head.graph} over the {head.table} table"
+              + (f", after its {head.norm.kind}" if head.norm is not None else "")
+              + f", max_abs_error={head.parity.max_abs_error:g}")  # fmt: skip
     print_notes(args.notes)
     return 0
 
@@ -227,8 +236,11 @@ def _from_checkpoint(args: argparse.Namespace, name: str) -> Manifest:
         given_scale, padding_idx = as_configured(args, matrix.shape, dtype_name, "sqrt")
         scale = resolve_scale(given_scale, d_model)
         tie = None
-        if args.output_projection is not None:
-            tie = find_tie(matrix, args.weights, args.output_projection)
+        # --output-key names the projection the head is written over; a tie to it is
+        # recorded as --output-projection's is.
+        projection = args.output_projection or args.output_key
+        if projection is not None:
+            tie = find_tie(matrix, args.weights, projection)
         source: dict[str, object] = {
             "kind": "checkpoint",
             "file": args.weights.name,
@@ -265,6 +277,7 @@ def _builtin(args: argparse.Namespace) -> int:
         (OVERRIDE_FLAG, args.override_config or None),
         ("--projection-key", args.projection_key), ("--kind", args.kind),
         ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
+        ("--output-key", args.output_key), ("--norm-key", args.norm_key),
     ) if given is not None]  # fmt: skip
     # Flags with a default: refused when they ask for another model than the built-in one
     # (its seed 0, float32, sqrt(D), version 1), not silently ignored.
@@ -279,6 +292,9 @@ def _builtin(args: argparse.Namespace) -> int:
     check_out_dir(args.out, args.force)
     build_builtin_model(args.out)
     print(f"built the built-in default model -> {args.out}")
+    if args.tied_head:
+        head_cli.write_head(args, None)
+        print("head: head.onnx over the embedding table")
     return 0
 
 

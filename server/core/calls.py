@@ -69,6 +69,11 @@ OUTCOMES: dict[str, Outcomes] = {
         _BEFORE_ROUTING,
         (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
     ),
+    # The way back: refused, overloaded or failed as embed is (one batcher, one admission).
+    "nearest": Outcomes(
+        _BEFORE_ROUTING,
+        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
+    ),
     "model_info": Outcomes((InvalidInput, ModelNotFound, Unavailable, Unauthenticated), ()),
     "list_models": Outcomes((InvalidInput, Unavailable, Unauthenticated), (), ok_with_model=False),
 }
