@@ -3,7 +3,11 @@
 ``logits = norm?(h) @ W.T`` in float32 (``W`` widened to float32 once, at load; float32
 accumulation for every request dtype), then per vector the ``k`` largest by ``dot``
 (the logits themselves) or ``cosine`` (the logits divided by ``|h| |W_v|``; a row of
-``W`` with norm 0 scores 0). Equal scores are ordered by the lower id.
+``W`` with norm 0 scores 0). The scores answered are those products accumulated in
+float64 and rounded once to float32 (``_exact_top_k``: the float32 multiply finds the
+candidates, which are scored again), so that a vector's answer is the same alone or in
+any batch; equal scores are ordered by the lower id. The logits, when asked, are the
+float32 multiply's (within ``D 2**-24 |h| |W_v|`` of the exact products).
 
 The rows of every request in a batch go into one multiply (the table is read once per
 batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
@@ -82,6 +86,9 @@ class NearestHead:
         self.vocab_size, self.d_model = self.table.shape
         self.norm = norm
         self.table_role = table_role  # "embedding" (tied) or "output"
+        self._row_norms64 = np.sqrt(np.einsum("vd,vd->v", self.table.astype(np.float64),
+                                              self.table.astype(np.float64)))  # fmt: skip
+        self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
         self._row_norms: np.ndarray | None = None
 
     @property
@@ -89,8 +96,9 @@ class NearestHead:
         return int(self.table.nbytes)
 
     def row_norms(self) -> np.ndarray:
+        """float32 row norms, for the first pass of cosine."""
         if self._row_norms is None:
-            self._row_norms = np.sqrt(np.einsum("vd,vd->v", self.table, self.table))
+            self._row_norms = self._row_norms64.astype(np.float32)
         return self._row_norms
 
     def search(self, queries: Sequence[Query]) -> list[Found]:
@@ -108,11 +116,8 @@ class NearestHead:
                 query = queries[query_index]
                 take = min(len(logits) - offset, len(query.vectors) - start_in_query)
                 part = logits[offset : offset + take]
-                scores = part
-                if query.metric == COSINE:
-                    h = rows[query_index][start_in_query : start_in_query + take]
-                    scores = _cosine(part, h, self.row_norms())
-                ids, top = top_k(scores, query.k)
+                h = rows[query_index][start_in_query : start_in_query + take]
+                ids, top = self._exact_top_k(part, h, query.k, query.metric)
                 pending.append((ids, top, part.copy() if query.logits else None))
                 offset += take
                 start_in_query += take
@@ -123,9 +128,54 @@ class NearestHead:
                     start_in_query = 0
         return results
 
+    def _exact_top_k(
+        self, logits: np.ndarray, h: np.ndarray, k: int, metric: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k by scores accumulated in float64 and rounded once to float32, found
+        through the float32 multiply: every id whose float32 score is within twice its
+        error bound of the k-th is a candidate, and the candidates are scored again.
+
+        A float32 dot product over D terms differs from the exact one by at most
+        ``D 2**-24 sum|h_i w_i|`` whatever the order of its sums (which BLAS chooses by
+        the batch's shape), and ``sum|h_i w_i| <= |h| |w|``: ``bound`` is that, for the
+        widest row of the table (cosine: divided by ``|h| |w_v|``, at most ``D 2**-24``).
+        So the answer is the same whatever the batch a vector was in, and whatever BLAS.
+        """
+        h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
+        gamma = (self.d_model + 4) * 2.0**-24 * 1.01
+        if metric == COSINE:
+            scores = _cosine(logits, h, self.row_norms())
+            bound = np.full(len(h), gamma * 1.01)
+        else:
+            scores = logits
+            bound = gamma * h_norms * self._widest
+        ids = np.empty((len(h), k), dtype=np.int64)
+        top = np.empty((len(h), k), dtype=np.float32)
+        kth = _kth_largest(scores, k)
+        table = self.table
+        for row in range(len(h)):
+            candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
+            exact = table[candidates].astype(np.float64) @ h[row].astype(np.float64)
+            if metric == COSINE:
+                norms = h_norms[row] * self._row_norms64[candidates]
+                exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
+            rounded = exact.astype(np.float32)
+            # Largest first; equal (rounded) scores by the lower id (candidates ascend).
+            order = np.argsort(-rounded, kind="stable")[:k]
+            ids[row] = candidates[order]
+            top[row] = rounded[order]
+        return ids, top
+
     def _normed(self, vectors: np.ndarray) -> np.ndarray:
         assert self.norm is not None, "This is a bug: validation refuses norm without one."
         return self.norm.apply(vectors)
+
+
+def _kth_largest(scores: np.ndarray, k: int) -> np.ndarray:
+    vocab = scores.shape[1]
+    if k >= vocab:
+        return np.asarray(scores.min(axis=1))
+    return np.asarray(np.partition(scores, vocab - k, axis=1)[:, vocab - k])
 
 
 def _cosine(logits: np.ndarray, h: np.ndarray, row_norms: np.ndarray) -> np.ndarray:
@@ -145,32 +195,3 @@ def _joined(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> Fo
         np.concatenate([p[1] for p in parts]),
         None if logits_parts[0] is None else np.concatenate(logits_parts),  # type: ignore[arg-type]
     )
-
-
-def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` largest of each row of ``scores [n, V]``: ids int64 ``[n, k]`` and their
-    scores, largest first, equal scores by the lower id (also across the k-th place:
-    among equal scores there, the lower ids are the ones taken)."""
-    n, vocab = scores.shape
-    if k < vocab:
-        candidates = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        values = np.take_along_axis(scores, candidates, axis=1)
-        kth = values.min(axis=1)
-        # Rows with more scores equal to the k-th than places left: argpartition took
-        # any of them; take the lowest ids among them instead.
-        crowded = np.flatnonzero(np.count_nonzero(scores >= kth[:, None], axis=1) > k)
-        for row in crowded:
-            above = np.flatnonzero(scores[row] > kth[row])
-            equal = np.flatnonzero(scores[row] == kth[row])[: k - len(above)]
-            candidates[row] = np.concatenate([above, equal])
-        values = np.take_along_axis(scores, candidates, axis=1)
-    else:
-        candidates = np.broadcast_to(np.arange(vocab), (n, vocab)).copy()
-        values = scores.copy()
-    # By id, then stably by descending score: equal scores keep the lower id first.
-    by_id = np.argsort(candidates, axis=1, kind="stable")
-    candidates = np.take_along_axis(candidates, by_id, axis=1)
-    values = np.take_along_axis(values, by_id, axis=1)
-    order = np.argsort(-values, axis=1, kind="stable")
-    ids = np.take_along_axis(candidates, order, axis=1).astype(np.int64)
-    return ids, np.ascontiguousarray(np.take_along_axis(values, order, axis=1), dtype=np.float32)
