@@ -143,7 +143,7 @@ def _declared_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -
     # The declaration is about the model's word embeddings: the exported matrix must be
     # of their shape, which the config states too.
     vocab_size, d_model = matrix.shape
-    width = next((config[k] for k in ("d_model", "hidden_size") if k in config), None)
+    width = next((config[k] for k in ("d_model", "hidden_size", "n_embd") if k in config), None)
     if config.get("vocab_size") != vocab_size or width != d_model:
         raise CheckpointError(
             f"{where}; {config_path.name} declares tie_word_embeddings for a "

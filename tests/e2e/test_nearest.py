@@ -21,14 +21,15 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from support.metrics import scrape, total
-from support.models import build_default_model_dir, default_model_rows, export_model_dir
 
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
 from tokembed.client.errors import InvalidInputError
 from tokembed.export.head import add_head
 from tokembed.export.module import random_table
 from tokembed.v1 import embedding_pb2 as pb
+
+from support.metrics import scrape, total
+from support.models import build_default_model_dir, default_model_rows, export_model_dir
 
 V, D = 1000, 64
 DTYPES = ["float32", "float16", "bfloat16"]
