@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 from pathlib import Path
 
 from tokembed.export import head_cli, kind_cli
@@ -206,7 +207,13 @@ def run(args: argparse.Namespace) -> int:
         tie = manifest.tie
         state = "tied to" if tie.tied else "not tied to"
         print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
-    head = head_cli.write_head(args, manifest.tie)
+    try:
+        head = head_cli.write_head(args, manifest.tie)
+    except BaseException:
+        # The model was written for a head that cannot be: no directory that half-answers
+        # the export asked for is left behind.
+        shutil.rmtree(args.out, ignore_errors=True)
+        raise
     if head is not None:
         print(f"head: {head.graph} over the {head.table} table"
               + (f", after its {head.norm.kind}" if head.norm is not None else "")

@@ -65,9 +65,7 @@ def test_greedy_generation_through_nearest(case, tmp_path: Path, start_server):
     assert manifest.head is not None and manifest.head.table == "embedding"
     assert "head.onnx.data" not in manifest.files  # the tied head reads the table itself
 
-    prompts = torch.from_numpy(
-        np.random.default_rng(1).integers(1, V, size=(PROMPTS, PROMPT_LEN))
-    )
+    prompts = torch.from_numpy(np.random.default_rng(1).integers(1, V, size=(PROMPTS, PROMPT_LEN)))
     with torch.no_grad():
         want = model.generate(
             prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
