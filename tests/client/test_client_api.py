@@ -90,6 +90,7 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "info",
         "model_info",
         "models",
+        "nearest",
         "shared_memory",
         "target",
     ]
