@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def add_parser(
@@ -23,21 +24,48 @@ def add_parser(
         "output table (its tied embedding table, or its exported output projection) with "
         "the largest scores, by dot product (the head's logits) or cosine.",
     )
-    nearest.add_argument("--vectors", required=True, type=Path, metavar="FILE",
-                         help="a .npy file of [N, D] or [B, S, D] vectors")  # fmt: skip
+    nearest.add_argument(
+        "--vectors",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="a .npy file of [N, D] or [B, S, D] vectors",
+    )
     nearest.add_argument("--k", type=int, default=5, help="ids per vector (default 5)")
-    nearest.add_argument("--metric", choices=["dot", "cosine"], default="dot",
-                         help="dot (the logits, default) or cosine")  # fmt: skip
-    nearest.add_argument("--apply-norm", action="store_true",
-                         help="apply the model's final norm first (the logit lens)")  # fmt: skip
-    nearest.add_argument("--logits", action="store_true",
-                         help="also ask for the [..., V] logits (saved with --output)")  # fmt: skip
-    nearest.add_argument("--bfloat16-bits", action="store_true",
-                         help="--vectors holds uint16: bfloat16's bits (as `embed` saves them)")  # fmt: skip
-    nearest.add_argument("--model", default=None, metavar="NAME",
-                         help="the served model (default: the server's default model)")  # fmt: skip
-    nearest.add_argument("--output", type=Path, default=None, metavar="FILE",
-                         help="save ids, scores (and logits) to FILE, numpy's .npz format")  # fmt: skip
+    nearest.add_argument(
+        "--metric",
+        choices=["dot", "cosine"],
+        default="dot",
+        help="dot (the logits, default) or cosine",
+    )
+    nearest.add_argument(
+        "--apply-norm",
+        action="store_true",
+        help="apply the model's final norm first (the logit lens)",
+    )
+    nearest.add_argument(
+        "--logits",
+        action="store_true",
+        help="also ask for the [..., V] logits (saved with --output)",
+    )
+    nearest.add_argument(
+        "--bfloat16-bits",
+        action="store_true",
+        help="--vectors holds uint16: bfloat16's bits (as `embed` saves them)",
+    )
+    nearest.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the served model (default: the server's default model)",
+    )
+    nearest.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="save ids, scores (and logits) to FILE, numpy's .npz format",
+    )
     nearest.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
     nearest.set_defaults(run=run_nearest)
 
@@ -60,11 +88,15 @@ def run_nearest(args: argparse.Namespace) -> int:
         vectors = vectors.view(ml_dtypes.bfloat16)
     with _client(args) as client:
         found = client.nearest(
-            vectors, k=args.k, metric=args.metric, logits=args.logits,
-            apply_norm=args.apply_norm, model=args.model,
-        )  # fmt: skip
+            vectors,
+            k=args.k,
+            metric=args.metric,
+            logits=args.logits,
+            apply_norm=args.apply_norm,
+            model=args.model,
+        )
     if args.output is not None:
-        arrays = {"ids": found.ids, "scores": found.scores}
+        arrays: dict[str, Any] = {"ids": found.ids, "scores": found.scores}
         if found.logits is not None:
             arrays["logits"] = found.logits
         try:
@@ -82,6 +114,8 @@ def run_nearest(args: argparse.Namespace) -> int:
     if len(flat_ids) > 8:
         print(f"  ... {len(flat_ids) - 8} more")
     t = found.timings
-    print(f"server: queue {t.queue_seconds * 1e3:.3f} ms, compute {t.compute_seconds * 1e3:.3f} "
-          f"ms; batch of {t.batch_requests} request(s), {t.batch_tokens} vector(s)")  # fmt: skip
+    print(
+        f"server: queue {t.queue_seconds * 1e3:.3f} ms, compute {t.compute_seconds * 1e3:.3f} "
+        f"ms; batch of {t.batch_requests} request(s), {t.batch_tokens} vector(s)"
+    )
     return 0

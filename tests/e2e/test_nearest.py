@@ -205,3 +205,24 @@ def test_k_past_the_servers_limit(models, start_server):
     assert "k = 17 is outside [1, 16] (the limit is min(max_nearest_k 16, V 1000))" in str(
         caught.value
     )
+
+
+def test_the_command_line(models, start_server, tmp_path, capsys):
+    from tokembed.cli.main import main
+
+    server = start_server(models["float32"])
+    h = np.random.default_rng(6).standard_normal((3, D)).astype(np.float32)
+    np.save(tmp_path / "h.npy", h)
+    argv = ["nearest", "--target", server.target, "--vectors", str(tmp_path / "h.npy")]
+    assert main([*argv, "--k", "2", "--logits", "--output", str(tmp_path / "found.npz")]) == 0
+    out = capsys.readouterr().out
+    want = np.argsort(-(h @ _table("float32").numpy().T), axis=1)[:, :2]
+    assert f"vector 0: {want[0, 0]} (" in out and "saved ids, scores, logits" in out
+    saved = np.load(tmp_path / "found.npz")
+    np.testing.assert_array_equal(saved["ids"], want)
+    assert saved["logits"].shape == (3, V)
+    assert main([*argv, "--k", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "k = 0 is outside [1, 1000]" in err and "Traceback" not in err
+    assert main(["info", "--target", server.target]) == 0
+    assert "head (nearest)     embedding table, k up to 1000" in capsys.readouterr().out
