@@ -81,11 +81,11 @@ def run_nearest(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise EmbeddingError(f"cannot read --vectors {args.vectors}: {exc}") from exc
     if args.bfloat16_bits:
-        import ml_dtypes
+        from tokembed.client.dtypes import BFLOAT16
 
         if vectors.dtype != np.uint16:
             raise EmbeddingError(f"--bfloat16-bits needs uint16 vectors, got {vectors.dtype}")
-        vectors = vectors.view(ml_dtypes.bfloat16)
+        vectors = vectors.view(BFLOAT16.numpy)
     with _client(args) as client:
         found = client.nearest(
             vectors,
