@@ -53,6 +53,7 @@ NORM_BIAS = "norm.bias"
 # The parity check's vectors and the k it asks for.
 _PARITY_VECTORS = 64
 _PARITY_K = 8
+_REFERENCE_SLICE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,17 @@ def check_head(path: Path, weight: np.ndarray, norm: NormArrays | None, seed: in
     scores, ids, logits = session.run(
         [SCORES, IDS, LOGITS], {VECTORS: vectors, K: np.asarray([k], dtype=np.int64)}
     )
-    table = weight.astype(np.float64)
     normed = apply_norm(vectors, norm)
-    want = normed @ table.T
-    tolerance = float(2 * (d_model + 8) * 2.0**-24 * (np.abs(normed) @ np.abs(table).T).max())
+    # The reference a slice of the table's rows at a time: no float64 copy of a table that
+    # may be gigabytes.
+    want = np.empty((len(vectors), vocab_size), dtype=np.float64)
+    largest = 0.0
+    step = max(1, _REFERENCE_SLICE_BYTES // (8 * d_model))
+    for start in range(0, vocab_size, step):
+        rows = np.asarray(weight[start : start + step], dtype=np.float64)
+        want[:, start : start + step] = normed @ rows.T
+        largest = max(largest, float((np.abs(normed) @ np.abs(rows).T).max()))
+    tolerance = float(2 * (d_model + 8) * 2.0**-24 * largest)
     error = float(np.max(np.abs(logits.astype(np.float64) - want)))
     top = -np.sort(-want, axis=1)[:, :k]
     picked = np.take_along_axis(want, ids.astype(np.int64), axis=1)

@@ -86,8 +86,7 @@ class NearestHead:
         self.vocab_size, self.d_model = self.table.shape
         self.norm = norm
         self.table_role = table_role  # "embedding" (tied) or "output"
-        self._row_norms64 = np.sqrt(np.einsum("vd,vd->v", self.table.astype(np.float64),
-                                              self.table.astype(np.float64)))  # fmt: skip
+        self._row_norms64 = _row_norms(self.table)
         self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
         self._row_norms: np.ndarray | None = None
 
@@ -169,6 +168,16 @@ class NearestHead:
     def _normed(self, vectors: np.ndarray) -> np.ndarray:
         assert self.norm is not None, "This is a bug: validation refuses norm without one."
         return self.norm.apply(vectors)
+
+
+def _row_norms(table: np.ndarray) -> np.ndarray:
+    """Each row's norm in float64, a slice of rows at a time (no float64 copy of the table)."""
+    norms = np.empty(len(table), dtype=np.float64)
+    step = max(1, _LOGITS_CHUNK_BYTES // (8 * max(1, table.shape[1])))
+    for start in range(0, len(table), step):
+        rows = table[start : start + step].astype(np.float64)
+        norms[start : start + step] = np.sqrt(np.einsum("vd,vd->v", rows, rows))
+    return norms
 
 
 def _kth_largest(scores: np.ndarray, k: int) -> np.ndarray:
