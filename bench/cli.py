@@ -74,6 +74,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="where MLServer is installed for the V2 section, once (default: "
         "CACHE_DIR/mlserver-venv); never into tokembed's own environment",
     )  # fmt: skip
+    parser.add_argument(
+        "--nearest",
+        action="store_true",
+        help="the nearest section alone: one vector against a synthetic table (default "
+        "Llama-3's V=128256, D=4096) in float32 and bfloat16 against the memory floor, and "
+        "16 callers of 8 vectors against one in-process multiply (bench/nearest.py)",
+    )
+    parser.add_argument("--nearest-vocab-size", type=int, default=None, metavar="V")
+    parser.add_argument("--nearest-d-model", type=int, default=None, metavar="D")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--duration-s", type=float, default=None, help="seconds per cell")
     parser.add_argument("--name", default=None, help="file name stem (default bench or quick)")
@@ -98,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     from tokembed.bench import plan as plans
     from tokembed.bench.targets import evaluate_targets, evaluate_v2_targets
 
+    if args.nearest:
+        return _run_nearest(args)
     plan = plans.QUICK if args.quick else plans.FULL
     if args.duration_s is not None:
         plan = dataclasses.replace(plan, duration_s=args.duration_s)
@@ -157,6 +168,32 @@ def run(args: argparse.Namespace) -> int:
     if errors:
         print(f"{errors} requests failed during the run (see the errors column)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_nearest(args: argparse.Namespace) -> int:
+    from tokembed.bench import nearest
+
+    vocab = args.nearest_vocab_size or nearest.LLAMA_VOCAB
+    d_model = args.nearest_d_model or nearest.LLAMA_D
+    print(f"nearest: V={vocab} D={d_model}, float32 and bfloat16 tables; models in "
+          f"{args.cache_dir}")  # fmt: skip
+    figures = nearest.run_nearest(
+        args.cache_dir, vocab_size=vocab, d_model=d_model, duration_s=args.duration_s or 10.0
+    )
+    out = output_dir(args.out, quick=True) if args.out is None else args.out
+    out.mkdir(parents=True, exist_ok=True)
+    command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    path = out / f"{args.name or 'nearest'}.md"
+    path.write_text(nearest.markdown(figures, command.strip()), encoding="utf-8")
+    for f in figures:
+        one = "met" if f.one_vector_ratio <= nearest.ONE_VECTOR_TARGET else "missed"
+        many = "met" if f.callers_ratio >= nearest.CALLERS_TARGET else "missed"
+        print(f"{one:7s} {f.one_vector_ratio:.2f} (wanted <= {nearest.ONE_VECTOR_TARGET}) "
+              f"one vector / memory floor, {f.dtype}")  # fmt: skip
+        print(f"{many:7s} {f.callers_ratio:.2f} (wanted >= {nearest.CALLERS_TARGET}) "
+              f"16 callers x 8 / in-process multiply, {f.dtype}")  # fmt: skip
+    print(f"wrote {path}")
     return 0
 
 

@@ -32,12 +32,14 @@ class Child:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.process: subprocess.Popen[str] | None = None
+        self._reader = threading.Thread()
 
     def start(self, timeout_s: float = 180) -> Child:
         self.process = subprocess.Popen(
             self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env
         )
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._ready.wait(timeout_s):
             self.stop()
             raise RuntimeError(f"{self.args[:4]} did not start:\n{''.join(self.lines[-20:])}")
@@ -70,6 +72,12 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        if self.process is not None and self.process.stdout is not None:
+            # The reader ends at the pipe's end (the process is gone); then the pipe is
+            # closed here, not left to the garbage collector (a ResourceWarning).
+            self._reader.join(10)
+            if not self._reader.is_alive():
+                self.process.stdout.close()
 
     def __enter__(self) -> Child:
         return self.start()

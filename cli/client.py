@@ -1,4 +1,5 @@
-"""``tokembed embed``, ``info``, ``models``, ``health``: the client on the command line.
+"""``tokembed embed``, ``nearest`` (``cli.nearest``), ``info``, ``models``, ``health``: the
+client on the command line.
 
 grpc and numpy are imported inside the run functions (and ``--dtype``'s choices when they
 are first asked for), so that ``tokembed --help`` and the other subcommands do not pay for
@@ -131,6 +132,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     embed.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
     embed.set_defaults(run=run_embed)
+
+    from tokembed.cli import nearest
+
+    nearest.add_parser(subparsers, common)
 
     info = subparsers.add_parser(
         "info",
@@ -405,7 +410,16 @@ def _info_lines(info: ModelInfo) -> list[str]:
         f"max batch tokens   {lim.max_batch_tokens}",
         f"max message bytes  {lim.max_message_bytes}",
         f"max delay          {lim.max_delay_seconds * 1e3:g} ms",
+        f"head (nearest)     {_head_line(info)}",
     ]
+
+
+def _head_line(info: ModelInfo) -> str:
+    head = info.head
+    if head is None:
+        return "none (the model answers no nearest)"
+    norm = f", final norm {head.norm}" if head.norm else ""
+    return f"{head.table} table{norm}, k up to {head.max_k}"
 
 
 def run_health(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ METHOD_EMBED_STREAM = f"/{_SERVICE}/EmbedStream"
 METHOD_EMBED_CHUNKED = f"/{_SERVICE}/EmbedChunked"
 METHOD_GET_MODEL_INFO = f"/{_SERVICE}/GetModelInfo"
 METHOD_LIST_MODELS = f"/{_SERVICE}/ListModels"
+METHOD_NEAREST = f"/{_SERVICE}/Nearest"
 
 PemSource = str | os.PathLike[str] | bytes
 

@@ -20,6 +20,7 @@ from tokembed.client._config import (
     METHOD_EMBED_STREAM,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
+    METHOD_NEAREST,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
@@ -49,6 +50,11 @@ class Methods:
             METHOD_LIST_MODELS,
             request_serializer=pb.ListModelsRequest.SerializeToString,
             response_deserializer=pb.ListModelsResponse.FromString,
+        )
+        self.nearest = channel.unary_unary(
+            METHOD_NEAREST,
+            request_serializer=pb.NearestRequest.SerializeToString,
+            response_deserializer=pb.TensorsResponse.FromString,
         )
 
 

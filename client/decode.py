@@ -24,7 +24,7 @@ from tokembed.client.errors import (
     protocol_error,
     status_code_from_number,
 )
-from tokembed.client.results import EmbedResult, Timings
+from tokembed.client.results import EmbedResult, NearestResult, Timings
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -58,6 +58,25 @@ def frombuffer(
 def decode_tensor(tensor: pb.Tensor) -> npt.NDArray[Any]:
     """A parsed Tensor message to an array (reads ``tensor.data`` once)."""
     return frombuffer(tensor.data, tensor.dtype, tensor.shape)
+
+
+def named_tensors(response: pb.TensorsResponse) -> dict[str, npt.NDArray[Any]]:
+    """An answer of several named tensors (TensorsResponse), each decoded as
+    ``decode_tensor`` does, by name in the server's order: what every operation that
+    answers so (nearest) is decoded with."""
+    return {output.name: decode_tensor(output.tensor) for output in response.outputs}
+
+
+def nearest_result(response: pb.TensorsResponse) -> NearestResult:
+    tensors = named_tensors(response)
+    missing = [name for name in ("ids", "scores") if name not in tensors]
+    if missing:
+        raise EmbeddingError(f"the server's Nearest answer has no {', '.join(missing)}")
+    return NearestResult(
+        ids=tensors["ids"], scores=tensors["scores"], logits=tensors.get("logits"),
+        timings=Timings.from_proto(response.timings), model_name=response.model_name,
+        model_version=response.model_version, request_id=response.request_id,
+    )  # fmt: skip
 
 
 def _result(header: pb.EmbedResponse, hidden_states: npt.NDArray[Any]) -> EmbedResult:

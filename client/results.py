@@ -71,6 +71,31 @@ class EmbedResult:
 
 
 @dataclass(frozen=True)
+class NearestResult:
+    """A nearest answer: per vector, ``ids`` int64 ``[..., k]`` and ``scores`` float32
+    ``[..., k]``, largest first (equal scores by the lower id), and ``logits`` float32
+    ``[..., V]`` when asked (else None). Read-only views of the received bytes."""
+
+    ids: npt.NDArray[np.int64]
+    scores: npt.NDArray[np.float32]
+    logits: npt.NDArray[np.float32] | None
+    timings: Timings
+    model_name: str
+    model_version: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """A model's way back (nearest): ``table`` "embedding" (tied) or "output", its final
+    ``norm`` ("rmsnorm", "layernorm" or ""), and the largest ``k``."""
+
+    table: str
+    norm: str
+    max_k: int
+
+
+@dataclass(frozen=True)
 class Limits:
     """The server's per-request and transport limits (see GetModelInfo)."""
 
@@ -142,6 +167,8 @@ class ModelInfo:
     architecture: str = ""
     convention: str = ""
     engine_scales: dict[str, float] = field(default_factory=dict)
+    # None: the model has no head, and answers no nearest.
+    head: HeadInfo | None = None
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -176,6 +203,11 @@ class ModelInfo:
             architecture=msg.architecture,
             convention=msg.convention,
             engine_scales=dict(msg.engine_scales),
+            head=(
+                HeadInfo(msg.head.table, msg.head.norm, msg.head.max_k)
+                if msg.HasField("head")
+                else None
+            ),
         )
 
 

@@ -33,7 +33,8 @@ from tokembed.client._retry import Deadline
 from tokembed.client._shared import Attempts, Health, Methods, StreamBook
 from tokembed.client._sync_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client.errors import EmbeddingError
-from tokembed.client.results import EmbedResult, ModelInfo, ModelList
+from tokembed.client.results import EmbedResult, ModelInfo, ModelList, NearestResult
+from tokembed.client.vectors import nearest_request
 from tokembed.v1 import embedding_pb2 as pb
 
 if TYPE_CHECKING:
@@ -126,6 +127,37 @@ class EmbeddingClient(ClientBase):
             result = decode.decode_response(result)
             self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape, call.sequence_first)
+
+    def nearest(
+        self,
+        vectors: Any,
+        k: int = 1,
+        *,
+        metric: str = "dot",
+        logits: bool = False,
+        apply_norm: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> NearestResult:
+        """The way back: for each vector of ``vectors`` (``[N, D]`` or ``[B, S, D]``,
+        float32, float16 or bfloat16), the ``k`` ids of the model's output table (its
+        tied embedding table, or its exported output projection) that score highest by
+        ``metric``: "dot" (the head's logits, transformers' ``lm_head(h)``) or "cosine".
+        Returns ``ids`` and ``scores`` ``[..., k]`` (largest first, equal scores by the
+        lower id), and ``logits`` ``[..., V]`` when ``logits=True``. ``apply_norm``: the
+        model's final norm first (``lm_head(norm(h))``: the logit lens). ``model``,
+        ``timeout_s``: as for :meth:`embed`."""
+        nearest, metadata = self._methods().nearest, self._metadata()
+        request = nearest_request(
+            vectors, k, metric, logits, apply_norm, self._model(model), request_id
+        )
+        response = self._with_retries(
+            "Nearest",
+            self._deadline(timeout_s),
+            lambda t: nearest(request, timeout=t, metadata=metadata),
+        )
+        return decode.nearest_result(response)
 
     # ------------------------------------------------------------------ engine-ready answers
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 from pathlib import Path
 
-from tokembed.export import pretrained_cli
+from tokembed.export import head_cli, pretrained_cli
 from tokembed.export.architecture import OVERRIDE_FLAG
 from tokembed.export.checkpoint_dir import checkpoint_in
 from tokembed.export.config_flags import print_notes
@@ -130,6 +131,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     pretrained_cli.add_argument(parser)
     _add_kind_arguments(parser)
+    head_cli.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -203,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError("--output-projection needs --weights")
     if args.override_config and args.weights is None:
         raise ExportError(f"{OVERRIDE_FLAG} needs --weights (it overrides their config.json's)")
+    head_cli.check_arguments(args)
     if args.weights is not None:
         args.weights = checkpoint_in(args.weights)
     # torch's and numpy's generators both take seeds in [0, 2**64); outside it they raise
@@ -226,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     from tokembed.export.pipeline import ExportOptions
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
+    if kind != TOKEN and head_cli.wants_head(args):
+        raise ExportError(f"a {kind} model has no head yet: the head is a token model's")
     options = ExportOptions(
         out_dir=args.out,
         name=name,
@@ -240,7 +245,18 @@ def run(args: argparse.Namespace) -> int:
         manifest = sources.export_checkpoint(args, kind, options)
         if findings is not None:
             manifest = pretrained_cli.record(args.out, manifest, findings)
+    try:
+        head = head_cli.write_head(args, manifest.tie)
+    except BaseException:
+        # The model was written for a head that cannot be: no directory that half-answers
+        # the export asked for is left behind.
+        shutil.rmtree(args.out, ignore_errors=True)
+        raise
     _print_exported(manifest, args.out)
+    if head is not None:
+        print(f"head: {head.graph} over the {head.table} table"
+              + (f", after its {head.norm.kind}" if head.norm is not None else "")
+              + f", max_abs_error={head.parity.max_abs_error:g}")  # fmt: skip
     if findings is not None:
         print("\n".join(pretrained_cli.describe(manifest, findings)))
     print_notes(args.notes)
@@ -317,6 +333,7 @@ def _builtin(args: argparse.Namespace) -> int:
         (OVERRIDE_FLAG, args.override_config or None),
         ("--projection-key", args.projection_key), ("--kind", args.kind),
         ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
+        ("--output-key", args.output_key), ("--norm-key", args.norm_key),
     ) if given is not None]  # fmt: skip
     # Flags with a default: refused when they ask for another model than the built-in one
     # (its seed 0, float32, sqrt(D), version 1), not silently ignored.
@@ -331,6 +348,9 @@ def _builtin(args: argparse.Namespace) -> int:
     check_out_dir(args.out, args.force)
     build_builtin_model(args.out)
     print(f"built the built-in default model -> {args.out}")
+    if args.tied_head:
+        head_cli.write_head(args, None)
+        print("head: head.onnx over the embedding table")
     return 0
 
 

@@ -81,6 +81,41 @@ class Pretrained:
 
 
 @dataclass(frozen=True)
+class Norm:
+    """The model's final norm, applied before its head as transformers does
+    (``lm_head(norm(h))``): RMSNorm ``h / sqrt(mean(h^2) + eps) * weight`` or LayerNorm
+    ``(h - mean) / sqrt(var + eps) * weight + bias``, in float32."""
+
+    kind: str  # "rmsnorm" or "layernorm"
+    eps: float
+    weight_key: str  # its weight's key in the checkpoint
+    bias_key: str | None = None  # LayerNorm's bias, when the model has one
+
+
+@dataclass(frozen=True)
+class Head:
+    """The way back from vectors to ids: ``logits = norm?(h) @ W.T``, ``W`` the model's
+    output table, written as its own graph (``head.onnx``: MatMul and TopK) and checked
+    against a reference at export (``tokembed.export.head``).
+
+    ``table`` is ``"embedding"`` when ``W`` is the exported table itself (tied: the head
+    graph reads the same bytes as the look-up, no second copy) or ``"output"`` for an
+    untied output projection read from the checkpoint by key (``head.onnx.data``).
+    """
+
+    table: str  # "embedding" (tied) or "output"
+    output_key: str | None  # the output projection's key in the checkpoint, when known
+    graph: str  # the head graph's file name in the model directory
+    weight_dtype: str  # the dtype W is stored in
+    parity: Parity
+    norm: Norm | None = None
+
+
+HEAD_TABLES = ("embedding", "output")
+NORM_KINDS = ("rmsnorm", "layernorm")
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     version: str
@@ -108,12 +143,15 @@ class Manifest:
     tie: Tie | None = None
     # Written only for a model exported with --from-pretrained.
     pretrained: Pretrained | None = None
+    # Written only for a model with a head (``Head``): without one, it answers no
+    # ``nearest``.
+    head: Head | None = None
 
     def to_json(self) -> str:
         fields = asdict(self)
         # A size a kind does not have, or a tie not known, is left out, not written as
         # null: a token model's manifest stays what it was before these fields existed.
-        for key in (*_KIND_SIZES, "tie", "pretrained"):
+        for key in (*_KIND_SIZES, "tie", "pretrained", "head"):
             if fields[key] is None:
                 del fields[key]
         return json.dumps(fields, indent=2, sort_keys=True) + "\n"
@@ -179,6 +217,11 @@ class Manifest:
                 if reader.get("pretrained") is not None
                 else None
             ),
+            head=(
+                _head(reader.obj("head"), f"{where}: head")
+                if reader.get("head") is not None
+                else None
+            ),
         )
 
 
@@ -218,6 +261,42 @@ def _pretrained(raw: dict[str, Any], where: str) -> Pretrained:
         convention=reader.text("convention"),
         engine_scales={str(k): float(v) for k, v in scales.items()},
         keys=reader.obj("keys"),
+    )
+
+
+def _head(raw: dict[str, Any], where: str) -> Head:
+    reader = _Reader(raw, where)
+    table = reader.text("table")
+    if table not in HEAD_TABLES:
+        raise ModelDirError(f"{where}: table must be one of {HEAD_TABLES}, got {table!r}")
+    output_key = reader.get("output_key")
+    if output_key is not None and not isinstance(output_key, str):
+        raise ModelDirError(f"{where}: output_key must be a string or null, got {output_key!r}")
+    parity = _Reader(reader.obj("parity"), f"{where}: parity")
+    norm = None
+    if reader.get("norm") is not None:
+        norm_reader = _Reader(reader.obj("norm"), f"{where}: norm")
+        kind = norm_reader.text("kind")
+        if kind not in NORM_KINDS:
+            raise ModelDirError(f"{where}: norm kind must be one of {NORM_KINDS}, got {kind!r}")
+        bias_key = norm_reader.get("bias_key")
+        if bias_key is not None and not isinstance(bias_key, str):
+            raise ModelDirError(f"{where}: norm bias_key must be a string, got {bias_key!r}")
+        eps = norm_reader.number("eps")
+        if not eps > 0:
+            raise ModelDirError(f"{where}: norm eps must be positive, got {eps!r}")
+        norm = Norm(kind, eps, norm_reader.text("weight_key"), bias_key)
+    return Head(
+        table=table,
+        output_key=output_key,
+        graph=reader.text("graph"),
+        weight_dtype=reader.text("weight_dtype"),
+        parity=Parity(
+            max_abs_error=parity.number("max_abs_error"),
+            tolerance=parity.number("tolerance"),
+            ids_checked=parity.integer("ids_checked"),
+        ),
+        norm=norm,
     )
 
 

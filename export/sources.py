@@ -95,8 +95,11 @@ def export_checkpoint(args: argparse.Namespace, kind: str, options: ExportOption
         scale, padding_idx = as_configured(args, matrix.shape, dtype_name, DEFAULT_SCALES[kind])
         part, keys = _checkpoint_part(args, kind, matrix, scale, padding_idx)
         tie = None
-        if args.output_projection is not None:
-            tie = find_tie(matrix, args.weights, args.output_projection)
+        # --output-key names the projection the head is written over; a tie to it is
+        # recorded as --output-projection's is.
+        projection = args.output_projection or args.output_key
+        if projection is not None:
+            tie = find_tie(matrix, args.weights, projection)
         source = _checkpoint_source(args, matrix, keys)
         return export(part, dataclasses.replace(options, source=source, tie=tie))
 

@@ -58,9 +58,15 @@ def load_matrix(path: Path, key: str) -> torch.Tensor:
 def load_vector(path: Path, key: str) -> torch.Tensor:
     """The 1-D float tensor at ``key`` (a projection's bias) in a state_dict or a
     safetensors file, as float32: safetensors reads its one tensor, torch files are read
-    as ``open_matrix`` reads them."""
+    as ``open_matrix`` reads them; a sharded checkpoint's index leads to the one shard that
+    holds it."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if path.name.endswith(INDEX_SUFFIX):
+        shard = json.loads(path.read_text(encoding="utf-8")).get("weight_map", {}).get(key)
+        if shard is None:
+            raise CheckpointError(f"key {key!r} not found in {path.name}")
+        return load_vector(path.parent / shard, key)
     tensor: torch.Tensor | None
     if path.suffix.lower() == ".safetensors":
         from safetensors import safe_open

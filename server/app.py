@@ -211,12 +211,15 @@ class TokembedServer:
             limits=Limits(
                 max_tokens_per_request=settings.max_tokens_per_request,
                 max_output_bytes_per_request=settings.max_output_bytes_per_request,
+                max_nearest_k=settings.max_nearest_k,
+                max_nearest_flops_per_request=settings.max_nearest_flops_per_request,
             ),
             batch=BatchLimits(
                 max_batch_tokens=settings.max_batch_tokens,
                 max_delay_s=settings.max_delay_s,
                 max_concurrent_batches=settings.max_concurrent_batches,
                 max_queued_tokens=settings.max_queued_tokens,
+                nearest_max_batch_rows=settings.nearest_max_batch_rows,
             ),
         )
         return Scheduler(

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from tokembed.server.backends.head import NearestHead
 from tokembed.server.core.dtypes import DType
 from tokembed.server.core.types import Buffer, TokenIds
 
@@ -99,6 +100,9 @@ class Backend(ABC):
     # What each way of serving this model would hold in memory, by backend kind ("table",
     # "onnxruntime"): set by the loader, which chose among them (GetModelInfo shows it).
     serving_memory: dict[str, int] = {}  # noqa: RUF012 - replaced per instance, never changed
+    # The way back from vectors to ids (``nearest``), set by the loader for a model whose
+    # manifest records a head; None: the model answers no nearest.
+    head: NearestHead | None = None
 
     @abstractmethod
     def look_up(self, request: LookUp) -> Rows:

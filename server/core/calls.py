@@ -69,6 +69,11 @@ OUTCOMES: dict[str, Outcomes] = {
         _BEFORE_ROUTING,
         (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
     ),
+    # The way back: refused, overloaded or failed as embed is (one batcher, one admission).
+    "nearest": Outcomes(
+        _BEFORE_ROUTING,
+        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
+    ),
     "model_info": Outcomes((InvalidInput, ModelNotFound, Unavailable, Unauthenticated), ()),
     "list_models": Outcomes((InvalidInput, Unavailable, Unauthenticated), (), ok_with_model=False),
 }
@@ -77,18 +82,23 @@ OUTCOMES: dict[str, Outcomes] = {
 class Call:
     """One call (or one item of a stream) being served: what its outcome is told with."""
 
-    __slots__ = ("front_end", "method", "model", "request_id", "started")
+    __slots__ = ("_operation", "front_end", "method", "model", "request_id", "started")
 
-    def __init__(self, front_end: FrontEnd, method: str, request_id: str) -> None:
+    def __init__(
+        self, front_end: FrontEnd, method: str, request_id: str, operation: str = ""
+    ) -> None:
         self.started = time.perf_counter()
         self.front_end = front_end
         self.method = method
         self.model = ""  # the model that answers it, once known
         self.request_id = request_id
+        # One method may serve several operations (V2's ModelInfer: embed, or nearest on
+        # a model's ``.nearest`` name): the data plane names the one it served.
+        self._operation = operation
 
     @property
     def operation(self) -> str:
-        return self.front_end.methods.get(self.method, "")
+        return self._operation or self.front_end.methods.get(self.method, "")
 
 
 @dataclass(slots=True)
@@ -152,11 +162,13 @@ class Calls:
 
     # --- in flight
 
-    def start(self, front_end: FrontEnd, method: str, request_id: str = "") -> Call:
+    def start(
+        self, front_end: FrontEnd, method: str, request_id: str = "", operation: str = ""
+    ) -> Call:
         """A call reached its handler: it is in flight until ``end``."""
         self.active += 1
         self.last_call_at = time.monotonic()
-        return Call(front_end, method, request_id)
+        return Call(front_end, method, request_id, operation)
 
     def end(self) -> None:
         self.active -= 1

@@ -36,17 +36,24 @@ class Policy:
     inline_max_tokens: int  # computes of more tokens never run on the event loop
     inline_max_bytes: int = INLINE_MAX_BYTES
 
-    def place(self, tokens: int, output_bytes: int, *, batcher_idle: bool) -> Placement:
+    def place(
+        self, tokens: int, output_bytes: int, *, batcher_idle: bool, heavy: bool = False
+    ) -> Placement:
         """Where one request's compute runs (``batcher_idle``: nothing queued or
-        computing in the batcher it would join)."""
+        computing in the batcher it would join; ``heavy``: an operation whose compute
+        reads a whole table, which always batches, whatever the backend)."""
+        if heavy:
+            return Placement.BATCH
         if self.runs_inline(tokens, output_bytes) and (batcher_idle or not self.batches):
             return Placement.INLINE
         return Placement.BATCH if self.batches else Placement.OFF_LOOP
 
-    def runs_inline(self, tokens: int, output_bytes: int) -> bool:
+    def runs_inline(self, tokens: int, output_bytes: int, *, heavy: bool = False) -> bool:
         """Whether a compute of this size (one request's, or a batch's) runs on the event
-        loop."""
-        return tokens <= self.inline_max_tokens and output_bytes < self.inline_max_bytes
+        loop (a heavy one never does)."""
+        return (
+            not heavy and tokens <= self.inline_max_tokens and output_bytes < self.inline_max_bytes
+        )
 
     def frames_inline(self, output_bytes: int) -> bool:
         """Whether an answer of this size computed in a batch is framed on the event loop."""

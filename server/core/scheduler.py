@@ -97,7 +97,7 @@ class Scheduler:
         if self._closed:  # the repository routes nothing here once closed; a bug if so
             raise Unavailable("this model version is unloaded")
         policy = self._policy
-        if policy.batches:
+        if policy.batches or operation.heavy:
             # A batch holds one operation's jobs; embed's may mix dtypes (a batch computes
             # float32 rows and casts each job's own).
             key = operation.name
@@ -105,7 +105,9 @@ class Scheduler:
             idle = batcher is None or batcher.idle
         else:  # a backend that never batches has no batcher to ask
             key, idle = None, True
-        placement = policy.place(job.tokens, job.output_bytes, batcher_idle=idle)
+        placement = policy.place(
+            job.tokens, job.output_bytes, batcher_idle=idle, heavy=operation.heavy
+        )
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
         if deadlines.passed(deadline, time.monotonic()):
@@ -148,7 +150,7 @@ class Scheduler:
         """A compute in the batch of ``key``, and the frame (off the loop when large)."""
         batcher = self._batchers.get(key)
         if batcher is None:
-            batcher = self._batchers[key] = self._new_batcher()
+            batcher = self._batchers[key] = self._new_batcher(operation.heavy)
         batched = await batcher.submit((operation, job), job.tokens, deadline)
         timings = Timings(
             batched.queue_s, batched.compute_s, batched.batch_requests, batched.batch_tokens
@@ -159,7 +161,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._workers, frame, answer)
 
-    def _new_batcher(self) -> Batcher[_Item, Any]:
+    def _new_batcher(self, heavy: bool) -> Batcher[_Item, Any]:
+        """A batcher; a heavy operation's batches are bounded by rows (its vectors)."""
         limits = self.served.batch
         if self._batch_threads is None:
             self._batch_threads = ThreadPoolExecutor(
@@ -168,7 +171,7 @@ class Scheduler:
             )
         return Batcher(
             self._run_batch,
-            max_batch_tokens=limits.max_batch_tokens,
+            max_batch_tokens=limits.nearest_max_batch_rows if heavy else limits.max_batch_tokens,
             max_delay_s=limits.max_delay_s,
             max_concurrent_batches=limits.max_concurrent_batches,
             on_drop=self._report_drop,
@@ -179,7 +182,8 @@ class Scheduler:
         operation = items[0][0]  # a batcher per operation
         jobs = [job for _, job in items]
         tokens = sum(job.tokens for job in jobs)
-        if self._policy.runs_inline(tokens, sum(job.output_bytes for job in jobs)):
+        output_bytes = sum(job.output_bytes for job in jobs)
+        if self._policy.runs_inline(tokens, output_bytes, heavy=operation.heavy):
             return self._compute(operation, jobs, tokens)
         assert self._batch_threads is not None, "This is a bug."
         loop = asyncio.get_running_loop()

@@ -17,6 +17,9 @@ class Limits:
 
     max_tokens_per_request: int
     max_output_bytes_per_request: int
+    # nearest: the largest k, and the work (2 N D V flops) of one request.
+    max_nearest_k: int = 1024
+    max_nearest_flops_per_request: int = 2**40
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class BatchLimits:
     max_delay_s: float
     max_concurrent_batches: int
     max_queued_tokens: int
+    # nearest's batches: the vectors of one multiply.
+    nearest_max_batch_rows: int = 256
 
 
 @dataclass(frozen=True)

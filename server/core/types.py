@@ -72,11 +72,33 @@ class Timings:
 
 
 @dataclass(slots=True)
+class NamedTensor:
+    """One of an answer's several tensors: its name on the wire (``ids``, ``scores``,
+    ``logits``; a tokenizer's ``offsets``), and its C-order bytes as pieces."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    pieces: Sequence[Buffer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(piece) for piece in self.pieces)
+
+
+@dataclass(slots=True)
 class Answer:
     """One request's answer: a ``shape`` tensor of ``dtype`` whose C-order bytes are
     ``pieces`` joined in order. The pieces are views of what the compute produced (a
     table's rows, or the rows of an onnxruntime run): whoever frames them into a
-    response copies each byte once."""
+    response copies each byte once.
+
+    An answer of several named tensors (``nearest``'s ids, scores and logits) lists them
+    in ``tensors``, in the order they are framed; its ``shape``, ``dtype`` and ``pieces``
+    are then the first one's (what the metrics and the log describe). Every front end
+    frames ``tensors`` the same way whatever the operation (``several``), so that a new
+    operation of several outputs needs no framing code of its own.
+    """
 
     shape: tuple[int, ...]
     dtype: DType
@@ -87,3 +109,9 @@ class Answer:
     nbytes: int
     model_name: str
     model_version: str
+    tensors: Sequence[NamedTensor] = ()
+
+    @property
+    def several(self) -> bool:
+        """Whether the answer is ``tensors`` (named) rather than one unnamed tensor."""
+        return bool(self.tensors)

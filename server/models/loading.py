@@ -34,6 +34,7 @@ from tokembed.export.errors import ModelDirError
 from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN, TOKEN_TYPE_IDS
 from tokembed.export.model_dir import ModelDir, load_model_dir
 from tokembed.server.backends.base import Backend
+from tokembed.server.backends.head import FinalNorm, NearestHead
 from tokembed.server.backends.runtime import OnnxRuntimeBackend
 from tokembed.server.backends.segment import SegmentTableBackend, every_combination
 from tokembed.server.backends.sessions import (
@@ -113,7 +114,28 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
     build = BACKENDS.get(model.kind.name)
     if build is None:  # This is a bug: a kind model_dir knows must have a backend.
         raise ServerConfigError(f"no backend serves {model.kind.name} models yet")
-    return build(model, settings)
+    backend = build(model, settings)
+    if model.manifest.head is not None:
+        backend.head = _head(model)
+    return backend
+
+
+def _head(model: ModelDir) -> NearestHead:
+    """The model's head (``nearest``): its output table read from the file its head graph
+    names (for a tied model, the exported table's own bytes), widened to float32 once,
+    and its final norm. The multiply runs in numpy on the CPU; the head graph is what an
+    accelerator would run."""
+    from tokembed.export.head import head_table, norm_arrays
+
+    manifest = model.manifest
+    assert manifest.head is not None, "This is a bug."
+    arrays = norm_arrays(model.path, manifest)
+    norm = None
+    if arrays is not None:
+        bias = None if arrays.bias is None else np.asarray(arrays.bias, dtype=np.float32)
+        norm = FinalNorm(arrays.record.kind, arrays.record.eps,
+                         np.asarray(arrays.weight, dtype=np.float32), bias)  # fmt: skip
+    return NearestHead(head_table(model.path, manifest), norm, manifest.head.table)
 
 
 def _token_backend(model: ModelDir, settings: Settings) -> Backend:

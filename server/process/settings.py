@@ -88,7 +88,16 @@ class Settings:
         "the event loop itself: a tiny look-up (~10 us) costs less than the hop to a worker "
         "thread (0: always off-loop)",
     )
+    nearest_max_batch_rows: int = setting(
+        256,
+        "nearest: a batch closes when it holds this many vectors (their [rows, V] logits "
+        "are computed together, the table read once per batch)",
+    )
     # --- limits and admission
+    max_nearest_k: int = setting(1024, "nearest: the largest k one request may ask for")
+    max_nearest_flops_per_request: int = setting(
+        2**40, "nearest: the work one request may cost, 2 x vectors x D x V flops"
+    )
     max_tokens_per_request: int = setting(65536, "tokens one request may carry")
     max_output_bytes_per_request: int = setting(
         128 * MiB, "output bytes one request may ask for (sets the gRPC message limit too)"
@@ -275,6 +284,9 @@ class Settings:
             "log_summary_interval_s",
             "shared_memory_max_regions",
             "max_concurrent_streams",
+            "nearest_max_batch_rows",
+            "max_nearest_k",
+            "max_nearest_flops_per_request",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -91,6 +91,7 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "info",
         "model_info",
         "models",
+        "nearest",
         "sglang_input_embeds",
         "shared_memory",
         "target",

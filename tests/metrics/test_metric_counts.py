@@ -177,6 +177,8 @@ def test_every_method_is_counted_under_its_name(
         ragged = stub.Embed(embed_request(ids_of(8)[0], lengths=[3, 5]), timeout=10)
         stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError):  # the small model has no head
+            stub.Nearest(pb.NearestRequest(k=1), timeout=10)
 
     assert [answer.WhichOneof("result") for answer in answers] == [
         "response", "response", "error", "response",
@@ -189,13 +191,14 @@ def test_every_method_is_counted_under_its_name(
     assert requests_by_code(server, "Embed") == {"OK": 1}
     assert requests_by_code(server, "GetModelInfo") == {"OK": 1}
     assert requests_by_code(server, "ListModels") == {"OK": 1}
+    assert requests_by_code(server, "Nearest") == {"INVALID_ARGUMENT": 1}
     counted = {
         sample.labels["method"]
         for sample in matching(scrape(server.metrics_port), "tokembed_requests_total")
         if sample.value
     }
     assert counted == set(FRONT_END.methods)
-    assert rejections(server) == {"invalid_input": 1}
+    assert rejections(server) == {"invalid_input": 2}
     # Tokens are the ids sent, not padded positions: 3x8 streamed, 2x8 chunked, 8 ragged.
     assert m("tokembed_tokens_total") == 24 + 16 + 8
     streamed = sum(

@@ -139,6 +139,7 @@ CODES_BY_METHOD = {
     "Embed": _EMBED_CODES,
     "EmbedStream": _EMBED_CODES,
     "EmbedChunked": _EMBED_CODES,
+    "Nearest": _EMBED_CODES,
     "GetModelInfo": {"": {"INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED"},
                      "model": {"OK"}},
     "ListModels": {"": {"OK", "INVALID_ARGUMENT", "UNAVAILABLE", "UNAUTHENTICATED"},

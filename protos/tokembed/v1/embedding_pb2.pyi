@@ -121,6 +121,30 @@ A FLAT ragged answer has no batch axis to order: asking for both is INVALID_ARGU
 """
 Global___Layout: _TypeAlias = Layout  # noqa: Y015
 
+class _Metric:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MetricEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Metric.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    METRIC_UNSPECIFIED: _Metric.ValueType  # 0
+    """DOT."""
+    METRIC_DOT: _Metric.ValueType  # 1
+    """h . W_v: the tied head's logits (transformers' lm_head(h))."""
+    METRIC_COSINE: _Metric.ValueType  # 2
+    """h . W_v / (|h| |W_v|); a row of norm 0 scores 0; a vector of norm 0 is refused."""
+
+class Metric(_Metric, metaclass=_MetricEnumTypeWrapper):
+    """How nearest scores a vector h against a row W_v of the output table."""
+
+METRIC_UNSPECIFIED: Metric.ValueType  # 0
+"""DOT."""
+METRIC_DOT: Metric.ValueType  # 1
+"""h . W_v: the tied head's logits (transformers' lm_head(h))."""
+METRIC_COSINE: Metric.ValueType  # 2
+"""h . W_v / (|h| |W_v|); a row of norm 0 scores 0; a vector of norm 0 is refused."""
+Global___Metric: _TypeAlias = Metric  # noqa: Y015
+
 @_typing.final
 class Tensor(_message.Message):
     """A dense tensor: `data` holds prod(shape) elements of `dtype`, little-endian,
@@ -390,6 +414,122 @@ class EmbedChunk(_message.Message):
 Global___EmbedChunk: _TypeAlias = EmbedChunk  # noqa: Y015
 
 @_typing.final
+class NearestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VECTORS_FIELD_NUMBER: _builtins.int
+    K_FIELD_NUMBER: _builtins.int
+    METRIC_FIELD_NUMBER: _builtins.int
+    LOGITS_FIELD_NUMBER: _builtins.int
+    APPLY_NORM_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    k: _builtins.int
+    """How many ids per vector: 1 <= k <= min(the server's max_nearest_k, V)."""
+    metric: Global___Metric.ValueType
+    logits: _builtins.bool
+    """Also answer the logits [..., V] float32 (h . W_v for every id; after the norm when
+    apply_norm), within max_output_bytes_per_request.
+    """
+    apply_norm: _builtins.bool
+    """Apply the model's final norm (RMSNorm or LayerNorm, exported with the model) before
+    the head, as transformers computes lm_head(norm(h)): the logit lens over
+    intermediate states. A model exported without one refuses it.
+    """
+    model_name: _builtins.str
+    model_version: _builtins.str
+    request_id: _builtins.str
+    @_builtins.property
+    def vectors(self) -> Global___Tensor:
+        """[N, D] or [B, S, D]: FLOAT32, FLOAT16 or BFLOAT16 (widened to float32 exactly; the
+        scores accumulate in float32), every component finite.
+        """
+
+    def __init__(
+        self,
+        *,
+        vectors: Global___Tensor | None = ...,
+        k: _builtins.int = ...,
+        metric: Global___Metric.ValueType = ...,
+        logits: _builtins.bool = ...,
+        apply_norm: _builtins.bool = ...,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["vectors", b"vectors"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_norm", b"apply_norm", "k", b"k", "logits", b"logits", "metric", b"metric", "model_name", b"model_name", "model_version", b"model_version", "request_id", b"request_id", "vectors", b"vectors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NearestRequest: _TypeAlias = NearestRequest  # noqa: Y015
+
+@_typing.final
+class NamedTensor(_message.Message):
+    """A tensor with its name: what an answer of several tensors is made of."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TENSOR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def tensor(self) -> Global___Tensor: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        tensor: Global___Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tensor", b"tensor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamedTensor: _TypeAlias = NamedTensor  # noqa: Y015
+
+@_typing.final
+class TensorsResponse(_message.Message):
+    """An answer of several named tensors (Nearest's: "ids" int64 [..., k], "scores" float32
+    [..., k] largest first, equal scores by the lower id, and "logits" float32 [..., V]
+    when asked), in the order the operation documents.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    model_version: _builtins.str
+    request_id: _builtins.str
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedTensor]: ...
+    @_builtins.property
+    def timings(self) -> Global___Timings: ...
+    def __init__(
+        self,
+        *,
+        outputs: _abc.Iterable[Global___NamedTensor] | None = ...,
+        timings: Global___Timings | None = ...,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "request_id", b"request_id", "timings", b"timings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorsResponse: _TypeAlias = TensorsResponse  # noqa: Y015
+
+@_typing.final
 class GetModelInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -571,6 +711,7 @@ class ModelInfo(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     CONVENTION_FIELD_NUMBER: _builtins.int
     ENGINE_SCALES_FIELD_NUMBER: _builtins.int
+    HEAD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.str
     vocab_size: _builtins.int
@@ -637,6 +778,10 @@ class ModelInfo(_message.Message):
         architecture is not recorded.
         """
 
+    @_builtins.property
+    def head(self) -> Global___HeadInfo:
+        """The way back (Nearest); unset: the model has no head and refuses it."""
+
     def __init__(
         self,
         *,
@@ -661,16 +806,45 @@ class ModelInfo(_message.Message):
         architecture: _builtins.str = ...,
         convention: _builtins.str = ...,
         engine_scales: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        head: Global___HeadInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "limits", b"limits", "padding_id", b"padding_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "head", b"head", "limits", b"limits", "padding_id", b"padding_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "architecture", b"architecture", "backend", b"backend", "convention", b"convention", "d_model", b"d_model", "engine_scales", b"engine_scales", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "architecture", b"architecture", "backend", b"backend", "convention", b"convention", "d_model", b"d_model", "engine_scales", b"engine_scales", "execution_provider", b"execution_provider", "head", b"head", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__padding_id: _TypeAlias = _typing.Literal["padding_id"]  # noqa: Y015
     _WhichOneofArgType__padding_id: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__padding_id) -> _WhichOneofReturnType__padding_id | None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class HeadInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TABLE_FIELD_NUMBER: _builtins.int
+    NORM_FIELD_NUMBER: _builtins.int
+    MAX_K_FIELD_NUMBER: _builtins.int
+    table: _builtins.str
+    """"embedding" (tied: the look-up's own table) or "output" (an untied projection)."""
+    norm: _builtins.str
+    """The final norm applied with apply_norm: "rmsnorm", "layernorm", or empty (none)."""
+    max_k: _builtins.int
+    """The largest k a request may ask for."""
+    def __init__(
+        self,
+        *,
+        table: _builtins.str = ...,
+        norm: _builtins.str = ...,
+        max_k: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_k", b"max_k", "norm", b"norm", "table", b"table"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeadInfo: _TypeAlias = HeadInfo  # noqa: Y015
 
 @_typing.final
 class IdInputInfo(_message.Message):

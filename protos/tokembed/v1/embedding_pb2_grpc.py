@@ -59,6 +59,11 @@ class EmbeddingServiceStub(object):
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Nearest = channel.unary_unary(
+                '/tokembed.v1.EmbeddingService/Nearest',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer(object):
@@ -103,6 +108,15 @@ class EmbeddingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Nearest(self, request, context):
+        """The way back: vectors to the ids of the model's output table that score highest
+        (the tied embedding table, or the exported output projection; a model with neither
+        is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +144,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsRequest.FromString,
                     response_serializer=tokembed_dot_v1_dot_embedding__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Nearest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nearest,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +286,33 @@ class EmbeddingService(object):
             '/tokembed.v1.EmbeddingService/ListModels',
             tokembed_dot_v1_dot_embedding__pb2.ListModelsRequest.SerializeToString,
             tokembed_dot_v1_dot_embedding__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nearest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/Nearest',
+            tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

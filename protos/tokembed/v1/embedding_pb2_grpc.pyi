@@ -56,6 +56,11 @@ class EmbeddingServiceStub:
     """One served model (the default one unless named) and the limits it is served under."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.ListModelsRequest, _embedding_pb2.ListModelsResponse]
     """Every served model, and which one answers requests that name none."""
+    Nearest: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.NearestRequest, _embedding_pb2.TensorsResponse]
+    """The way back: vectors to the ids of the model's output table that score highest
+    (the tied embedding table, or the exported output projection; a model with neither
+    is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+    """
 
 @_typing.type_check_only
 class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
@@ -76,6 +81,11 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     """One served model (the default one unless named) and the limits it is served under."""
     ListModels: _aio.UnaryUnaryMultiCallable[_embedding_pb2.ListModelsRequest, _embedding_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Every served model, and which one answers requests that name none."""
+    Nearest: _aio.UnaryUnaryMultiCallable[_embedding_pb2.NearestRequest, _embedding_pb2.TensorsResponse]  # type: ignore[assignment]
+    """The way back: vectors to the ids of the model's output table that score highest
+    (the tied embedding table, or the exported output projection; a model with neither
+    is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+    """
 
 class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -123,5 +133,16 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_embedding_pb2.ListModelsResponse, _abc.Awaitable[_embedding_pb2.ListModelsResponse]]:
         """Every served model, and which one answers requests that name none."""
+
+    @_abc_1.abstractmethod
+    def Nearest(
+        self,
+        request: _embedding_pb2.NearestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_embedding_pb2.TensorsResponse, _abc.Awaitable[_embedding_pb2.TensorsResponse]]:
+        """The way back: vectors to the ids of the model's output table that score highest
+        (the tied embedding table, or the exported output projection; a model with neither
+        is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+        """
 
 def add_EmbeddingServiceServicer_to_server(servicer: EmbeddingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

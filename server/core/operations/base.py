@@ -38,6 +38,9 @@ ResultT = TypeVar("ResultT")
 
 class Operation(ABC, Generic[RequestT, JobT, ResultT]):
     name: str  # "embed": the `operation` label of the request metrics
+    # A compute that multiplies over a whole table (nearest): it gains from company on
+    # any backend, so its jobs always batch, and never compute on the event loop.
+    heavy: bool = False
 
     @abstractmethod
     def validate(self, request: RequestT, model: ServedModel) -> JobT:

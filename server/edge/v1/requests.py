@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from tokembed.export.kinds import TOKEN_TYPE_IDS
 from tokembed.server.core.dataplane import ModelQuery, Refused, Request
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES
-from tokembed.server.core.errors import InvalidInput
+from tokembed.server.core.errors import InvalidInput, TooLarge
 from tokembed.server.core.operations.embed import (
     BATCH_FIRST,
     FLAT,
@@ -24,6 +24,7 @@ from tokembed.server.core.operations.embed import (
     IdsInput,
     request_over_limit,
 )
+from tokembed.server.core.operations.nearest import NearestInput
 from tokembed.v1 import embedding_pb2 as pb
 
 
@@ -104,6 +105,48 @@ def parse_embed(data: bytes) -> EmbedCall | Refused:
         ),
         request.request_id,
     )
+
+
+NearestCall = Request[NearestInput]
+_METRIC_NAMES = {pb.METRIC_UNSPECIFIED: "dot", pb.METRIC_DOT: "dot", pb.METRIC_COSINE: "cosine"}
+
+
+class NearestParser:
+    """The deserializer of Nearest: refused by its size alone past ``max_bytes`` (what
+    ``max_vectors`` float32 vectors of the widest served model take), else decoded."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+
+    def __call__(self, data: bytes) -> NearestCall | Refused:
+        if len(data) > self._max_bytes:
+            return Refused(TooLarge(f"the request is {len(data)} bytes, over the limit of "
+                                    f"{self._max_bytes} bytes"))  # fmt: skip
+        try:
+            request = pb.NearestRequest.FromString(data)
+        except DecodeError as exc:
+            return Refused(
+                InvalidInput(f"the request is not a valid tokembed.v1.NearestRequest: {exc}")
+            )
+        vectors = request.vectors
+        return Request(
+            request.model_name,
+            request.model_version,
+            NearestInput(
+                data=vectors.data,
+                dtype=(
+                    WIRE_OUTPUT_DTYPES.get(vectors.dtype)
+                    or ("" if vectors.dtype == pb.DTYPE_UNSPECIFIED
+                        else _enum_name(pb.DType, vectors.dtype))
+                ),
+                shape=tuple(vectors.shape),
+                k=request.k,
+                metric=_METRIC_NAMES.get(request.metric) or _enum_name(pb.Metric, request.metric),
+                logits=request.logits,
+                norm=request.apply_norm,
+            ),
+            request.request_id,
+        )  # fmt: skip
 
 
 def _id_dtype_name(dtype: pb.DType.ValueType) -> str:

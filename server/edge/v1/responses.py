@@ -178,6 +178,11 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         )
     for table in served.kind.tables(manifest):
         answer.tables.add(role=table.role, shape=table.shape, dtype=manifest.weight_dtype)
+    head = backend.head
+    if head is not None:
+        norm = head.norm.kind if head.norm is not None else ""
+        max_k = min(served.limits.max_nearest_k, head.vocab_size)
+        answer.head.CopyFrom(pb.HeadInfo(table=head.table_role, norm=norm, max_k=max_k))
     answer.memory_bytes.update(backend.memory_bytes)
     answer.serving_memory_bytes.update(backend.serving_memory)
     if manifest.pretrained is not None:
@@ -185,6 +190,33 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         answer.convention = manifest.pretrained.convention
         answer.engine_scales.update(manifest.pretrained.engine_scales)
     return answer
+
+
+def tensors_response(answer: Answer, request_id: str, server_s: float) -> bytes:
+    """A TensorsResponse: every named tensor of an answer of several (``Answer.tensors``),
+    whatever the operation; each tensor's pieces are joined once, into its message."""
+    timings = answer.timings
+    response = pb.TensorsResponse(
+        outputs=[
+            pb.NamedTensor(name=tensor.name, tensor=pb.Tensor(
+                dtype=WIRE_DTYPES[tensor.dtype.name], shape=tensor.shape,
+                data=b"".join(tensor.pieces),
+            ))
+            for tensor in answer.tensors
+        ],
+        timings=pb.Timings(
+            queue_seconds=timings.queue_s, compute_seconds=timings.compute_s,
+            server_seconds=server_s, batch_requests=timings.batch_requests,
+            batch_tokens=timings.batch_tokens,
+        ),
+        model_name=answer.model_name, model_version=answer.model_version, request_id=request_id,
+    )  # fmt: skip
+    return response.SerializeToString()
+
+
+# Every dtype a named tensor may be in, by name (ids are int64).
+WIRE_DTYPES = {name: value for value, name in (*WIRE_ID_DTYPES.items(),
+                                               *WIRE_OUTPUT_DTYPES.items())}  # fmt: skip
 
 
 def list_models(

@@ -22,6 +22,7 @@ from tokembed.server.core.calls import Call, FrontEnd
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.operations.nearest import NEAREST
 from tokembed.server.core.types import Answer, Buffer
 from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
@@ -30,6 +31,8 @@ from tokembed.server.edge.v1 import responses
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
     EmbedParser,
+    NearestCall,
+    NearestParser,
     parse_list_models,
     parse_model_query,
 )
@@ -44,6 +47,7 @@ FRONT_END = FrontEnd(
         "EmbedChunked": "embed",
         "GetModelInfo": "model_info",
         "ListModels": "list_models",
+        "Nearest": "nearest",
     },
     status_of=status_name,
 )
@@ -57,10 +61,12 @@ class EmbeddingServicer:
         chunk_bytes: int,
         max_message_bytes: int,
         parse: EmbedParser,
+        parse_nearest: NearestParser | None = None,
     ) -> None:
         """``chunk_bytes``: slice size of EmbedChunked answers; ``max_message_bytes``: the
         message limit GetModelInfo reports; ``parse``: the Embed methods' deserializer."""
         self.parse = parse
+        self.parse_nearest = parse_nearest or NearestParser(max_message_bytes)
         self._dataplane = dataplane
         self._chunk_bytes = chunk_bytes
         self._max_message_bytes = max_message_bytes
@@ -87,6 +93,18 @@ class EmbeddingServicer:
             FRONT_END, "EmbedStream", EMBED, request_iterator, deadline_of(context),
             _StreamItemSink(context),
         )  # fmt: skip
+
+    async def Nearest(
+        self, request: NearestCall | Refused, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        sink = _TensorsSink(context)
+        try:
+            await self._dataplane.serve(
+                FRONT_END, "Nearest", NEAREST, request, deadline_of(context), sink
+            )
+        except EmbedError as error:
+            refuse(context, status_of(error), error)
+        return sink.payload
 
     async def GetModelInfo(
         self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
@@ -146,6 +164,13 @@ class _UnarySink(GrpcUnarySink):
         return responses.embed_response(answer, call.request_id, _server_s(call))
 
 
+class _TensorsSink(GrpcUnarySink):
+    """An answer of several named tensors (Nearest): one TensorsResponse."""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return responses.tensors_response(answer, call.request_id, _server_s(call))
+
+
 class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
     """EmbedChunked: a header, then the answer's bytes in slices, each made as it is
     written (so an answer is never whole in memory twice)."""
@@ -189,6 +214,7 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
         "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, servicer.parse),
         "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, servicer.parse),
         "EmbedChunked": grpc.unary_stream_rpc_method_handler(servicer.EmbedChunked, servicer.parse),
+        "Nearest": grpc.unary_unary_rpc_method_handler(servicer.Nearest, servicer.parse_nearest),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, parse_model_query, pb.ModelInfo.SerializeToString
         ),

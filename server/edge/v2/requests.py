@@ -40,6 +40,8 @@ from tokembed.server.core.operations.embed_request import (
     IdsInput,
     Unread,
 )
+from tokembed.server.core.operations.nearest import NearestInput
+from tokembed.server.edge.v2 import nearest
 from tokembed.v2 import grpc_service_pb2 as pb
 
 # The V2 datatype names, by the rows of the server's dtype table (``core.dtypes``): a row
@@ -86,6 +88,7 @@ class CallersInput(Unread):
 
 # Where an input's bytes are: the request, its index among the inputs; returns them
 # unread (``Unread``). Raises ``EmbedError`` for what it can tell from the request alone.
+NearestCall = Request[NearestInput]  # a ModelInferRequest for NAME.nearest (``v2.nearest``)
 InputSource = Callable[["pb.ModelInferRequest", int], Unread]
 SHARED_MEMORY_REGION = "shared_memory_region"  # an input's parameter naming its region
 
@@ -106,13 +109,19 @@ class InferParser:
         self._max_tokens = max_tokens
         self._source = source or in_request
 
-    def __call__(self, data: bytes) -> InferCall | Refused:
+    def __call__(self, data: bytes) -> InferCall | NearestCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
             request = pb.ModelInferRequest.FromString(data)
         except DecodeError as exc:
             return Refused(InvalidInput(f"the request is not a valid ModelInferRequest: {exc}"))
+        base = nearest.base_name(request.model_name)
+        if base is not None:  # NAME.nearest: the nearest operation of NAME
+            try:
+                return nearest.nearest_call(request, base)
+            except EmbedError as error:
+                return Refused(error, request.id)
         try:
             body = self.embed_input(request)
         except EmbedError as error:

@@ -30,16 +30,18 @@ from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
 from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.operations.nearest import NEAREST
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
 from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.status_codes import refuse
-from tokembed.server.edge.v2 import responses
+from tokembed.server.edge.v2 import nearest, responses
 from tokembed.server.edge.v2.requests import (
     InferCall,
     InferParser,
+    NearestCall,
     parse_message,
     parse_model_query,
 )
@@ -106,8 +108,17 @@ class InferenceServicer:
     # --- inference
 
     async def ModelInfer(
-        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
+        self, request: InferCall | NearestCall | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
+        if not isinstance(request, (InferCall, Refused)):  # NAME.nearest: v2.nearest
+            tensors = TensorsSink(context)
+            try:
+                await self._dataplane.serve(
+                    FRONT_END, "ModelInfer", NEAREST, request, deadline_of(context), tensors
+                )
+            except EmbedError as error:
+                refuse(context, status_of(error), error)
+            return tensors.payload
         request, sink = self.unary_sink(self._sent_by(request, context), context)
         try:
             await self._dataplane.serve(
@@ -155,14 +166,22 @@ class InferenceServicer:
 
     async def _in_the_stream(
         self,
-        requests: AsyncIterator[InferCall | Refused],
+        requests: AsyncIterator[InferCall | NearestCall | Refused],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[InferCall | Refused]:
         """A stream's requests, told their caller; one asking for its answer in shared
         memory is refused (a stream's answers are its messages; ModelInfer writes answers
-        into regions)."""
+        into regions), and so is one for a ``.nearest`` name (ModelInfer serves it)."""
         async for request in requests:
-            if isinstance(request, InferCall) and any(
+            if not isinstance(request, (InferCall, Refused)):
+                yield Refused(
+                    InvalidInput(
+                        f"model {request.model_name + nearest.SUFFIX!r} is served by "
+                        "ModelInfer, not in ModelStreamInfer"
+                    ),
+                    request.request_id,
+                )
+            elif isinstance(request, InferCall) and any(
                 names_region(output.parameters) for output in request.outputs
             ):
                 yield Refused(
@@ -202,7 +221,12 @@ class InferenceServicer:
         try:
             if isinstance(request, Refused):
                 raise request.error
-            self._dataplane.repository.route(request.model_name, request.model_version)
+            base = nearest.base_name(request.model_name)
+            routed = self._dataplane.repository.route(
+                request.model_name if base is None else base, request.model_version
+            )
+            if base is not None and routed.served.backend.head is None:
+                return pb.ModelReadyResponse(ready=False)
         except Unavailable:
             return pb.ModelReadyResponse(ready=False)
         except EmbedError as error:
@@ -212,12 +236,30 @@ class InferenceServicer:
     async def ModelMetadata(
         self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadataResponse:
+        base = None if isinstance(request, Refused) else nearest.base_name(request.model_name)
+        if base is not None:
+            assert not isinstance(request, Refused)
+            query = ModelQuery(base, request.model_version)
+            served = await self._model_info("ModelMetadata", query, context)
+            try:
+                return nearest.model_metadata(served, self._versions(served.name))
+            except EmbedError as error:
+                await _abort(context, error)
         served = await self._model_info("ModelMetadata", request, context)
         return responses.model_metadata(served, self._versions(served.name))
 
     async def ModelConfig(
         self, request: ModelQuery | Refused, context: grpc.aio.ServicerContext
     ) -> pb.ModelConfigResponse:
+        base = None if isinstance(request, Refused) else nearest.base_name(request.model_name)
+        if base is not None:
+            assert not isinstance(request, Refused)
+            query = ModelQuery(base, request.model_version)
+            served = await self._model_info("ModelConfig", query, context)
+            try:
+                return nearest.model_config(served, self._max_message_bytes)
+            except EmbedError as error:
+                await _abort(context, error)
         served = await self._model_info("ModelConfig", request, context)
         return responses.model_config(served, self._max_message_bytes)
 
@@ -294,6 +336,14 @@ class UnarySink(GrpcUnarySink):
 
     def frame(self, answer: Answer, call: Call) -> bytes:
         return responses.infer_response(answer, OUTPUT_NAME, call.request_id)
+
+
+class TensorsSink(GrpcUnarySink):
+    """ModelInfer of an answer of several named tensors (NAME.nearest): one
+    ModelInferResponse with an output each."""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        return nearest.infer_response(answer, call.request_id)
 
 
 class StreamItemSink(GrpcStreamItemSink):

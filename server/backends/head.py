@@ -1,0 +1,206 @@
+"""The way back: vectors to the ids of their nearest rows of the model's output table.
+
+``logits = norm?(h) @ W.T`` in float32 (``W`` widened to float32 once, at load; float32
+accumulation for every request dtype), then per vector the ``k`` largest by ``dot``
+(the logits themselves) or ``cosine`` (the logits divided by ``|h| |W_v|``; a row of
+``W`` with norm 0 scores 0). The scores answered are those products accumulated in
+float64 and rounded once to float32 (``_exact_top_k``: the float32 multiply finds the
+candidates, which are scored again), so that a vector's answer is the same alone or in
+any batch; equal scores are ordered by the lower id. The logits, when asked, are the
+float32 multiply's (within ``D 2**-24 |h| |W_v|`` of the exact products).
+
+The rows of every request in a batch go into one multiply (the table is read once per
+batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
+request then takes its own rows' top-k. It knows nothing of requests or batching: a
+``Query`` is a request's vectors, already validated (finite, of width D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Logits are computed this many bytes ([rows, V] float32) at a time.
+_LOGITS_CHUNK_BYTES = 64 * 1024 * 1024
+
+DOT = "dot"
+COSINE = "cosine"
+METRICS = (DOT, COSINE)
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    """The model's final norm (``manifest.Norm``'s kind and eps, with its parameters)."""
+
+    kind: str  # "rmsnorm" or "layernorm"
+    eps: float
+    weight: np.ndarray  # float32 [D]
+    bias: np.ndarray | None  # float32 [D]
+
+    def apply(self, h: np.ndarray) -> np.ndarray:
+        """As transformers computes it in float32 (``LlamaRMSNorm``, ``nn.LayerNorm``)."""
+        eps = np.float32(self.eps)
+        if self.kind == "rmsnorm":
+            variance = np.mean(h * h, axis=-1, keepdims=True, dtype=np.float32)
+            out = h * (np.float32(1.0) / np.sqrt(variance + eps)) * self.weight
+        else:
+            mean = np.mean(h, axis=-1, keepdims=True, dtype=np.float32)
+            centred = h - mean
+            variance = np.mean(centred * centred, axis=-1, keepdims=True, dtype=np.float32)
+            out = centred / np.sqrt(variance + eps) * self.weight
+            if self.bias is not None:
+                out = out + self.bias
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+@dataclass(slots=True)
+class Query:
+    """One request's vectors ``[n, D]`` float32, what it asks of them."""
+
+    vectors: np.ndarray
+    k: int
+    metric: str
+    logits: bool  # whether the answer carries the [n, V] logits
+    norm: bool  # whether the final norm is applied first
+
+
+@dataclass(slots=True)
+class Found:
+    """One request's answer: ids int64 ``[n, k]``, scores float32 ``[n, k]``, and the
+    logits float32 ``[n, V]`` when asked."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    logits: np.ndarray | None
+
+
+class NearestHead:
+    """A model's output table and final norm, and the search over them (thread-safe:
+    nothing changes after load but the row norms, computed once on first cosine use)."""
+
+    def __init__(self, table: np.ndarray, norm: FinalNorm | None, table_role: str) -> None:
+        """``table``: ``W [V, D]`` in its stored dtype (widened to float32 here, once)."""
+        self.table = np.ascontiguousarray(table, dtype=np.float32)
+        self.vocab_size, self.d_model = self.table.shape
+        self.norm = norm
+        self.table_role = table_role  # "embedding" (tied) or "output"
+        self._row_norms64 = _row_norms(self.table)
+        self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
+        self._row_norms: np.ndarray | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.table.nbytes)
+
+    def row_norms(self) -> np.ndarray:
+        """float32 row norms, for the first pass of cosine."""
+        if self._row_norms is None:
+            self._row_norms = self._row_norms64.astype(np.float32)
+        return self._row_norms
+
+    def search(self, queries: Sequence[Query]) -> list[Found]:
+        """Each query's top-k (and logits), from one multiply over all their rows."""
+        rows = [q.vectors if not q.norm else self._normed(q.vectors) for q in queries]
+        stacked = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        step = max(1, _LOGITS_CHUNK_BYTES // (4 * self.vocab_size))
+        results: list[Found] = []
+        query_index, start_in_query = 0, 0
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        for start in range(0, len(stacked), step):
+            logits = stacked[start : start + step] @ self.table.T
+            offset = 0
+            while offset < len(logits):
+                query = queries[query_index]
+                take = min(len(logits) - offset, len(query.vectors) - start_in_query)
+                part = logits[offset : offset + take]
+                h = rows[query_index][start_in_query : start_in_query + take]
+                ids, top = self._exact_top_k(part, h, query.k, query.metric)
+                pending.append((ids, top, part.copy() if query.logits else None))
+                offset += take
+                start_in_query += take
+                if start_in_query == len(query.vectors):
+                    results.append(_joined(pending))
+                    pending = []
+                    query_index += 1
+                    start_in_query = 0
+        return results
+
+    def _exact_top_k(
+        self, logits: np.ndarray, h: np.ndarray, k: int, metric: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k by scores accumulated in float64 and rounded once to float32, found
+        through the float32 multiply: every id whose float32 score is within twice its
+        error bound of the k-th is a candidate, and the candidates are scored again.
+
+        A float32 dot product over D terms differs from the exact one by at most
+        ``D 2**-24 sum|h_i w_i|`` whatever the order of its sums (which BLAS chooses by
+        the batch's shape), and ``sum|h_i w_i| <= |h| |w|``: ``bound`` is that, for the
+        widest row of the table (cosine: divided by ``|h| |w_v|``, at most ``D 2**-24``).
+        So the answer is the same whatever the batch a vector was in, and whatever BLAS.
+        """
+        h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
+        gamma = (self.d_model + 4) * 2.0**-24 * 1.01
+        if metric == COSINE:
+            scores = _cosine(logits, h, self.row_norms())
+            bound = np.full(len(h), gamma * 1.01)
+        else:
+            scores = logits
+            bound = gamma * h_norms * self._widest
+        ids = np.empty((len(h), k), dtype=np.int64)
+        top = np.empty((len(h), k), dtype=np.float32)
+        kth = _kth_largest(scores, k)
+        table = self.table
+        for row in range(len(h)):
+            candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
+            exact = table[candidates].astype(np.float64) @ h[row].astype(np.float64)
+            if metric == COSINE:
+                norms = h_norms[row] * self._row_norms64[candidates]
+                exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
+            rounded = exact.astype(np.float32)
+            # Largest first; equal (rounded) scores by the lower id (candidates ascend).
+            order = np.argsort(-rounded, kind="stable")[:k]
+            ids[row] = candidates[order]
+            top[row] = rounded[order]
+        return ids, top
+
+    def _normed(self, vectors: np.ndarray) -> np.ndarray:
+        assert self.norm is not None, "This is a bug: validation refuses norm without one."
+        return self.norm.apply(vectors)
+
+
+def _row_norms(table: np.ndarray) -> np.ndarray:
+    """Each row's norm in float64, a slice of rows at a time (no float64 copy of the table)."""
+    norms = np.empty(len(table), dtype=np.float64)
+    step = max(1, _LOGITS_CHUNK_BYTES // (8 * max(1, table.shape[1])))
+    for start in range(0, len(table), step):
+        rows = table[start : start + step].astype(np.float64)
+        norms[start : start + step] = np.sqrt(np.einsum("vd,vd->v", rows, rows))
+    return norms
+
+
+def _kth_largest(scores: np.ndarray, k: int) -> np.ndarray:
+    vocab = scores.shape[1]
+    if k >= vocab:
+        return np.asarray(scores.min(axis=1))
+    return np.asarray(np.partition(scores, vocab - k, axis=1)[:, vocab - k])
+
+
+def _cosine(logits: np.ndarray, h: np.ndarray, row_norms: np.ndarray) -> np.ndarray:
+    norms = np.sqrt(np.einsum("nd,nd->n", h, h))[:, None] * row_norms[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scores = np.where(norms > 0, logits / norms, np.float32(0.0))
+    return scores.astype(np.float32, copy=False)
+
+
+def _joined(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> Found:
+    if len(parts) == 1:
+        ids, scores, logits = parts[0]
+        return Found(ids, scores, logits)
+    logits_parts = [p[2] for p in parts]
+    return Found(
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        None if logits_parts[0] is None else np.concatenate(logits_parts),  # type: ignore[arg-type]
+    )

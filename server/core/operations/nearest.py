@@ -1,0 +1,185 @@
+"""The nearest operation: vectors ``[N, D]`` or ``[B, S, D]`` in, per vector the ``k``
+ids of the model's output table with the largest scores (``dot``: the head's logits;
+``cosine``), their scores, and the full logits ``[..., V]`` when asked.
+
+The table is the model's head (``manifest.Head``: the embedding table itself when tied,
+else the exported output projection); a model without one refuses. Validation runs
+before a request can join a batch, so a bad one fails alone with a message naming the
+offending value: the width, a NaN or infinite component (and where), k, the dtype, the
+metric. Equal scores are ordered by the lower id (``backends.head.top_k``).
+
+Its compute multiplies over the whole table (``2 N D V`` flops, the table read once per
+batch), so its jobs always batch (``heavy``): the rows of concurrent requests go into one
+multiply, up to ``BatchLimits.nearest_max_batch_rows`` rows or ``max_delay_s``. A job's
+``tokens`` are its vectors, what the row budget and the queue bound count; its work
+(``2 N D V``) is bounded per request by ``Limits.max_nearest_flops_per_request``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokembed.server.backends.base import Backend
+from tokembed.server.backends.head import METRICS, Found, NearestHead, Query
+from tokembed.server.core.dtypes import BFLOAT16, FLOAT16, FLOAT32, INT64, DType
+from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
+from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.served import ServedModel
+from tokembed.server.core.types import Answer, NamedTensor, Timings
+
+# The dtypes vectors may come in (a model's hidden states): widened to float32 exactly.
+VECTOR_DTYPES: dict[str, DType] = {dtype.name: dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16)}
+IDS, SCORES, LOGITS = "ids", "scores", "logits"
+
+
+@dataclass(slots=True)
+class NearestInput:
+    """A nearest request as a front end hands it over."""
+
+    data: bytes
+    dtype: str  # "float32", "float16" or "bfloat16" ("" when the request named none)
+    shape: tuple[int, ...]
+    k: int
+    metric: str = "dot"
+    logits: bool = False
+    norm: bool = False
+
+
+@dataclass(slots=True)
+class NearestJob:
+    query: Query
+    leading: tuple[int, ...]  # the vectors' shape without D
+    tokens: int  # vectors: what the row budget and the queue bound count
+    output_bytes: int
+
+
+class Nearest(Operation[NearestInput, NearestJob, Found]):
+    name = "nearest"
+    heavy = True
+
+    def validate(self, request: NearestInput, model: ServedModel) -> NearestJob:
+        return validate(request, model)
+
+    def compute(self, backend: Backend, jobs: Sequence[NearestJob]) -> list[Found]:
+        head = backend.head
+        if head is None:
+            raise Internal("this is a bug: a model without a head passed validation")
+        return head.search([job.query for job in jobs])
+
+    def answer(
+        self, job: NearestJob, result: Found, timings: Timings, model: ServedModel
+    ) -> Answer:
+        k = job.query.k
+        tensors = [
+            _tensor(IDS, result.ids, (*job.leading, k), INT64),
+            _tensor(SCORES, result.scores, (*job.leading, k), FLOAT32),
+        ]
+        if result.logits is not None:
+            tensors.append(
+                _tensor(LOGITS, result.logits, (*job.leading, model.vocab_size), FLOAT32)
+            )
+        first = tensors[0]
+        return Answer(
+            first.shape, first.dtype, first.pieces, None, timings, job.tokens,
+            sum(t.nbytes for t in tensors), model.name, model.version, tensors,
+        )  # fmt: skip
+
+
+NEAREST = Nearest()
+
+
+def _tensor(name: str, array: np.ndarray, shape: tuple[int, ...], dtype: DType) -> NamedTensor:
+    data = np.ascontiguousarray(array, dtype=dtype.numpy)
+    return NamedTensor(name, shape, dtype, [data.data.cast("B")] if data.size else [b""])
+
+
+def head_of(model: ServedModel) -> NearestHead:
+    """The model's head, or ``InvalidInput`` saying why it has none."""
+    head = model.backend.head
+    if head is None:
+        raise InvalidInput(
+            f"model {model.name!r} cannot answer nearest: its manifest records neither a tied "
+            "table nor an output projection (export it with --output-key or "
+            "--output-projection, or --tied-head for a random table)"
+        )
+    return head
+
+
+def validate(request: NearestInput, model: ServedModel) -> NearestJob:
+    head = head_of(model)
+    dtype = VECTOR_DTYPES.get(request.dtype)
+    if dtype is None:
+        raise InvalidInput(
+            f"vectors dtype {request.dtype or 'unspecified'!r} is not supported; send float32, "
+            "float16 or bfloat16"
+        )
+    if request.metric not in METRICS:
+        raise InvalidInput(f"metric {request.metric!r} is not supported; use 'dot' or 'cosine'")
+    if request.norm and head.norm is None:
+        raise InvalidInput(
+            f"model {model.name!r} has no final norm to apply (export it with --norm-key)"
+        )
+    shape = request.shape
+    d_model = model.d_model
+    if len(shape) not in (2, 3) or min(shape) < 0:
+        raise InvalidInput(f"vectors shape {list(shape)} must be [N, D] or [B, S, D]")
+    if shape[-1] != d_model:
+        raise InvalidInput(
+            f"vectors shape {list(shape)} has D = {shape[-1]}, but model {model.name!r} has "
+            f"d_model {d_model}"
+        )
+    leading = shape[:-1]
+    count = 1
+    for size in leading:
+        count *= size
+    if count == 0:
+        raise InvalidInput(f"vectors shape {list(shape)} is empty; send at least one vector")
+    limits = model.limits
+    if count > limits.max_tokens_per_request:
+        raise TooLarge(f"{count} vectors in one request, over the limit of "
+                       f"{limits.max_tokens_per_request}")  # fmt: skip
+    vocab_size = model.vocab_size
+    top = min(limits.max_nearest_k, vocab_size)
+    if not 1 <= request.k <= top:
+        raise InvalidInput(
+            f"k = {request.k} is outside [1, {top}] (the limit is min(max_nearest_k "
+            f"{limits.max_nearest_k}, V {vocab_size}))"
+        )
+    expected = count * d_model * dtype.itemsize
+    if len(request.data) != expected:
+        raise InvalidInput(
+            f"vectors data is {len(request.data)} bytes, but shape {list(shape)} of "
+            f"{dtype.name} needs {expected}"
+        )
+    work = 2 * count * d_model * vocab_size
+    if work > limits.max_nearest_flops_per_request:
+        raise TooLarge(
+            f"nearest over {count} vectors costs {work} flops (2 N D V), over the limit of "
+            f"{limits.max_nearest_flops_per_request} per request; split it"
+        )
+    output_bytes = count * request.k * (INT64.itemsize + FLOAT32.itemsize)
+    if request.logits:
+        output_bytes += count * vocab_size * FLOAT32.itemsize
+    if output_bytes > limits.max_output_bytes_per_request:
+        raise TooLarge(
+            f"response would be {output_bytes} bytes, over the limit of "
+            f"{limits.max_output_bytes_per_request} bytes per request"
+            + ("; the logits are [N, V] float32: leave them out or split" if request.logits else "")
+        )
+    vectors = np.frombuffer(request.data, dtype=dtype.numpy).reshape(count, d_model)
+    vectors = vectors.astype(np.float32)  # exact for every dtype here
+    finite = np.isfinite(vectors)
+    if not finite.all():
+        first = int(np.flatnonzero(~finite.reshape(-1))[0])
+        where = ",".join(str(int(i)) for i in np.unravel_index(first, shape))
+        raise InvalidInput(f"vectors[{where}] = {vectors.reshape(-1)[first]} is not finite")
+    if request.metric == "cosine":
+        zero = np.flatnonzero(~vectors.any(axis=1))
+        if zero.size:
+            where = ",".join(str(int(i)) for i in np.unravel_index(int(zero[0]), leading))
+            raise InvalidInput(f"vectors[{where}] is all zeros: its cosine is undefined")
+    query = Query(vectors, request.k, request.metric, request.logits, request.norm)
+    return NearestJob(query, leading, count, output_bytes)

@@ -1,0 +1,110 @@
+"""The CPU search of ``backends.head``: top-k order (equal scores by the lower id, also
+across the k-th place), a batch of several requests equal to each alone, cosine, the
+final norm against transformers' own modules' arithmetic (torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokembed.server.backends.head import FinalNorm, NearestHead, Query
+
+
+def test_equal_scores_are_ordered_by_the_lower_id():
+    """Rows 1, 2 and 4 are the same row: their scores are equal, whatever the vector."""
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((6, 8)).astype(np.float32)
+    table[2] = table[4] = table[1]
+    h = table[1:2] * 3  # rows 1, 2, 4 score highest
+    head = NearestHead(table, None, "embedding")
+    for metric in ("dot", "cosine"):
+        (two,) = head.search([Query(h, 2, metric, False, False)])
+        assert two.ids.tolist() == [[1, 2]]  # three equal scores, two places: lowest ids
+        (four,) = head.search([Query(h, 4, metric, False, False)])
+        assert four.ids[0, :3].tolist() == [1, 2, 4]
+        assert four.scores[0, 0] == four.scores[0, 1] == four.scores[0, 2]
+
+
+def test_ties_everywhere_match_a_stable_sort_of_the_float64_scores():
+    rng = np.random.default_rng(3)
+    # Small integers: many rows score alike, at the k-th place too.
+    table = rng.integers(-2, 3, size=(50, 4)).astype(np.float32)
+    h = rng.integers(-2, 3, size=(100, 4)).astype(np.float32)
+    head = NearestHead(table, None, "embedding")
+    scores = h.astype(np.float64) @ table.astype(np.float64).T
+    for k in (1, 3, 7, 50):
+        (found,) = head.search([Query(h, k, "dot", False, False)])
+        want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(found.ids, want)
+
+
+def _head(norm: FinalNorm | None = None, vocab: int = 300, width: int = 16) -> NearestHead:
+    table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
+    return NearestHead(table, norm, "embedding")
+
+
+def test_a_batch_answers_each_request_as_it_would_alone():
+    head = _head()
+    rng = np.random.default_rng(1)
+    queries = [
+        Query(rng.standard_normal((n, 16)).astype(np.float32), k, metric, logits, False)
+        for n, k, metric, logits in [(3, 5, "dot", True), (1, 1, "cosine", False),
+                                     (7, 300, "dot", False), (2, 4, "cosine", True)]
+    ]  # fmt: skip
+    together = head.search(queries)
+    for query, found in zip(queries, together, strict=True):
+        (alone,) = head.search([query])
+        # Exactly: the scores are re-computed per vector, whatever BLAS did for the batch.
+        np.testing.assert_array_equal(found.ids, alone.ids)
+        np.testing.assert_array_equal(found.scores, alone.scores)
+        assert (found.logits is None) == (not query.logits)
+        if query.logits:  # the float32 multiply's: within its error bound of each other
+            np.testing.assert_allclose(found.logits, alone.logits, rtol=0, atol=1e-4)
+
+
+def test_a_batch_larger_than_one_slice_of_logits(monkeypatch):
+    """Rows split across slices of the logits (a request spanning two) answer the same."""
+    import tokembed.server.backends.head as module
+
+    head = _head(vocab=300)
+    rng = np.random.default_rng(2)
+    queries = [Query(rng.standard_normal((n, 16)).astype(np.float32), 3, "dot", True, False)
+               for n in (5, 9, 2)]  # fmt: skip
+    whole = head.search(queries)
+    monkeypatch.setattr(module, "_LOGITS_CHUNK_BYTES", 4 * 300 * 4)  # 4 rows a slice
+    sliced = head.search(queries)
+    for a, b in zip(whole, sliced, strict=True):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.scores, b.scores)
+
+
+def test_cosine_matches_torch():
+    head = _head()
+    h = np.random.default_rng(4).standard_normal((50, 16)).astype(np.float32)
+    (found,) = head.search([Query(h, 5, "cosine", False, False)])
+    table = torch.from_numpy(head.table)
+    cos = (
+        torch.nn.functional.normalize(torch.from_numpy(h)) @ torch.nn.functional.normalize(table).T
+    )
+    values, ids = torch.topk(cos, 5)
+    np.testing.assert_array_equal(found.ids, ids.numpy())
+    np.testing.assert_allclose(found.scores, values.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_final_norm_matches_torch(kind):
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal(16).astype(np.float32)
+    bias = rng.standard_normal(16).astype(np.float32) if kind == "layernorm" else None
+    norm = FinalNorm(kind, 1e-5, weight, bias)
+    h = (rng.standard_normal((20, 16)) * 3).astype(np.float32)
+    if kind == "rmsnorm":
+        module: torch.nn.Module = torch.nn.RMSNorm(16, eps=1e-5)
+    else:
+        module = torch.nn.LayerNorm(16, eps=1e-5)
+        module.bias.data = torch.from_numpy(bias)
+    module.weight.data = torch.from_numpy(weight)
+    with torch.no_grad():
+        want = module(torch.from_numpy(h)).numpy()
+    np.testing.assert_allclose(norm.apply(h), want, rtol=1e-5, atol=1e-6)
