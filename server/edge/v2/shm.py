@@ -38,7 +38,7 @@ What this module does about each:
   write sees the write grow it back, up to the end of the window it registered (checked
   against the object's size at registration, and at most the request's answer); the
   memory is the client's own object's, and the server goes on.
-- Nothing is read while a request is parsed. An input is read only after the request's
+- No region is read while a request is parsed. An input is read only after the request's
   inputs (at most 16) are checked against the model it is routed to, and the size it
   declares is exactly what its shape needs (within the request's token limit): a refused
   request reads nothing, an accepted one at most what its shapes need, one input at a
