@@ -23,7 +23,7 @@ from tokembed import __version__
 _SUBCOMMAND_MODULES = (
     "tokembed.export.cli",
     "tokembed.export.triton",
-    "tokembed.server.cli",
+    "tokembed.server.process.cli",
     "tokembed.cli.client",
     "tokembed.bench.cli",
 )
@@ -39,7 +39,7 @@ class Extra:
 
 
 _SERVER = frozenset({"onnxruntime", "onnx", "prometheus_client", "grpc_health", "grpc_reflection"})
-_EXPORT = frozenset({"torch", "onnxscript", "onnx", "onnxruntime", "safetensors"})
+_EXPORT = frozenset({"torch", "onnx", "onnxruntime", "safetensors"})
 # The subcommands that need an extra; the others need only the base install. A module
 # missing that is not the extra's is a broken install or a bug, and keeps its traceback.
 _EXTRAS = {

@@ -114,7 +114,11 @@ class ModelInfo:
     projected to D, ALBERT's); ``inputs`` are the ids a request carries and their bounds,
     ``tables`` its weights. ``memory_bytes`` is what the chosen backend holds, by what
     it is; ``serving_memory_bytes`` what each way of serving the model would hold, by
-    backend (the table is chosen when it fits the server's budget).
+    backend (the table is chosen when it fits the server's budget). A model exported
+    with ``--from-pretrained`` has its ``architecture`` (config.json's model_type), the
+    ``convention`` of its vectors in one line, and ``engine_scales``: by engine
+    ("transformers", "vllm", "sglang"), the scale that engine expects on the table's rows
+    (the served vectors carry ``scale``); empty for other models.
     """
 
     name: str
@@ -135,6 +139,9 @@ class ModelInfo:
     tables: tuple[TableInfo, ...] = ()
     memory_bytes: dict[str, int] = field(default_factory=dict)
     serving_memory_bytes: dict[str, int] = field(default_factory=dict)
+    architecture: str = ""
+    convention: str = ""
+    engine_scales: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -166,6 +173,9 @@ class ModelInfo:
             tables=tuple(TableInfo(t.role, tuple(t.shape), t.dtype) for t in msg.tables),
             memory_bytes=dict(msg.memory_bytes),
             serving_memory_bytes=dict(msg.serving_memory_bytes),
+            architecture=msg.architecture,
+            convention=msg.convention,
+            engine_scales=dict(msg.engine_scales),
         )
 
 

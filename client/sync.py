@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from tokembed.client import codec, decode
+from tokembed.client import codec, decode, engines
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
 from tokembed.client._shared import Attempts, Health, Methods, StreamBook
@@ -37,6 +37,8 @@ from tokembed.client.results import EmbedResult, ModelInfo, ModelList
 from tokembed.v1 import embedding_pb2 as pb
 
 if TYPE_CHECKING:
+    import torch
+
     from tokembed.client.shared_memory import SharedMemorySession
 
 T = TypeVar("T")
@@ -124,6 +126,58 @@ class EmbeddingClient(ClientBase):
             result = decode.decode_response(result)
             self._learnt(model_name, result.hidden_states.shape[-1])
         return decode.check_shape(result, call.leading_shape, call.sequence_first)
+
+    # ------------------------------------------------------------------ engine-ready answers
+
+    def embed_torch(
+        self,
+        ids: Any,
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        """:meth:`embed`'s answer as a torch tensor over the received bytes, without a
+        copy (``torch.bfloat16`` for "bfloat16"): transformers' ``inputs_embeds``. Read-only
+        like the array; ``.clone()`` it to write. Needs torch (the client's optional
+        extra)."""
+        hidden = self.embed(ids, dtype, model=model, timeout_s=timeout_s)
+        return engines.as_torch(hidden)
+
+    def vllm_prompt_embeds(
+        self,
+        ids: Any,
+        dtype: str = "bfloat16",
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """One prompt's ids (1-D) as vLLM's ``prompt_embeds``: base64 of ``torch.save`` of
+        its ``[S, hidden]`` tensor in ``dtype`` ("float32", "bfloat16", "float16"), scaled
+        as vLLM's model of this architecture expects (``ModelInfo.engine_scales``). Two
+        calls: GetModelInfo, then Embed. Needs torch."""
+        prompt = engines.one_prompt(ids)
+        scale = engines.scale_for(self.info(model, timeout_s=timeout_s), engines.VLLM)
+        # Served in the dtype asked when nothing is to be scaled: the payload is then the
+        # served tensor itself; else in float32, scaled once, then rounded.
+        asked = dtype if scale == 1.0 and dtype in engines.VLLM_DTYPES else "float32"
+        hidden = self.embed([prompt], asked, model=model, timeout_s=timeout_s)
+        return engines.vllm_prompt_embeds(hidden, dtype, scale=scale)
+
+    def sglang_input_embeds(
+        self,
+        ids: Any,
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[list[float]]:
+        """One prompt's ids (1-D) as SGLang's ``input_embeds``: ``[S, hidden]`` nested
+        lists of floats, scaled as SGLang's model of this architecture expects
+        (``ModelInfo.engine_scales``). Two calls: GetModelInfo, then Embed."""
+        prompt = engines.one_prompt(ids)
+        scale = engines.scale_for(self.info(model, timeout_s=timeout_s), engines.SGLANG)
+        hidden = self.embed([prompt], model=model, timeout_s=timeout_s)
+        return engines.sglang_input_embeds(hidden, scale=scale)
 
     def shared_memory(
         self,

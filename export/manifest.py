@@ -61,6 +61,26 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class Pretrained:
+    """What ``tokembed export --from-pretrained`` found in a Hugging Face model directory.
+
+    The served vectors are what transformers' ``inputs_embeds`` takes for
+    ``architecture``; ``engine_scales`` says, by engine ("transformers", "vllm",
+    "sglang"), the scale that engine expects on the table's rows (the served vectors carry
+    the manifest's ``scale``): a client multiplies by ``engine_scales[engine] / scale``
+    before handing them over. An engine absent is one whose convention for this
+    architecture tokembed does not record.
+    """
+
+    architecture: str  # config.json's model_type ("gemma2"; "gemma3_text" for Gemma 3)
+    convention: str  # one line: what the served vectors are, where an engine differs
+    engine_scales: dict[str, float]
+    # The checkpoint's keys found (embedding_key, output_projection, output_key,
+    # segment_key, projection_key, norm_key, norm_kind, norm_eps, ...), as found.
+    keys: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     version: str
@@ -86,12 +106,14 @@ class Manifest:
     factor_dim: int | None = None
     # Written only when known (``Tie``); manifests without it say nothing about a tie.
     tie: Tie | None = None
+    # Written only for a model exported with --from-pretrained.
+    pretrained: Pretrained | None = None
 
     def to_json(self) -> str:
         fields = asdict(self)
         # A size a kind does not have, or a tie not known, is left out, not written as
         # null: a token model's manifest stays what it was before these fields existed.
-        for key in (*_KIND_SIZES, "tie"):
+        for key in (*_KIND_SIZES, "tie", "pretrained"):
             if fields[key] is None:
                 del fields[key]
         return json.dumps(fields, indent=2, sort_keys=True) + "\n"
@@ -152,6 +174,11 @@ class Manifest:
             type_vocab_size=reader.optional_integer("type_vocab_size"),
             factor_dim=reader.optional_integer("factor_dim"),
             tie=_tie(reader.obj("tie"), f"{where}: tie") if reader.get("tie") is not None else None,
+            pretrained=(
+                _pretrained(reader.obj("pretrained"), f"{where}: pretrained")
+                if reader.get("pretrained") is not None
+                else None
+            ),
         )
 
 
@@ -175,6 +202,22 @@ def _tie(raw: dict[str, Any], where: str) -> Tie:
         tied=tied,
         evidence=reader.text("evidence"),
         keys=keys,
+    )
+
+
+def _pretrained(raw: dict[str, Any], where: str) -> Pretrained:
+    reader = _Reader(raw, where)
+    scales = reader.obj("engine_scales")
+    for engine, value in scales.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ModelDirError(
+                f"{where}: engine_scales[{engine!r}] must be a positive number, got {value!r}"
+            )
+    return Pretrained(
+        architecture=reader.text("architecture"),
+        convention=reader.text("convention"),
+        engine_scales={str(k): float(v) for k, v in scales.items()},
+        keys=reader.obj("keys"),
     )
 
 

@@ -8,7 +8,8 @@ whose ``weight_map`` names the shard that holds each key: only that shard is ope
 slice at a time, so that neither the checkpoint nor the matrix is ever held in memory
 whole (a safetensors tensor is read from its offset in the file, with plain reads, never
 mapped; a torch zip file is memory-mapped). ``load_matrix`` reads a matrix whole, as
-float32. ``find_tie`` says whether the matrix is also the model's output projection.
+float32, and ``load_vector`` a vector (a projection's bias). ``find_tie`` says whether the
+matrix is also the model's output projection.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tokembed.export.checkpoint_files import (
     missing_key,
     open_file_matrix,
     tensor_shapes,
+    torch_tensors,
 )
 from tokembed.export.errors import CheckpointError
 from tokembed.export.hashing import phase
@@ -51,6 +53,34 @@ def load_matrix(path: Path, key: str) -> torch.Tensor:
         rows = matrix.rows(0, matrix.shape[0])
     # rows is a fresh tensor already; widening makes another only when the dtype differs.
     return rows.to(torch.float32)
+
+
+def load_vector(path: Path, key: str) -> torch.Tensor:
+    """The 1-D float tensor at ``key`` (a projection's bias) in a state_dict or a
+    safetensors file, as float32: safetensors reads its one tensor, torch files are read
+    as ``open_matrix`` reads them."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    tensor: torch.Tensor | None
+    if path.suffix.lower() == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = set(handle.keys())  # a safe_open handle is not iterable
+                tensor = handle.get_tensor(key) if key in names else None
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {key!r} from {path.name}: {exc}") from exc
+    else:
+        tensor = torch_tensors(path).get(key)
+    if tensor is None:
+        raise CheckpointError(f"key {key!r} not found in {path.name}")
+    if tensor.dim() != 1 or not tensor.is_floating_point():
+        raise CheckpointError(
+            f"{key!r} in {path.name} is {tensor.dtype}{list(tensor.shape)}, expected a 1-D "
+            "float vector"
+        )
+    return tensor.detach().to(torch.float32).clone()
 
 
 def find_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -> Tie:
@@ -86,6 +116,11 @@ def find_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -> Tie
 
 
 # --- sharded checkpoints ------------------------------------------------------------------
+
+
+def shard_files(index: Path) -> list[Path]:
+    """Every shard a sharded checkpoint's index names, each once, in name order."""
+    return [_member(index, name) for name in sorted(set(_weight_map(index).values()))]
 
 
 def _shard_of(index: Path, key: str) -> Path:
@@ -143,7 +178,11 @@ def _declared_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -
     # The declaration is about the model's word embeddings: the exported matrix must be
     # of their shape, which the config states too.
     vocab_size, d_model = matrix.shape
-    width = next((config[k] for k in ("d_model", "hidden_size") if k in config), None)
+    # ALBERT's table is [V, embedding_size], narrower than its hidden_size.
+    width = next(
+        (config[k] for k in ("embedding_size", "d_model", "n_embd", "hidden_size") if k in config),
+        None,
+    )
     if config.get("vocab_size") != vocab_size or width != d_model:
         raise CheckpointError(
             f"{where}; {config_path.name} declares tie_word_embeddings for a "

@@ -86,12 +86,15 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "embed_result",
         "embed_stream",
         "embed_stream_results",
+        "embed_torch",
         "health",
         "info",
         "model_info",
         "models",
+        "sglang_input_embeds",
         "shared_memory",
         "target",
+        "vllm_prompt_embeds",
     ]
 
 

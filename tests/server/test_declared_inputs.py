@@ -22,7 +22,7 @@ from tokembed.server.core.operations.embed import EMBED, validate
 from tokembed.server.core.operations.embed_request import EmbedInput, IdsInput, Unread
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.edge.v2.requests import InferCall, InferParser
-from tokembed.server.loading import LoadedModel
+from tokembed.server.models.loading import LoadedModel
 from tokembed.v2 import grpc_service_pb2 as pb
 
 MAX_TOKENS = 64

@@ -530,6 +530,26 @@ class ModelInfo(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class EngineScalesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -548,6 +568,9 @@ class ModelInfo(_message.Message):
     TABLES_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     SERVING_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    ARCHITECTURE_FIELD_NUMBER: _builtins.int
+    CONVENTION_FIELD_NUMBER: _builtins.int
+    ENGINE_SCALES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.str
     vocab_size: _builtins.int
@@ -570,6 +593,13 @@ class ModelInfo(_message.Message):
     "segment" (E[id] * scale + S[type], BERT's) or "factorized" (E [V, D'] projected to
     D, ALBERT's). Empty from a server older than kinds: "token".
     """
+    architecture: _builtins.str
+    """For a model exported with --from-pretrained (empty otherwise): the architecture, as
+    its config.json's model_type names it ("llama", "gemma2", "gemma3_text", "bert", ...).
+    Its vectors are what transformers' inputs_embeds takes for that architecture.
+    """
+    convention: _builtins.str
+    """One line: what the served vectors are, and where an engine expects otherwise."""
     @_builtins.property
     def input_dtypes(self) -> _containers.RepeatedScalarFieldContainer[Global___DType.ValueType]: ...
     @_builtins.property
@@ -599,6 +629,14 @@ class ModelInfo(_message.Message):
         names the way chosen (the table when it fits the server's table budget, on CPU).
         """
 
+    @_builtins.property
+    def engine_scales(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """By engine ("transformers", "vllm", "sglang"): the scale that engine's inputs_embeds
+        expects on the table's rows; the served vectors carry `scale`, so a caller multiplies
+        them by engine_scales[engine] / scale. An engine absent: its convention for this
+        architecture is not recorded.
+        """
+
     def __init__(
         self,
         *,
@@ -620,10 +658,13 @@ class ModelInfo(_message.Message):
         tables: _abc.Iterable[Global___TableInfo] | None = ...,
         memory_bytes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         serving_memory_bytes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        architecture: _builtins.str = ...,
+        convention: _builtins.str = ...,
+        engine_scales: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "limits", b"limits", "padding_id", b"padding_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "backend", b"backend", "d_model", b"d_model", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "architecture", b"architecture", "backend", b"backend", "convention", b"convention", "d_model", b"d_model", "engine_scales", b"engine_scales", "execution_provider", b"execution_provider", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__padding_id: _TypeAlias = _typing.Literal["padding_id"]  # noqa: Y015
     _WhichOneofArgType__padding_id: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id"]  # noqa: Y015

@@ -180,6 +180,10 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         answer.tables.add(role=table.role, shape=table.shape, dtype=manifest.weight_dtype)
     answer.memory_bytes.update(backend.memory_bytes)
     answer.serving_memory_bytes.update(backend.serving_memory)
+    if manifest.pretrained is not None:
+        answer.architecture = manifest.pretrained.architecture
+        answer.convention = manifest.pretrained.convention
+        answer.engine_scales.update(manifest.pretrained.engine_scales)
     return answer
 
 

@@ -178,6 +178,13 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
     }
     if manifest.padding_idx is not None:
         facts["padding_id"] = manifest.padding_idx
+    if manifest.pretrained is not None:
+        # As tokembed.v1's GetModelInfo reports them (architecture, convention,
+        # engine_scales), one parameter each: "engine_scale_vllm", ...
+        facts["architecture"] = manifest.pretrained.architecture
+        facts["convention"] = manifest.pretrained.convention
+        for engine, scale in sorted(manifest.pretrained.engine_scales.items()):
+            facts[f"engine_scale_{engine}"] = repr(scale)
     for key, value in facts.items():
         config.parameters[key].string_value = str(value)
     return pb.ModelConfigResponse(config=config)
