@@ -12,7 +12,8 @@ them after construction, and a frozen dataclass's ``__init__`` (one
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,21 @@ from tokembed.server.core.dtypes import INT64, DType
 Buffer = bytes | memoryview
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+class GatherableRows(Sequence[Buffer]):
+    """An answer's pieces that are rows picked from one table (a look-up's row views),
+    which can also be had gathered: ``runs`` yields their bytes in order as contiguous
+    buffers of at most ``max_bytes`` (at least one row each), each a fresh buffer. A writer
+    that copies an answer into a file (a shared-memory region) writes these: numpy's
+    gather into a buffer small enough to stay in the cache, then the kernel's copy from
+    there, beat the kernel's copy of each row from where it lies in the table
+    (docs/benchmarks/README.md, "Shared memory")."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def runs(self, max_bytes: int) -> Iterator[Buffer]: ...
 
 
 class TokenIds:
