@@ -18,8 +18,10 @@ from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
+    Counter,
     Gauge,
     GCCollector,
+    Histogram,
     PlatformCollector,
     ProcessCollector,
 )
@@ -38,6 +40,7 @@ from tokembed.server.request_metrics import (
 
 # Sub-millisecond resolution: a tiny look-up takes microseconds, a round trip less than a
 # millisecond.
+LOAD_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 LATENCY_BUCKETS_S = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -48,7 +51,8 @@ BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 16384, 32768, 65536, 262
 # Reasons a request is refused or dropped, as they appear in tokembed_rejections_total.
 REJECTION_REASONS = (
     "overloaded", "invalid_input", "too_large", "deadline_exceeded", "cancelled",
-    "not_found", "unavailable", "unauthenticated", "internal",
+    "not_found", "unavailable", "unauthenticated", "control_refused", "load_failed",
+    "internal",
 )  # fmt: skip
 
 
@@ -192,6 +196,25 @@ class Metrics:
         registry.register(
             RequestMetricsCollector(families, self._pending.lock, self._pending.apply)
         )
+        # The control plane's events: rare, so prometheus_client's own series.
+        self.model_loads = Counter(
+            "tokembed_model_loads", "Loads of a model version, by model, version and "
+            "outcome (loaded, failed)", ["model", "version", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.model_load_duration = Histogram(
+            "tokembed_model_load_duration_seconds",
+            "Time to load and warm a model version (or to fail to), by model and outcome",
+            ["model", "outcome"], buckets=LOAD_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.model_unloads = Counter(
+            "tokembed_model_unloads", "Unloads of a model version, by model, version and "
+            "outcome (unloaded, failed)", ["model", "version", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.model_unload_duration = Histogram(
+            "tokembed_model_unload_duration_seconds",
+            "Time from an unload's start to the version let go (its last request answered)",
+            ["model", "outcome"], buckets=LOAD_BUCKETS_S, registry=registry,
+        )  # fmt: skip
         self.inflight = Gauge(
             "tokembed_inflight_requests", "Calls being served now", registry=registry
         )
@@ -363,6 +386,19 @@ class Metrics:
             for front_end in self._front_ends:
                 self._start_call_series(front_end, name)
             self._series(name)
+
+    # --- the control plane's observer (server/control_plane.ControlObserver)
+
+    def model_added(self, name: str) -> None:
+        self.add_model(name)
+
+    def version_loaded(self, name: str, version: str, outcome: str, duration_s: float) -> None:
+        self.model_loads.labels(name, version, outcome).inc()
+        self.model_load_duration.labels(name, outcome).observe(duration_s)
+
+    def version_unloaded(self, name: str, version: str, outcome: str, duration_s: float) -> None:
+        self.model_unloads.labels(name, version, outcome).inc()
+        self.model_unload_duration.labels(name, outcome).observe(duration_s)
 
     def track_models(
         self, models: Callable[[], list[tuple[ModelLabels, int]]], ready: Callable[[], bool]
