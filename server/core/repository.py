@@ -137,6 +137,7 @@ class Repository:
         self._listeners: list[Listener] = []
         # Names unloaded on purpose, and why: their requests are told so, not "not served".
         self._unloaded: dict[str, str] = {}
+        self._first_added = ""
 
     # --- changes
 
@@ -168,6 +169,7 @@ class Repository:
                 )
         handle = ModelHandle(scheduler)
         self._models.setdefault(served.name, []).append(handle)
+        self._first_added = self._first_added or served.name
         self._unloaded.pop(served.name, None)
         return handle
 
@@ -241,7 +243,7 @@ class Repository:
         ``version`` ("": the newest activated)."""
         if self.draining:
             raise Unavailable("the server is draining; retry on another replica")
-        wanted = name or self._given.default or ""
+        wanted = name or self.default_name
         versions = self._models.get(wanted)
         if not versions:
             if wanted in self._unloaded:
@@ -282,7 +284,8 @@ class Repository:
 
     @property
     def default_name(self) -> str:
-        return self._given.default or ""
+        # No model given at start (a repository's explicit mode): the first loaded since.
+        return self._given.default or self._first_added
 
     @property
     def ready(self) -> bool:

@@ -88,10 +88,13 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "embed_stream_results",
         "health",
         "info",
+        "load_model",
         "model_info",
         "models",
+        "repository_index",
         "shared_memory",
         "target",
+        "unload_model",
     ]
 
 
