@@ -102,6 +102,7 @@ class TokembedServer:
             settings, self.repository, loader=loader, scheduler_for=self._scheduler,
             observer=self.metrics,
         )  # fmt: skip
+        self.metrics.track_model_states(self.control.index)
         # V2 system shared memory: the regions callers on this host register (refused
         # unless --shared-memory system).
         self.shared_memory = SharedMemoryRegistry(

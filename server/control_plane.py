@@ -70,7 +70,7 @@ EVERY_MODEL = "*"
 class ControlObserver(Protocol):
     """Told of each load and unload of a model version (the metrics)."""
 
-    def model_added(self, name: str) -> None: ...
+    def model_added(self, name: str, version: str) -> None: ...
 
     def version_loaded(self, name: str, version: str, outcome: str, duration_s: float) -> None: ...
 
@@ -390,7 +390,7 @@ class ControlPlane:
         handle = self.repository.add(
             self._scheduler_for(loaded), versioned=self.disk is not None, replacing=replacing
         )
-        self._observer.model_added(handle.name)
+        self._observer.model_added(handle.name, handle.version)
         return handle
 
     def _served(self, name: str, version: str) -> ModelHandle | None:

@@ -125,6 +125,17 @@ def test_tritonclient_drives_index_load_and_unload(
     ]
     assert not client.is_model_ready(MODEL, "1")
 
+    # The metrics say the same: each version's state, and requests by the version that
+    # answered them.
+    def state(version: str, name: str) -> float:
+        return server.metric("tokembed_model_state", {"version": version, "state": name})
+
+    assert (state("1", "UNAVAILABLE"), state("2", "READY"), state("1", "READY")) == (1, 1, 0)
+    for version in ("1", "2"):
+        answered = {"protocol": "v2", "code": "OK", "model": MODEL, "version": version}
+        assert server.metric("tokembed_requests_total", answered) == 1
+    assert server.metric("tokembed_model_unloads_total", {"version": "1"}) == 1
+
     # Loading the unchanged model again does nothing; forced, it loads again.
     loaded = loads(server, "loaded")
     client.load_model(MODEL)

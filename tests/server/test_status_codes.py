@@ -82,7 +82,7 @@ def test_every_status_code_of_the_table_has_a_requests_series_from_the_start() -
     registry = CollectorRegistry()
     metrics = Metrics(registry, process_collector=False)
     metrics.add_front_end(FRONT_END)
-    metrics.add_model("small")
+    metrics.add_model("small", "")
     started: set[str] = set()
     for method, operation in FRONT_END.methods.items():
         outcomes = OUTCOMES[operation]
@@ -92,7 +92,7 @@ def test_every_status_code_of_the_table_has_a_requests_series_from_the_start() -
                 codes.add("OK")
             for code in codes:
                 labels = {"protocol": "tokembed.v1", "operation": operation, "method": method,
-                          "code": code, "model": model}  # fmt: skip
+                          "code": code, "model": model, "version": ""}  # fmt: skip
                 assert registry.get_sample_value("tokembed_requests_total", labels) == 0, labels
             started |= codes
     # The control methods' errors (load, unload: no data call ends with them) aside.
