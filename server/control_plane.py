@@ -238,8 +238,6 @@ class ControlPlane:
                 on_disk[name] = {str(v.number) for v in self.disk.versions(name)}
         for handle in self.repository:
             on_disk.setdefault(handle.name, set()).add(handle.version)
-        for name, version in list(self._status):
-            on_disk.setdefault(name, set()).add(version)
         entries = []
         for name in sorted(on_disk):
             versions = sorted(on_disk[name], key=_version_order) or [""]
@@ -295,12 +293,16 @@ class ControlPlane:
         wait_for_copies: bool,
     ) -> None:
         """``wait_for_copies`` (poll mode): a version whose files are not all there yet
-        is passed over (it is chosen once complete); else it fails the load."""
+        is passed over (it is chosen once complete), and so is one that failed to load
+        with the very files it has now; else either fails the load."""
         on_disk = disk.versions(name)
         for version in on_disk:
             if version.incomplete and self._served(name, str(version.number)) is None:
                 self._status[(name, str(version.number))] = (UNAVAILABLE, version.incomplete)
-        ready = [v for v in on_disk if not (wait_for_copies and v.incomplete)]
+        ready = [
+            v for v in on_disk
+            if not (wait_for_copies and (v.incomplete or self._failed_before(name, v)))
+        ]  # fmt: skip
         chosen_numbers = policy.choose([v.number for v in ready])
         if not chosen_numbers:
             incomplete = "; ".join(v.incomplete for v in on_disk if v.incomplete)
@@ -375,6 +377,8 @@ class ControlPlane:
         except BaseException as exc:
             reason = str(exc) if isinstance(exc, EmbedError) else "the load was cancelled"
             self._status[key] = (UNAVAILABLE, reason)
+            if isinstance(exc, EmbedError):  # poll mode tries it again once its files change
+                self._failed_with[key] = version.signature
             self._observer.version_loaded(name, key[1], "failed", time.monotonic() - started)
             if isinstance(exc, EmbedError):
                 logger.error("%s", reason)
@@ -500,41 +504,27 @@ class ControlPlane:
                 for handle in [h for h in self.repository if h.name == name]:
                     self._retire_later(handle, reason="removed from the repository")
 
+    def _failed_before(self, name: str, version: VersionOnDisk) -> bool:
+        """Whether ``version`` failed to load with the very files it has now."""
+        return self._failed_with.get((name, str(version.number))) == version.signature
+
     async def _poll_model(self, disk: ModelRepositoryDir, name: str) -> None:
         policy = self._policy(disk, name, None)
         versions = disk.versions(name)
-        wanted = policy.choose([v.number for v in versions if not v.incomplete])
+        candidates = [v for v in versions if not v.incomplete and not self._failed_before(name, v)]
+        wanted = policy.choose([v.number for v in candidates])
         served = {h.version: h for h in self.repository
                   if h.name == name and h.state is ModelState.READY}  # fmt: skip
-        changed = False
         for version in versions:
-            number = str(version.number)
-            if version.incomplete:
-                if number not in served:
-                    self._status[(name, number)] = (UNAVAILABLE, version.incomplete)
-                continue
-            if version.number not in wanted:
-                continue
-            handle = served.get(number)
-            if handle is not None and self._signatures.get(handle) == version.signature:
-                continue
-            failed = self._failed_with.get((name, number))
-            if handle is None and failed == version.signature:
-                continue  # failed with these very files: wait for them to change
-            changed = True
-        if set(served) - {str(n) for n in wanted}:
-            changed = True
+            if version.incomplete and str(version.number) not in served:
+                self._status[(name, str(version.number))] = (UNAVAILABLE, version.incomplete)
+        changed = set(served) != {str(n) for n in wanted} or any(
+            self._signatures.get(served[str(v.number)]) != v.signature
+            for v in candidates if v.number in wanted and str(v.number) in served
+        )  # fmt: skip
         if not changed:
             return
-        try:
-            await self._load_versions(disk, name, policy, force=False, wait_for_copies=True)
-        except LoadFailed:
-            for version in versions:
-                number = str(version.number)
-                status = self._status.get((name, number))
-                if status is not None and status[0] == UNAVAILABLE and not version.incomplete:
-                    self._failed_with[(name, number)] = version.signature
-            raise
+        await self._load_versions(disk, name, policy, force=False, wait_for_copies=True)
 
 
 def _as_version(loaded: LoadedModel, name: str, version: str) -> LoadedModel:

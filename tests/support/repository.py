@@ -25,17 +25,19 @@ def put_version(repository: Path, name: str, version: int, model_dir: Path) -> P
 
 
 def half_copied(repository: Path, name: str, version: int, model_dir: Path) -> Path:
-    """A version whose model.onnx has half its bytes (a copy under way)."""
+    """A version whose largest file (the table's weights) has half its bytes, as a copy
+    under way leaves it."""
     target = repository / name / str(version)
-    target.mkdir(parents=True)
-    shutil.copy2(model_dir / MANIFEST_NAME, target / MANIFEST_NAME)
-    data = (model_dir / MODEL_NAME).read_bytes()
-    (target / MODEL_NAME).write_bytes(data[: len(data) // 2])
+    shutil.copytree(model_dir, target)
+    largest = max(target.iterdir(), key=lambda path: path.stat().st_size)
+    data = largest.read_bytes()
+    largest.write_bytes(data[: len(data) // 2])
     return target
 
 
 def finish_copy(version_dir: Path, model_dir: Path) -> None:
-    shutil.copy2(model_dir / MODEL_NAME, version_dir / MODEL_NAME)
+    for path in model_dir.iterdir():
+        shutil.copy2(path, version_dir / path.name)
 
 
 def hash_mismatch(repository: Path, name: str, version: int, model_dir: Path) -> Path:
