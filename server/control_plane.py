@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tokembed.export.errors import ModelDirError
 from tokembed.export.manifest import Manifest
@@ -48,6 +48,7 @@ from tokembed.server.core.errors import (
     LoadFailed,
     ModelNotFound,
     ServerConfigError,
+    Unavailable,
 )
 from tokembed.server.core.repository import ModelHandle, ModelState, Repository
 from tokembed.server.core.scheduler import Scheduler
@@ -63,6 +64,7 @@ from tokembed.server.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 NONE, EXPLICIT, POLL = "none", "explicit", "poll"
 EVERY_MODEL = "*"
 
@@ -114,6 +116,7 @@ class ControlPlane:
         self._retiring: set[asyncio.Task[None]] = set()
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
+        self._stop_event: asyncio.Event | None = None
 
     # --- start-up
 
@@ -250,10 +253,30 @@ class ControlPlane:
     # --- stop
 
     async def close(self) -> None:
-        """The server stops: no further load; the poller ends."""
+        """The server stops: no further load, those under way are abandoned (their
+        callers answered UNAVAILABLE, not left to the end of the grace); the poller ends."""
         self._closed = True
+        self._stopping().set()
         if self._poller is not None:
             self._poller.cancel()
+
+    def _stopping(self) -> asyncio.Event:
+        if self._stop_event is None:  # made in the running loop
+            self._stop_event = asyncio.Event()
+        return self._stop_event
+
+    async def _unless_stopping(self, work: asyncio.Future[T], what: str) -> T:
+        """``work``'s result, or ``Unavailable`` as soon as the server stops (the thread
+        doing it finishes by itself; its result is dropped)."""
+        stopping = asyncio.ensure_future(self._stopping().wait())
+        try:
+            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not work.done():
+            work.add_done_callback(_drop)
+            raise Unavailable(f"the server is stopping: {what} was abandoned")
+        return work.result()
 
     # --- the steps
 
@@ -369,7 +392,10 @@ class ControlPlane:
             self._check_memory(name, version)
             loop = asyncio.get_running_loop()
             try:
-                loaded = await loop.run_in_executor(None, self._loader, version.path, self.settings)
+                loaded = await self._unless_stopping(
+                    loop.run_in_executor(None, self._loader, version.path, self.settings),
+                    f"the load of model {name!r} version {version.number}",
+                )
             except ServerConfigError as exc:
                 raise LoadFailed(f"model {name!r} version {version.number}: {exc}") from exc
             loaded = _as_version(loaded, name, str(version.number))
@@ -525,6 +551,13 @@ class ControlPlane:
         if not changed:
             return
         await self._load_versions(disk, name, policy, force=False, wait_for_copies=True)
+
+
+def _drop(work: asyncio.Future[Any]) -> None:
+    """An abandoned load's outcome: nobody waits for it (its exception, if any, is not
+    logged as never retrieved)."""
+    if not work.cancelled():
+        work.exception()
 
 
 def _as_version(loaded: LoadedModel, name: str, version: str) -> LoadedModel:

@@ -245,7 +245,7 @@ class Repository:
             raise Unavailable("the server is draining; retry on another replica")
         wanted = name or self.default_name
         versions = self._models.get(wanted)
-        if not versions:
+        if not versions or (wanted in self._unloaded and not self._routable(wanted)):
             if wanted in self._unloaded:
                 raise ModelUnloaded(f"model {wanted!r} is unloaded: {self._unloaded[wanted]}")
             if self.starting:
