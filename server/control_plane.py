@@ -268,9 +268,10 @@ class ControlPlane:
     async def _unless_stopping(self, work: asyncio.Future[T], what: str) -> T:
         """``work``'s result, or ``Unavailable`` as soon as the server stops (the thread
         doing it finishes by itself; its result is dropped)."""
-        stopping = asyncio.ensure_future(self._stopping().wait())
+        stopping: asyncio.Future[Any] = asyncio.ensure_future(self._stopping().wait())
+        waited: set[asyncio.Future[Any]] = {work, stopping}
         try:
-            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
         if not work.done():
