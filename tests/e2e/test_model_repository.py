@@ -225,3 +225,36 @@ def test_a_failed_load_leaves_what_serves_untouched_and_says_why(
     np.testing.assert_array_equal(hidden, rows["1"][IDS])
     assert loads(server, "failed") >= 1
     client.close()
+
+
+def test_the_memory_bound_refuses_a_load_with_the_figures_and_shares_identical_tables(
+    tmp_path: Path, small_model_dir: Path, version_2_dir: Path, start_server: Any
+) -> None:
+    # The small model's tables: float32, float16 and bfloat16 rows (V x D x (4 + 2 + 2)).
+    tables = SMALL_V * SMALL_D * 8
+    put_version(tmp_path, MODEL, 1, small_model_dir)
+    server = start_repository(
+        start_server, tmp_path, load_model=(MODEL,), max_model_memory_bytes=tables + tables // 2
+    )
+    client = tritonclient_grpc.InferenceServerClient(server.target)
+    # A second table beside the first (a swap holds both until the old one goes): over.
+    put_version(tmp_path, MODEL, 2, version_2_dir)
+    with pytest.raises(InferenceServerException) as refused:
+        client.load_model(MODEL)
+    assert refused.value.status() == "StatusCode.FAILED_PRECONDITION"
+    over = tables + tables - (tables + tables // 2)
+    assert (
+        f"needs {tables} bytes of tables; {tables} are held by the models loaded, and "
+        f"--max-model-memory-bytes is {tables + tables // 2} ({over} bytes over)"
+    ) in refused.value.message()
+    assert infer(client, IDS)[0] == "1"
+    # A version whose files are those of one loaded shares its tables: within the bound.
+    put_version(tmp_path, MODEL, 3, small_model_dir)
+    client.load_model(
+        MODEL, config=json.dumps({"version_policy": {"specific": {"versions": [1, 3]}}})
+    )
+    assert [(m[1], m[2]) for m in index(client) if m[2] == "READY"] == [
+        ("1", "READY"),
+        ("3", "READY"),
+    ]
+    client.close()
