@@ -11,19 +11,18 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc as tritonclient_grpc
+from tritonclient.utils import InferenceServerException
 
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from tokembed.server.core.errors import ServerConfigError  # noqa: E402
-from tokembed.server.edge.control_access import (  # noqa: E402
+from tokembed.server.core.errors import ServerConfigError
+from tokembed.server.edge.control_access import (
     ControlAccessInterceptor,
     is_loopback,
 )
-from tokembed.server.settings import Settings  # noqa: E402
+from tokembed.server.settings import Settings
 
-from support.repository import put_version  # noqa: E402
-from support.server import ServerThread  # noqa: E402
+from support.repository import put_version
+from support.server import ServerThread
 
 MODEL = "small"
 DATA_TOKEN, CONTROL_TOKEN = "data-secret", "control-secret"

@@ -17,19 +17,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tritonclient_grpc
+from tritonclient.utils import InferenceServerException
 
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V  # noqa: E402
-from support.models import export_model_dir, reference_rows  # noqa: E402
-from support.repository import (  # noqa: E402
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import export_model_dir, reference_rows
+from support.repository import (
     broken_graph,
     half_copied,
     hash_mismatch,
     put_version,
 )
-from support.server import ServerThread, wait_for  # noqa: E402
+from support.server import ServerThread, wait_for
 
 MODEL = "small"
 V2_SEED = SMALL_SEED + 10

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc.aio as tritonclient_aio
 
-tritonclient_aio = pytest.importorskip("tritonclient.grpc.aio")
+from tokembed.client import AsyncEmbeddingClient
 
-from tokembed.client import AsyncEmbeddingClient  # noqa: E402
-
-from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V  # noqa: E402
-from support.models import export_model_dir, reference_rows  # noqa: E402
-from support.repository import put_version  # noqa: E402
-from support.server import ServerProcess  # noqa: E402
+from support.fixtures import SMALL_D, SMALL_PAD, SMALL_SEED, SMALL_V
+from support.models import export_model_dir, reference_rows
+from support.repository import put_version
+from support.server import ServerProcess
 
 MODEL = "small"
 V2_SEED = SMALL_SEED + 10
