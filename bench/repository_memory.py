@@ -134,9 +134,9 @@ def swaps(root: Path, count: int, table_bytes: int) -> None:
 
 
 def workers(root: Path, count: int) -> None:
-    from tokembed.client import EmbeddingClient
-
     import socket
+
+    from tokembed.client import EmbeddingClient
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -175,3 +175,31 @@ def test_a_load_of_one_model_while_another_is_swapped(
         assert result.model_version == "2"
         np.testing.assert_array_equal(result.hidden_states, v2_rows[ids])
     assert server.metric("tokembed_model_loads_total", {"model": "enc", "version": "2"}) == 1
+
+
+def test_an_unloaded_version_is_let_go_at_once_not_when_the_collector_runs(
+    tmp_path: Path, small_model_dir: Path, version_2_dir: Path, start_server: Any
+) -> None:
+    """Its tables go when its last request is answered: no reference cycle (the
+    scheduler's admission, a finished call's callbacks) keeps them until Python's cyclic
+    collector happens to run, which under steady traffic can be never."""
+    import gc
+    import weakref
+
+    put_version(tmp_path, MODEL, 1, small_model_dir)
+    server = start_server((), model_repository=tmp_path, load_model=(MODEL,))
+    (version_1,) = list(server.server.repository)
+    backend = weakref.ref(version_1.served.backend)
+    del version_1
+    gc.collect()
+    gc.disable()
+    try:
+        with EmbeddingClient(server.target) as client:
+            for _ in range(20):
+                client.embed([[1, 2, 3]])
+            put_version(tmp_path, MODEL, 2, version_2_dir)
+            client.load_model(MODEL)
+            assert client.embed_result([[1, 2, 3]]).model_version == "2"
+            assert wait_for(lambda: backend() is None, 10), "version 1's backend is still held"
+    finally:
+        gc.enable()
