@@ -43,8 +43,8 @@ def test_each_mistake_is_one_line_naming_it(argv: list[str], words: str) -> None
 def test_the_mode_defaults_to_explicit_with_a_repository_and_none_without() -> None:
     assert Settings.from_cli(["--model-repository", "r"]).control_mode == "explicit"
     assert Settings.from_cli([]).control_mode == "none"
-    assert Settings.from_cli(["--model-repository", "r", "--model-control-mode", "poll",
-                              "--workers", "2", "--port", "5000"]).control_mode == "poll"  # fmt: skip
+    poll = ["--model-repository", "r", "--model-control-mode", "poll", "--workers", "2"]
+    assert Settings.from_cli([*poll, "--port", "5000"]).control_mode == "poll"
 
 
 @pytest.mark.parametrize(
