@@ -32,8 +32,8 @@ MODEL = "small"
 V2_SEED = SMALL_SEED + 10
 CALLERS_PER_PROTOCOL = 16
 SWAPS = 20
-STEADY_S = 8.0  # in all, in windows between the swaps
-AFTER_SWAP_S = 0.3  # what counts as during a swap: the load, and this long after it
+STEADY_S = 5.0  # in all, in windows between the swaps
+AFTER_SWAP_S = 0.2  # what counts as during a swap: the load, and this long after it
 PHASE_LIMIT_S = 120.0  # should the swaps never finish
 
 
