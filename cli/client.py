@@ -1,5 +1,5 @@
 """``tokembed embed``, ``nearest`` (``cli.nearest``), ``info``, ``models``, ``health``: the
-client on the command line.
+client on the command line (``models index|load|unload``: ``control``).
 
 grpc and numpy are imported inside the run functions (and ``--dtype``'s choices when they
 are first asked for), so that ``tokembed --help`` and the other subcommands do not pay for
@@ -161,12 +161,36 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     models = subparsers.add_parser(
         "models",
         parents=[common],
-        help="list the models a running server serves, one line each",
-        description="Call ListModels and print one line per served model: its name, "
-        "version, V, D, weight dtype and backend, the default one marked with *. "
-        "`tokembed info --all` prints every model in full.",
+        help="list the models a running server serves; index, load and unload its repository's",
+        description="Without an action: call ListModels and print one line per served "
+        "model: its name, version, V, D, weight dtype and backend, the default one marked "
+        "with *. `tokembed info --all` prints every model in full. index: every model of "
+        "the server's repository, each version's state and the reason of a failure "
+        "(RepositoryIndex); load NAME: load a model (RepositoryModelLoad), returning once "
+        "it serves; unload NAME: unload one (RepositoryModelUnload).",
     )
-    models.add_argument("--timeout-s", type=float, default=10.0, help="per call (default 10)")
+    models.add_argument(
+        "action", nargs="?", choices=("list", "index", "load", "unload"), default="list"
+    )
+    models.add_argument("name", nargs="?", help="the model to load or unload")
+    models.add_argument(
+        "--config",
+        default=None,
+        help="load: what the model's configuration may override, as JSON, e.g. "
+        '\'{"version_policy": {"latest": {"num_versions": 2}}}\'',
+    )
+    models.add_argument("--force", action="store_true", help="load: even an unchanged model")
+    models.add_argument(
+        "--control-token-file",
+        type=Path,
+        default=None,
+        help="index, load, unload: file holding the server's control token "
+        "(its --control-token-file), sent instead of --token-file's",
+    )
+    models.add_argument("--json", action="store_true", help="index: print JSON")
+    models.add_argument(
+        "--timeout-s", type=float, default=None, help="per call (default 10; load 300)"
+    )
     models.set_defaults(run=run_models)
 
     health = subparsers.add_parser(
@@ -323,6 +347,12 @@ def _run_info_all(args: argparse.Namespace) -> int:
 
 
 def run_models(args: argparse.Namespace) -> int:
+    if args.action != "list":
+        from tokembed.cli.control import run_control
+
+        return run_control(args, _client)
+    if args.timeout_s is None:
+        args.timeout_s = 10.0
     with _client(args) as client:
         served = client.models()
     print("\n".join(models_table(served)))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.errors import DeadlineExceededError as DeadlineExceededError
     from tokembed.client.errors import EmbeddingError as EmbeddingError
     from tokembed.client.errors import InvalidInputError as InvalidInputError
+    from tokembed.client.errors import ModelLoadError as ModelLoadError
     from tokembed.client.errors import ModelNotFoundError as ModelNotFoundError
     from tokembed.client.errors import OverloadedError as OverloadedError
     from tokembed.client.errors import RequestCancelledError as RequestCancelledError
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import Limits as Limits
     from tokembed.client.results import ModelInfo as ModelInfo
     from tokembed.client.results import ModelList as ModelList
+    from tokembed.client.results import RepositoryModel as RepositoryModel
     from tokembed.client.results import TableInfo as TableInfo
     from tokembed.client.results import Timings as Timings
     from tokembed.client.shared_memory import SharedMemorySession as SharedMemorySession
@@ -50,6 +52,7 @@ _EXPORTS = {
     "EmbedResult": "tokembed.client.results",
     "ModelInfo": "tokembed.client.results",
     "ModelList": "tokembed.client.results",
+    "RepositoryModel": "tokembed.client.results",
     "Limits": "tokembed.client.results",
     "IdInputInfo": "tokembed.client.results",
     "TableInfo": "tokembed.client.results",
@@ -59,6 +62,7 @@ _EXPORTS = {
     "RequestTooLargeError": "tokembed.client.errors",
     "OverloadedError": "tokembed.client.errors",
     "ModelNotFoundError": "tokembed.client.errors",
+    "ModelLoadError": "tokembed.client.errors",
     "UnavailableError": "tokembed.client.errors",
     "DeadlineExceededError": "tokembed.client.errors",
     "RequestCancelledError": "tokembed.client.errors",

@@ -18,7 +18,7 @@ reading a stream's inputs) in ``_async_backend`` and ``_sync_backend``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import grpc
@@ -29,9 +29,15 @@ from tokembed.client import codec, decode, engines
 from tokembed.client._async_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
-from tokembed.client._shared import Attempts, Health, Methods, StreamBook
+from tokembed.client._shared import Attempts, Health, Methods, StreamBook, control_metadata
 from tokembed.client.errors import EmbeddingError
-from tokembed.client.results import EmbedResult, ModelInfo, ModelList, NearestResult
+from tokembed.client.results import (
+    EmbedResult,
+    ModelInfo,
+    ModelList,
+    NearestResult,
+    RepositoryModel,
+)
 from tokembed.client.vectors import nearest_request
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -258,6 +264,66 @@ class AsyncEmbeddingClient(ClientBase):
             lambda t: list_models(pb.ListModelsRequest(), timeout=t, metadata=metadata),
         )
         return ModelList.from_proto(message)
+
+    # ------------------------------------------------------------------ model control
+
+    async def repository_index(
+        self,
+        *,
+        ready_only: bool = False,
+        control_token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[RepositoryModel]:
+        """Every model of the server's repository, each version with its state and the
+        reason of a failure (RepositoryIndex). ``control_token``: the server's control
+        token (``--control-token-file``), sent in place of the client's token."""
+        control, metadata = self._methods().control(), self._control_metadata(control_token)
+        request = control.v2.RepositoryIndexRequest(ready=ready_only)
+        message = await self._with_retries(
+            "RepositoryIndex",
+            self._deadline(timeout_s),
+            lambda t: control.index(request, timeout=t, metadata=metadata),
+        )
+        return [RepositoryModel(m.name, m.version, m.state, m.reason) for m in message.models]
+
+    async def load_model(
+        self,
+        name: str,
+        *,
+        config: Mapping[str, Any] | None = None,
+        force: bool = False,
+        control_token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Load ``name`` from the server's repository (RepositoryModelLoad); returns once
+        its versions serve. ``config``: what the model's configuration may override (its
+        ``version_policy``: ``{"latest": {"num_versions": 2}}``, ``{"all": {}}``,
+        ``{"specific": {"versions": [1, 3]}}``); ``force``: load again even what is
+        unchanged. A failed load raises ``ModelLoadError`` with its reason; what served
+        before serves still."""
+        control, metadata = self._methods().control(), self._control_metadata(control_token)
+        request = control.load_request(name, config, force)
+        await self._with_retries(
+            "RepositoryModelLoad",
+            self._deadline(timeout_s),
+            lambda t: control.load(request, timeout=t, metadata=metadata),
+        )
+
+    async def unload_model(
+        self, name: str, *, control_token: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Unload ``name`` (RepositoryModelUnload): its new requests are refused at once,
+        those admitted finish."""
+        control, metadata = self._methods().control(), self._control_metadata(control_token)
+        request = control.v2.RepositoryModelUnloadRequest(model_name=name)
+        await self._with_retries(
+            "RepositoryModelUnload",
+            self._deadline(timeout_s),
+            lambda t: control.unload(request, timeout=t, metadata=metadata),
+        )
+
+    def _control_metadata(self, control_token: str | None) -> tuple[tuple[str, str], ...]:
+        return control_metadata(self._metadata(), control_token)
 
     async def embed_stream(
         self,

@@ -258,3 +258,15 @@ class ModelList:
 
     def __len__(self) -> int:
         return len(self.models)
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    """One model version of a server's model repository (its index): ``state`` is
+    ``UNAVAILABLE`` (on disk, not served; ``reason`` says why: unloaded, a failed load),
+    ``LOADING``, ``READY`` or ``UNLOADING``. ``version`` is "" for a model with none."""
+
+    name: str
+    version: str
+    state: str
+    reason: str

@@ -82,7 +82,7 @@ OUTCOMES: dict[str, Outcomes] = {
 class Call:
     """One call (or one item of a stream) being served: what its outcome is told with."""
 
-    __slots__ = ("_operation", "front_end", "method", "model", "request_id", "started")
+    __slots__ = ("_operation", "front_end", "method", "model", "request_id", "started", "version")
 
     def __init__(
         self, front_end: FrontEnd, method: str, request_id: str, operation: str = ""
@@ -91,6 +91,7 @@ class Call:
         self.front_end = front_end
         self.method = method
         self.model = ""  # the model that answers it, once known
+        self.version = ""  # and its version
         self.request_id = request_id
         # One method may serve several operations (V2's ModelInfer: embed, or nearest on
         # a model's ``.nearest`` name): the data plane names the one it served.
@@ -134,13 +135,15 @@ class CallsObserver(Protocol):
     """What the calls report (the metrics implement it)."""
 
     def call_done(
-        self, protocol: str, operation: str, method: str, code: str, model: str, duration_s: float
-    ) -> None: ...
+        self, protocol: str, operation: str, method: str, code: str, model: str,
+        duration_s: float, version: str = "",
+    ) -> None: ...  # fmt: skip
 
     def call_served(
         self, protocol: str, operation: str, method: str, code: str, model: str,
         duration_s: float,
         tokens: int, output_bytes: int, queue_s: float, encode_s: float | None,
+        version: str = "",
     ) -> None: ...  # fmt: skip
 
     def rejected(self, reason: str) -> None: ...
@@ -204,7 +207,7 @@ class Calls:
             self._observer.call_served(
                 call.front_end.protocol, call.operation, call.method, call.front_end.ok,
                 call.model, duration_s, delivered.tokens, delivered.nbytes,
-                delivered.timings.queue_s, delivered.encode_s,
+                delivered.timings.queue_s, delivered.encode_s, version=call.version,
             )  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
             timings = delivered.timings
@@ -223,7 +226,7 @@ class Calls:
         if self._observer is not None:
             self._observer.call_done(
                 call.front_end.protocol, call.operation, call.method, call.front_end.ok,
-                call.model, time.perf_counter() - call.started,
+                call.model, time.perf_counter() - call.started, version=call.version,
             )  # fmt: skip
 
     def refused(self, call: Call, error: EmbedError) -> None:
@@ -231,7 +234,7 @@ class Calls:
         if self._observer is not None:
             self._observer.call_done(
                 call.front_end.protocol, call.operation, call.method, code, call.model,
-                time.perf_counter() - call.started,
+                time.perf_counter() - call.started, version=call.version,
             )  # fmt: skip
             self._observer.rejected(error.reason)
         level = self._refusals.level(error.reason)

@@ -17,6 +17,7 @@ It knows nothing of protocols: errors are ``core.errors``; ``frame`` is the call
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -36,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F")
 _Item = tuple[Operation[Any, Any, Any], Job]
+
+
+def _queued_in(batchers: dict[Hashable, Batcher[_Item, Any]]) -> int:
+    # A snapshot: the metrics thread asks while the loop may add a batcher.
+    return sum(batcher.queued_tokens for batcher in list(batchers.values()))
 
 
 class SchedulerObserver(Protocol):
@@ -67,15 +73,16 @@ class Scheduler:
         # model's batches never wait behind another model's large frames.
         self._batch_threads: ThreadPoolExecutor | None = None
         self._closed = False
+        # Over the batchers, not a method of this scheduler: no cycle keeps an unloaded
+        # version (its tables) until the cyclic collector runs.
         self._admission = Admission(
             budget, max_queued_tokens=served.batch.max_queued_tokens,
-            queued_tokens=self.queued_tokens,
+            queued_tokens=functools.partial(_queued_in, self._batchers),
         )  # fmt: skip
 
     def queued_tokens(self) -> int:
         """Tokens waiting in this model version's batchers."""
-        # A snapshot: the metrics thread asks while the loop may add a batcher.
-        return sum(batcher.queued_tokens for batcher in list(self._batchers.values()))
+        return _queued_in(self._batchers)
 
     def admit(self, job: Job, on_release: Callable[[], None] | None = None) -> Ticket:
         """Room for ``job``, or ``Overloaded``; release the ticket once its answer is sent

@@ -328,6 +328,9 @@ def _row_tables(
                     return None
             if dtype == FLOAT32:
                 rows = compute_rows(session)
+                # The other tables are cast from these rows: the session (and the weights
+                # it holds) goes now, not beside them (a swap's peak is the new tables).
+                session = None
             else:
                 rows = _rows_in(session, casts[dtype], dtype)
         tables[dtype] = _SHARED.keep(model, dtype.name, rows)

@@ -89,12 +89,15 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "embed_torch",
         "health",
         "info",
+        "load_model",
         "model_info",
         "models",
         "nearest",
+        "repository_index",
         "sglang_input_embeds",
         "shared_memory",
         "target",
+        "unload_model",
         "vllm_prompt_embeds",
     ]
 

@@ -384,7 +384,8 @@ def test_known_traffic_numbers_are_what_a_scrape_shows(
     found = samples(scrape(server.metrics_port))
     small = ("model", "small")
     # A call's series name its protocol and operation too (labels sorted by name).
-    embed = (("method", "Embed"), small, ("operation", "embed"), ("protocol", "tokembed.v1"))
+    embed = (("method", "Embed"), small, ("operation", "embed"), ("protocol", "tokembed.v1"),
+             ("version", "1"))  # fmt: skip
     assert found[("tokembed_requests_total", (("code", "OK"), *embed))] == 7
     assert found[("tokembed_tokens_total", (small,))] == 21
     assert found[("tokembed_batch_tokens_sum", (small,))] == 21

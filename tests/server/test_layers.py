@@ -117,7 +117,7 @@ ROOMS = (
         "tokembed.server.observability",
         may_import=(
             *("prometheus_client", "tokembed.server.observability"),
-            "tokembed.server.core.calls",
+            *("tokembed.server.core.calls", "tokembed.server.core.control"),
         ),
     ),
     Room(

@@ -27,8 +27,15 @@ import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
+from tokembed.server.core.control import ModelControl
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
-from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
+from tokembed.server.core.errors import (
+    EmbedError,
+    InvalidInput,
+    ModelNotFound,
+    ModelUnloaded,
+    Unavailable,
+)
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.operations.nearest import NEAREST
 from tokembed.server.core.served import ServedModel
@@ -38,6 +45,7 @@ from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.status_codes import refuse
 from tokembed.server.edge.v2 import nearest, responses
+from tokembed.server.edge.v2.repository_service import RepositoryService
 from tokembed.server.edge.v2.requests import (
     InferCall,
     InferParser,
@@ -85,12 +93,16 @@ class InferenceServicer:
         identities: Identities,
         extensions: Sequence[str] = EXTENSIONS,
         shared_memory: SharedMemoryRegistry | None = None,
+        control: ModelControl | None = None,
     ) -> None:
         """``parse``: ModelInfer's deserializer; ``max_message_bytes``: the message limit
         ModelConfig reports; ``version``: tokembed's (ServerMetadata); ``statistics``: a
         model name's totals (None: none yet); ``identities``: who a call comes from (whose
         shared-memory regions it may use); ``shared_memory``: the system shared-memory
-        regions (None: the extension's methods are not served)."""
+        regions (None: the extension's methods are not served); ``control``: the control
+        plane the repository methods drive (None: RepositoryIndex lists what is served,
+        and models are neither loaded nor unloaded)."""
+        self.repository = None if control is None else RepositoryService(control)
         self.parse = parse
         self.shared_memory = (
             None
@@ -227,8 +239,16 @@ class InferenceServicer:
             )
             if base is not None and routed.served.backend.head is None:
                 return pb.ModelReadyResponse(ready=False)
-        except Unavailable:
+        except (Unavailable, ModelUnloaded):
             return pb.ModelReadyResponse(ready=False)
+        except ModelNotFound as error:
+            # A version not served of a model served: not ready (it may be loaded).
+            assert not isinstance(request, Refused)
+            if request.model_version and self._versions(
+                request.model_name or self._dataplane.repository.default_name
+            ):
+                return pb.ModelReadyResponse(ready=False)
+            await _abort(context, error)
         except EmbedError as error:
             await _abort(context, error)
         return pb.ModelReadyResponse(ready=True)
@@ -410,4 +430,6 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     }
     if servicer.shared_memory is not None:
         handlers.update(servicer.shared_memory.handlers(parse_message))
+    if servicer.repository is not None:
+        handlers.update(servicer.repository.handlers(parse_message))
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
