@@ -53,6 +53,9 @@ METHOD_EMBED_STREAM = f"/{_SERVICE}/EmbedStream"
 METHOD_EMBED_CHUNKED = f"/{_SERVICE}/EmbedChunked"
 METHOD_GET_MODEL_INFO = f"/{_SERVICE}/GetModelInfo"
 METHOD_LIST_MODELS = f"/{_SERVICE}/ListModels"
+METHOD_TOKENIZE = f"/{_SERVICE}/Tokenize"
+METHOD_DETOKENIZE = f"/{_SERVICE}/Detokenize"
+METHOD_EMBED_TEXT = f"/{_SERVICE}/EmbedText"
 
 PemSource = str | os.PathLike[str] | bytes
 

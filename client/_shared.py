@@ -20,6 +20,9 @@ from tokembed.client._config import (
     METHOD_EMBED_STREAM,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
+    METHOD_TOKENIZE,
+    METHOD_DETOKENIZE,
+    METHOD_EMBED_TEXT,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
@@ -49,6 +52,18 @@ class Methods:
             METHOD_LIST_MODELS,
             request_serializer=pb.ListModelsRequest.SerializeToString,
             response_deserializer=pb.ListModelsResponse.FromString,
+        )
+        # The text methods: requests as messages, answers as raw bytes (``text_codec``).
+        self.tokenize = channel.unary_unary(
+            METHOD_TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString
+        )
+        self.detokenize = channel.unary_unary(
+            METHOD_DETOKENIZE,
+            request_serializer=pb.DetokenizeRequest.SerializeToString,
+            response_deserializer=pb.DetokenizeResponse.FromString,
+        )
+        self.embed_text = channel.unary_unary(
+            METHOD_EMBED_TEXT, request_serializer=pb.EmbedTextRequest.SerializeToString
         )
 
 

@@ -116,6 +116,23 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the one `tokembed serve` builds when given no model; needs no torch, and takes "
         "no other option but --out",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the model's Hugging Face tokenizer.json: copied into the directory, hashed "
+        "with its other files and recorded in the manifest, so that the server tokenizes "
+        "text for it (Tokenize, Detokenize, EmbedText); its ids must be rows of the table",
+    )
+    parser.add_argument(
+        "--tokenizer-max-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the longest text, in tokens, the model takes (its positions): a longer one is "
+        "refused, or truncated when the request asks (default: the server's per-request limit)",
+    )
     kind_cli.add_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -128,6 +145,26 @@ def run(args: argparse.Namespace) -> int:
     args.notes = []
     if args.builtin:
         return _builtin(args)
+    tokenizer = None
+    if args.tokenizer is not None:
+        from tokembed.export.tokenizer_file import read_tokenizer
+
+        tokenizer = read_tokenizer(args.tokenizer, args.tokenizer_max_length)
+    elif args.tokenizer_max_length is not None:
+        raise ExportError("--tokenizer-max-length needs --tokenizer")
+    code = _export(args)
+    if tokenizer is not None:
+        from tokembed.export.tokenizer_file import attach_tokenizer
+
+        attach_tokenizer(args.out, args.tokenizer, tokenizer)
+        limit = "" if tokenizer.max_length is None else f", max_length {tokenizer.max_length}"
+        print(f"tokenizer {tokenizer.model}, {tokenizer.vocab_size} ids{limit} -> "
+              f"{args.out / tokenizer.file}")  # fmt: skip
+    return code
+
+
+def _export(args: argparse.Namespace) -> int:
+    """The model itself, as the flags ask."""
     # Flags that need no checkpoint are checked before torch is imported: a mistyped
     # command then answers at once instead of after a second of imports.
     if args.key is not None and args.weights is None:
@@ -265,6 +302,7 @@ def _builtin(args: argparse.Namespace) -> int:
         (OVERRIDE_FLAG, args.override_config or None),
         ("--projection-key", args.projection_key), ("--kind", args.kind),
         ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
+        ("--tokenizer", args.tokenizer), ("--tokenizer-max-length", args.tokenizer_max_length),
     ) if given is not None]  # fmt: skip
     # Flags with a default: refused when they ask for another model than the built-in one
     # (its seed 0, float32, sqrt(D), version 1), not silently ignored.

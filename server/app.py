@@ -218,6 +218,7 @@ class TokembedServer:
                 max_concurrent_batches=settings.max_concurrent_batches,
                 max_queued_tokens=settings.max_queued_tokens,
             ),
+            tokenizer=loaded.tokenizer,
         )
         return Scheduler(
             served,

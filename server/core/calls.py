@@ -64,11 +64,17 @@ class Outcomes:
 
 
 _BEFORE_ROUTING = (InvalidInput, TooLarge, ModelNotFound, Unavailable, Unauthenticated)
+# What a served operation's calls may end with (embed's; the text operations' the same: a
+# model without a tokenizer is an InvalidInput).
+_SERVED = Outcomes(
+    _BEFORE_ROUTING,
+    (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
+)
 OUTCOMES: dict[str, Outcomes] = {
-    "embed": Outcomes(
-        _BEFORE_ROUTING,
-        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
-    ),
+    "embed": _SERVED,
+    "tokenize": _SERVED,
+    "detokenize": _SERVED,
+    "embed_text": _SERVED,
     "model_info": Outcomes((InvalidInput, ModelNotFound, Unavailable, Unauthenticated), ()),
     "list_models": Outcomes((InvalidInput, Unavailable, Unauthenticated), (), ok_with_model=False),
 }

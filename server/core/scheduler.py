@@ -105,7 +105,9 @@ class Scheduler:
             idle = batcher is None or batcher.idle
         else:  # a backend that never batches has no batcher to ask
             key, idle = None, True
-        placement = policy.place(job.tokens, job.output_bytes, batcher_idle=idle)
+        placement = policy.place(
+            job.tokens, job.output_bytes, batcher_idle=idle, off_loop=operation.off_loop
+        )
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
         if deadlines.passed(deadline, time.monotonic()):

@@ -38,6 +38,10 @@ ResultT = TypeVar("ResultT")
 
 class Operation(ABC, Generic[RequestT, JobT, ResultT]):
     name: str  # "embed": the `operation` label of the request metrics
+    # Its compute never runs on the event loop, whatever its size (a tokenizer's, whose
+    # cost the request's size does not tell before it runs): each request on a worker
+    # thread of its own, never batched with others.
+    off_loop = False
 
     @abstractmethod
     def validate(self, request: RequestT, model: ServedModel) -> JobT:

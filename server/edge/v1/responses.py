@@ -180,6 +180,12 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         answer.tables.add(role=table.role, shape=table.shape, dtype=manifest.weight_dtype)
     answer.memory_bytes.update(backend.memory_bytes)
     answer.serving_memory_bytes.update(backend.serving_memory)
+    tokenizer = manifest.tokenizer
+    if tokenizer is not None and served.tokenizer is not None:
+        answer.tokenizer.model = tokenizer.model
+        answer.tokenizer.vocab_size = served.tokenizer.vocab_size
+        answer.tokenizer.max_length = served.tokenizer.max_length
+        answer.tokenizer.sha256 = manifest.files[tokenizer.file].sha256
     return answer
 
 

@@ -1,0 +1,72 @@
+"""A model's own tokenizer: texts -> ids (with offsets and which are special), ids -> texts.
+
+It holds the ``tokenizers`` library's ``Tokenizer`` loaded from the model directory's
+``tokenizer.json``, twice: as it is, and with truncation at the model's limit. Neither is
+changed after load (a ``Tokenizer``'s truncation and padding are settings of the object,
+so a request that set them would change them under every other request); padding is
+switched off in both, since answers are ragged (ids with their lengths). A batch of texts
+is one ``encode_batch`` (the library encodes it on its own threads, without the GIL).
+
+Blocking and thread-safe: the scheduler calls it on worker threads, several at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from tokembed.server.core.dtypes import INT64
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A batch of texts, tokenized: every text's ids one after another (``ids [N]``), with
+    ``lengths [B]``, each token's ``offsets [N, 2]`` (characters of its text: start, end)
+    and ``special [N]`` (1 for a token the tokenizer added: [CLS], </s>...)."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    offsets: np.ndarray
+    special: np.ndarray
+
+
+class TextTokenizer:
+    def __init__(self, path: Path, max_length: int) -> None:
+        """``max_length``: the longest text in tokens the model takes (truncation's)."""
+        self.path = path
+        self.max_length = max_length
+        plain = Tokenizer.from_file(str(path))
+        plain.no_padding()
+        plain.no_truncation()
+        truncating = Tokenizer.from_str(plain.to_str())
+        truncating.enable_truncation(max_length)
+        self._plain = plain
+        self._truncating = truncating
+        self.vocab_size = plain.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, texts: Sequence[str], *, add_special_tokens: bool, truncate: bool) -> Encoded:
+        tokenizer = self._truncating if truncate else self._plain
+        encodings = tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        lengths = np.fromiter((len(e.ids) for e in encodings), INT64.numpy, len(encodings))
+        total = int(lengths.sum())
+        ids = np.empty(total, INT64.numpy)
+        offsets = np.empty((total, 2), INT64.numpy)
+        special = np.empty(total, np.int32)
+        start = 0
+        for encoding, length in zip(encodings, lengths.tolist(), strict=True):
+            stop = start + length
+            if length:
+                ids[start:stop] = encoding.ids
+                offsets[start:stop] = encoding.offsets
+                special[start:stop] = encoding.special_tokens_mask
+            start = stop
+        return Encoded(ids, lengths, offsets, special)
+
+    def decode(self, sequences: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+        return self._plain.decode_batch(
+            [list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens
+        )
