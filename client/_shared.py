@@ -15,14 +15,14 @@ import grpc
 
 from tokembed.client import codec, decode
 from tokembed.client._config import (
+    METHOD_DETOKENIZE,
     METHOD_EMBED,
     METHOD_EMBED_CHUNKED,
     METHOD_EMBED_STREAM,
+    METHOD_EMBED_TEXT,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
     METHOD_TOKENIZE,
-    METHOD_DETOKENIZE,
-    METHOD_EMBED_TEXT,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error

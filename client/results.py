@@ -183,9 +183,11 @@ class ModelInfo:
             serving_memory_bytes=dict(msg.serving_memory_bytes),
             tokenizer=(
                 TokenizerInfo(
-                    msg.tokenizer.model, msg.tokenizer.vocab_size, msg.tokenizer.max_length,
+                    msg.tokenizer.model,
+                    msg.tokenizer.vocab_size,
+                    msg.tokenizer.max_length,
                     msg.tokenizer.sha256,
-                )  # fmt: skip
+                )
                 if msg.HasField("tokenizer")
                 else None
             ),

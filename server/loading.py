@@ -122,7 +122,9 @@ def _tokenizer(model: ModelDir, settings: Settings) -> TextTokenizer | None:
         tokenizer = TextTokenizer(path, spec.max_length or settings.max_tokens_per_request)
     except Exception as exc:  # the library raises Exception for a file it cannot read
         message = " ".join(str(exc).split())
-        raise ServerConfigError(f"{path}: the tokenizers library cannot load it ({message})") from exc
+        raise ServerConfigError(
+            f"{path}: the tokenizers library cannot load it ({message})"
+        ) from exc
     if tokenizer.vocab_size > model.manifest.vocab_size:
         raise ServerConfigError(
             f"{path}: its ids reach {tokenizer.vocab_size - 1}, past the table's "

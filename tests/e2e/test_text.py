@@ -188,6 +188,7 @@ def test_ids_past_the_tokenizer_are_refused_by_detokenize(
     with EmbeddingClient(server.target) as client:
         vocab = client.info().tokenizer
         assert vocab is not None
-        with pytest.raises(InvalidInputError, match=rf"input_ids\[2\] = {vocab.vocab_size} is "
-                           rf"outside the tokenizer's vocabulary \[0, {vocab.vocab_size}\)"):  # fmt: skip
-            client.detokenize([2, 40, vocab.vocab_size])
+        size = vocab.vocab_size
+        outside = rf"input_ids\[2\] = {size} is outside the tokenizer's vocabulary \[0, {size}\)"
+        with pytest.raises(InvalidInputError, match=outside):
+            client.detokenize([2, 40, size])

@@ -64,8 +64,15 @@ def train(kind: str, path: Path) -> Path:
     """Train a tokenizer of ``kind`` ("bpe", "wordpiece", "unigram") on ``corpus`` and save
     it at ``path`` (a tokenizer.json), with a tokenizer_config.json beside it naming
     transformers' generic fast tokenizer, so that ``AutoTokenizer`` loads the same file."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     if kind == "bpe":  # GPT-2's: byte-level BPE
         tokenizer = Tokenizer(models.BPE())
@@ -123,7 +130,12 @@ def _special_names(kind: str) -> dict[str, str]:
 
 
 def export_with_tokenizer(
-    out_dir: Path, tokenizer: Path, *, vocab_size: int = 1000, d_model: int = 32, extra: tuple[str, ...] = ()
+    out_dir: Path,
+    tokenizer: Path,
+    *,
+    vocab_size: int = 1000,
+    d_model: int = 32,
+    extra: tuple[str, ...] = (),
 ) -> Path:
     """A seeded random model exported by the real command line, with ``--tokenizer``."""
     from tokembed.cli.main import main

@@ -102,12 +102,9 @@ class EmbedText(Operation[TextInput, EmbedTextJob, TextRows]):
         tensors = token_tensors(encoded, job.text.outputs)
         if HIDDEN_STATES in job.text.outputs:
             pieces = rows.pieces(0, tokens) if tokens else []
-            tensors.append(
-                NamedTensor(
-                    HIDDEN_STATES, (tokens, model.d_model), dtype, pieces,
-                    tokens * model.d_model * dtype.itemsize,
-                )  # fmt: skip
-            )
+            size = tokens * model.d_model * dtype.itemsize
+            shape = (tokens, model.d_model)
+            tensors.append(NamedTensor(HIDDEN_STATES, shape, dtype, pieces, size))
         order = {name: index for index, name in enumerate(job.text.outputs)}
         tensors.sort(key=lambda tensor: order[tensor.name])
         return TensorsAnswer.of(tensors, timings, tokens, model.name, model.version)

@@ -56,7 +56,9 @@ class TextJob:
         return encoded, check_lengths(encoded.lengths.tolist(), self.tokenizer, self.model)
 
 
-def text_job(request: TextInput, model: ServedModel, known: Sequence[str], row_bytes: int) -> TextJob:
+def text_job(
+    request: TextInput, model: ServedModel, known: Sequence[str], row_bytes: int
+) -> TextJob:
     """``request`` as a job (``row_bytes``: what each token's answer costs)."""
     tokenizer = tokenizer_of(model)
     outputs = wanted(request.outputs, known)
@@ -80,9 +82,7 @@ def token_tensors(encoded: Encoded, outputs: tuple[str, ...]) -> list[NamedTenso
     for name in outputs:
         if name in arrays:
             array, dtype = arrays[name]
-            tensors.append(
-                NamedTensor(name, array.shape, dtype, [byte_view(array)], array.nbytes)
-            )
+            tensors.append(NamedTensor(name, array.shape, dtype, [byte_view(array)], array.nbytes))
     return tensors
 
 

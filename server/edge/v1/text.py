@@ -51,7 +51,9 @@ def _parsed(message: Any, data: bytes) -> Any:
     try:
         return message.FromString(data)
     except DecodeError as exc:
-        return Refused(InvalidInput(f"the request is not a valid tokembed.v1.{message.__name__}: {exc}"))
+        return Refused(
+            InvalidInput(f"the request is not a valid tokembed.v1.{message.__name__}: {exc}")
+        )
 
 
 def _truncate(value: int) -> bool:
@@ -82,10 +84,11 @@ def parse_embed_text(data: bytes) -> Request[TextInput] | Refused:
     if isinstance(request, Refused):
         return request
     dtype = request.output_dtype
+    named = WIRE_OUTPUT_DTYPES.get(dtype, str(dtype))
     try:
         body = TextInput(
             list(request.texts), _add_special(request), _truncate(request.truncation),
-            "float32" if dtype == pb.DTYPE_UNSPECIFIED else WIRE_OUTPUT_DTYPES.get(dtype, str(dtype)),
+            "float32" if dtype == pb.DTYPE_UNSPECIFIED else named,
         )  # fmt: skip
     except InvalidInput as error:
         return Refused(error, request.request_id)
@@ -169,4 +172,3 @@ def detokenize_response(answer: TextsAnswer, request_id: str) -> bytes:
         texts=answer.texts, model_name=answer.model_name, model_version=answer.model_version,
         request_id=request_id,
     ).SerializeToString()  # fmt: skip
-
