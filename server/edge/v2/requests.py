@@ -40,6 +40,7 @@ from tokembed.server.core.operations.embed_request import (
     IdsInput,
     Unread,
 )
+from tokembed.server.edge.v2.text import TextCall, is_text, text_call
 from tokembed.v2 import grpc_service_pb2 as pb
 
 # The V2 datatype names, by the rows of the server's dtype table (``core.dtypes``): a row
@@ -106,13 +107,18 @@ class InferParser:
         self._max_tokens = max_tokens
         self._source = source or in_request
 
-    def __call__(self, data: bytes) -> InferCall | Refused:
+    def __call__(self, data: bytes) -> InferCall | TextCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
             request = pb.ModelInferRequest.FromString(data)
         except DecodeError as exc:
             return Refused(InvalidInput(f"the request is not a valid ModelInferRequest: {exc}"))
+        if is_text(request):  # texts, not ids (``edge.v2.text``)
+            try:
+                return text_call(request, V2_OUTPUT_DTYPES)
+            except EmbedError as error:
+                return Refused(error, request.id)
         try:
             body = self.embed_input(request)
         except EmbedError as error:

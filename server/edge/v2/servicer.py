@@ -29,7 +29,10 @@ from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
 from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
+from tokembed.server.core.named_tensors import TensorsAnswer
 from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.operations.embed_text import EMBED_TEXT
+from tokembed.server.core.operations.tokenize import TOKENIZE
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
@@ -51,6 +54,11 @@ from tokembed.server.edge.v2.shm_service import (
     output_window,
 )
 from tokembed.server.edge.v2.status import V2, status_name, status_of
+from tokembed.server.edge.v2.text import (
+    TextCall,
+    stream_refusal,
+    tensors_infer_response,
+)
 from tokembed.v2 import grpc_service_pb2 as pb
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -106,8 +114,10 @@ class InferenceServicer:
     # --- inference
 
     async def ModelInfer(
-        self, request: InferCall | Refused, context: grpc.aio.ServicerContext
+        self, request: InferCall | TextCall | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
+        if isinstance(request, TextCall):
+            return await self._text(request, context)
         request, sink = self.unary_sink(self._sent_by(request, context), context)
         try:
             await self._dataplane.serve(
@@ -115,6 +125,18 @@ class InferenceServicer:
             )
         except EmbedError as error:
             refuse(context, status_of(error), error)  # not an abort: see refuse
+        return sink.payload
+
+    async def _text(self, request: TextCall, context: grpc.aio.ServicerContext) -> bytes:
+        """Texts: tokenized, or embedded, as the requested outputs say (``edge.v2.text``)."""
+        sink = TensorsSink(context)
+        operation = TOKENIZE if request.tokenize else EMBED_TEXT
+        try:
+            await self._dataplane.serve(
+                FRONT_END, "ModelInfer", operation, request, deadline_of(context), sink
+            )
+        except EmbedError as error:
+            refuse(context, status_of(error), error)
         return sink.payload
 
     def unary_sink(
@@ -162,7 +184,9 @@ class InferenceServicer:
         memory is refused (a stream's answers are its messages; ModelInfer writes answers
         into regions)."""
         async for request in requests:
-            if isinstance(request, InferCall) and any(
+            if isinstance(request, TextCall):
+                yield Refused(stream_refusal(), request.request_id)
+            elif isinstance(request, InferCall) and any(
                 names_region(output.parameters) for output in request.outputs
             ):
                 yield Refused(
@@ -294,6 +318,14 @@ class UnarySink(GrpcUnarySink):
 
     def frame(self, answer: Answer, call: Call) -> bytes:
         return responses.infer_response(answer, OUTPUT_NAME, call.request_id)
+
+
+class TensorsSink(GrpcUnarySink):
+    """ModelInfer of texts: one ModelInferResponse of the answer's named tensors."""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        assert isinstance(answer, TensorsAnswer), "This is a bug: an answer of tensors."
+        return tensors_infer_response(answer, call.request_id)
 
 
 class StreamItemSink(GrpcStreamItemSink):
