@@ -82,16 +82,19 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
     # docs/client.md's API summary lists these for both clients.
     assert sorted(n for n in _public(EmbeddingClient) if not n.startswith("_")) == [
         "close",
+        "detokenize",
         "embed",
         "embed_result",
         "embed_stream",
         "embed_stream_results",
+        "embed_text",
         "health",
         "info",
         "model_info",
         "models",
         "shared_memory",
         "target",
+        "tokenize",
     ]
 
 

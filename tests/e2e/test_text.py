@@ -86,6 +86,9 @@ def test_embed_text_is_embed_of_its_own_ids(
             rows = client.embed(result.input_ids.reshape(1, -1), dtype)[0]
             np.testing.assert_array_equal(result.hidden_states, rows)
             assert [len(s) for s in result.sequences()] == result.lengths.tolist()
+            # Its timings count the texts' tokens, a batch of its own.
+            assert result.timings.batch_tokens == int(result.lengths.sum())
+            assert result.timings.batch_requests == 1
 
 
 def test_the_asyncio_client_does_the_same(text_model_dir: Path, start_server: Any) -> None:

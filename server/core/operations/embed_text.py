@@ -40,6 +40,8 @@ class TextRows:
 
 @dataclass(slots=True)
 class EmbedTextJob:
+    """Validated texts (``TextJob``), and the dtype of their vectors."""
+
     text: TextJob
     output_dtype_name: str
 

@@ -45,7 +45,9 @@ class TextJob:
     add_special_tokens: bool
     truncate: bool
     outputs: tuple[str, ...]
-    tokens: int  # an estimate until tokenized (``estimated_tokens``)
+    # An estimate until tokenized (``estimated_tokens``: what admission counted), the
+    # texts' tokens after (what the answer's timings report).
+    tokens: int
     output_bytes: int
 
     def encode(self) -> tuple[Encoded, int]:
@@ -53,7 +55,8 @@ class TextJob:
         encoded = self.tokenizer.encode(
             self.texts, add_special_tokens=self.add_special_tokens, truncate=self.truncate
         )
-        return encoded, check_lengths(encoded.lengths.tolist(), self.tokenizer, self.model)
+        self.tokens = check_lengths(encoded.lengths.tolist(), self.tokenizer, self.model)
+        return encoded, self.tokens
 
 
 def text_job(
