@@ -72,7 +72,7 @@ class EmbedText(Operation[TextInput, EmbedTextJob, TextRows]):
     def compute(self, backend: Backend, jobs: Sequence[EmbedTextJob]) -> list[TextRows]:
         results = []
         for job in jobs:
-            encoded, tokens = job.text.encode()
+            encoded, tokens = job.text.encode(details=False)
             ids = TokenIds(encoded.ids.tobytes(), INT64, tokens)
             model = job.text.model
             if tokens and not within_bound(ids, model.vocab_size):

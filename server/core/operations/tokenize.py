@@ -50,11 +50,13 @@ class TextJob:
     tokens: int
     output_bytes: int
 
-    def encode(self) -> tuple[Encoded, int]:
-        """The texts tokenized, and their tokens (within the limits, or ``TooLarge``)."""
+    def encode(self, details: bool = True) -> tuple[Encoded, int]:
+        """The texts tokenized, and their tokens (within the limits, or ``TooLarge``);
+        ``details``: with the tokens' offsets and special marks."""
         encoded = self.tokenizer.encode(
-            self.texts, add_special_tokens=self.add_special_tokens, truncate=self.truncate
-        )
+            self.texts, add_special_tokens=self.add_special_tokens, truncate=self.truncate,
+            details=details,
+        )  # fmt: skip
         self.tokens = check_lengths(encoded.lengths.tolist(), self.tokenizer, self.model)
         return encoded, self.tokens
 
@@ -83,8 +85,8 @@ def token_tensors(encoded: Encoded, outputs: tuple[str, ...]) -> list[NamedTenso
     }
     tensors = []
     for name in outputs:
-        if name in arrays:
-            array, dtype = arrays[name]
+        array, dtype = arrays.get(name, (None, INT64))
+        if array is not None:
             tensors.append(NamedTensor(name, array.shape, dtype, [byte_view(array)], array.nbytes))
     return tensors
 
