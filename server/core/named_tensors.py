@@ -17,7 +17,7 @@ from tokembed.server.core.dtypes import DType
 from tokembed.server.core.types import Answer, Buffer, Timings
 
 # What a texts answer's ``dtype`` is called (the V2 name of a tensor of strings).
-TEXT = DType("bytes", 1, 8, "BYTES", "object")
+TEXT_DTYPE = DType("bytes", 1, 8, "BYTES", "object")
 
 
 @dataclass(slots=True)
@@ -65,5 +65,14 @@ class TextsAnswer(Answer):
     ) -> TextsAnswer:
         size = sum(len(text) for text in texts)
         return cls(
-            (len(texts),), TEXT, (), None, timings, tokens, size, model_name, version, tuple(texts)
+            (len(texts),),
+            TEXT_DTYPE,
+            (),
+            None,
+            timings,
+            tokens,
+            size,
+            model_name,
+            version,
+            tuple(texts),
         )
