@@ -16,11 +16,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from tokembed.server.core.dtypes import INT64
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass(slots=True)
@@ -38,6 +41,9 @@ class Encoded:
 class TextTokenizer:
     def __init__(self, path: Path, max_length: int) -> None:
         """``max_length``: the longest text in tokens the model takes (truncation's)."""
+        # Imported here: a server none of whose models has a tokenizer never loads it.
+        from tokenizers import Tokenizer
+
         self.path = path
         self.max_length = max_length
         plain = Tokenizer.from_file(str(path))
@@ -45,8 +51,8 @@ class TextTokenizer:
         plain.no_truncation()
         truncating = Tokenizer.from_str(plain.to_str())
         truncating.enable_truncation(max_length)
-        self._plain = plain
-        self._truncating = truncating
+        self._plain: Tokenizer = plain
+        self._truncating: Tokenizer = truncating
         self.vocab_size = plain.get_vocab_size(with_added_tokens=True)
 
     def encode(
