@@ -1,7 +1,7 @@
 """The ceiling: the service's own look-up, called in the bench's process.
 
 What the service could reach if its transport, request parsing and client cost nothing:
-the model loaded as ``tokembed serve`` loads it (``tokembed.server.loading``: the same
+the model loaded as ``tokembed serve`` loads it (``tokembed.server.models.loading``: the same
 backend, tables and casts for the same device), its look-up called with each request's
 ids, and the answer's bytes made once (``Rows.joined``): the rows the look-up gives (views
 of the table's rows; padding rows follow each ragged sequence), joined into one buffer,
@@ -29,8 +29,8 @@ import numpy as np
 from tokembed.server.backends.base import Backend, LookUp
 from tokembed.server.core.dtypes import INT64, OUTPUT_DTYPES
 from tokembed.server.core.types import Buffer, TokenIds
-from tokembed.server.loading import load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import load_model
+from tokembed.server.process.settings import Settings
 
 _INT64 = np.dtype("<i8")
 

@@ -31,7 +31,7 @@ from tokembed.bench.plan import TARGETS_D_MODEL, Cell, MiB, Plan, Results
 from tokembed.bench.workloads import LARGE, MEDIUM, Workload
 from tokembed.client import EmbeddingClient
 from tokembed.client._config import METHOD_EMBED
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 VOCAB_SIZE = 32000
 
@@ -47,8 +47,8 @@ def ensure_model(cache_dir: Path, d_model: int) -> Path:
         return directory
     except ModelDirError:
         pass
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    from tokembed.export.modules import TokenEmbedding, random_table
+    from tokembed.export.pipeline import ExportOptions, export_model
 
     table = random_table(VOCAB_SIZE, d_model, 0, None)
     module = TokenEmbedding(VOCAB_SIZE, d_model, weight=table)

@@ -58,10 +58,8 @@ def ensure_factorized_model(cache_dir: Path, d_model: int = TARGETS_D_MODEL) -> 
         pass
     import torch
 
-    from tokembed.export.kind_export import export_kind_model
-    from tokembed.export.kind_modules import FactorizedEmbedding
-    from tokembed.export.module import random_table
-    from tokembed.export.onnx_export import ExportOptions
+    from tokembed.export.modules import FactorizedEmbedding, random_table
+    from tokembed.export.pipeline import ExportOptions, export_model
 
     generator = torch.Generator().manual_seed(1)
     bound = FACTOR_DIM**-0.5  # a Linear's own initialisation
@@ -70,7 +68,7 @@ def ensure_factorized_model(cache_dir: Path, d_model: int = TARGETS_D_MODEL) -> 
     module = FactorizedEmbedding(
         random_table(VOCAB_SIZE, FACTOR_DIM, 0, None), projection, bias, scale="none"
     )
-    export_kind_model(
+    export_model(
         module, ExportOptions(out_dir=directory, name=f"bench-factorized-d{d_model}", force=True)
     )
     return directory

@@ -82,8 +82,8 @@ def ensure_text_model(cache_dir: Path, d_model: int) -> Path:
         pass
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    from tokembed.export.modules import TokenEmbedding, random_table
+    from tokembed.export.pipeline import ExportOptions, export_model
     from tokembed.export.tokenizer_file import attach_tokenizer, read_tokenizer
 
     tokenizer = Tokenizer(models.BPE())

@@ -23,7 +23,7 @@ from tokembed import __version__
 _SUBCOMMAND_MODULES = (
     "tokembed.export.cli",
     "tokembed.export.triton",
-    "tokembed.server.cli",
+    "tokembed.server.process.cli",
     "tokembed.cli.client",
     "tokembed.bench.cli",
 )
@@ -41,7 +41,7 @@ class Extra:
 _SERVER = frozenset(
     {"onnxruntime", "onnx", "prometheus_client", "grpc_health", "grpc_reflection", "tokenizers"}
 )
-_EXPORT = frozenset({"torch", "onnxscript", "onnx", "onnxruntime", "safetensors", "tokenizers"})
+_EXPORT = frozenset({"torch", "onnx", "onnxruntime", "safetensors", "tokenizers"})
 # The subcommands that need an extra; the others need only the base install. A module
 # missing that is not the extra's is a broken install or a bug, and keeps its traceback.
 _EXTRAS = {

@@ -113,7 +113,7 @@ def settle(
     default (``default_scale``)."""
     import numpy as np
 
-    from tokembed.export.module import resolve_scale  # torch: only once an export runs
+    from tokembed.export.modules import resolve_scale  # torch: only once an export runs
 
     if not isinstance(found, Architecture):
         return (scale if scale is not None else default_scale), padding_idx

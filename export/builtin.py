@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tokembed.export.errors import ExportError, ParityError
+from tokembed.export.graphs import write_table_graph
 from tokembed.export.manifest import (
     INPUT_NAME,
     MANIFEST_NAME,
@@ -29,7 +30,6 @@ from tokembed.export.manifest import (
 )
 from tokembed.export.parity import parity_ids
 from tokembed.export.staging import file_entries, make_staging_dir, producer_versions, publish_new
-from tokembed.export.table_graph import write_table_graph
 
 logger = logging.getLogger(__name__)
 

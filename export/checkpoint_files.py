@@ -142,7 +142,7 @@ def tensor_shapes(path: Path) -> dict[str, list[int]]:
     if path.suffix.lower() == _SAFETENSORS_SUFFIX:
         header, _ = _safetensors_header(path)
         return {name: entry.shape for name, entry in header.items()}
-    return {name: list(t.shape) for name, t in _torch_tensors(path).items()}
+    return {name: list(t.shape) for name, t in torch_tensors(path).items()}
 
 
 def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
@@ -259,7 +259,7 @@ class _SafetensorsMatrix(CheckpointMatrix):
         self._handle.close()
 
 
-def _torch_tensors(path: Path) -> dict[str, torch.Tensor]:
+def torch_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         # weights_only: a checkpoint is data; never run the pickled code it may carry.
         # mmap: only the pages of the chosen tensor are read. torch can mmap only its
@@ -277,7 +277,7 @@ class _TorchMatrix(CheckpointMatrix):
     """A tensor of a torch file, memory-mapped (zip format) or read whole (legacy)."""
 
     def __init__(self, path: Path, key: str, index: Path | None) -> None:
-        tensors = _torch_tensors(path)
+        tensors = torch_tensors(path)
         tensor = tensors.get(key)
         if tensor is None:
             raise missing_key(key, index or path, {n: list(t.shape) for n, t in tensors.items()})
@@ -301,7 +301,7 @@ class _TorchMatrix(CheckpointMatrix):
 
     def _live(self) -> torch.Tensor:
         if self._tensor is None:
-            self._tensor = _torch_tensors(self.file)[self.key].detach()
+            self._tensor = torch_tensors(self.file)[self.key].detach()
         return self._tensor
 
     def release(self) -> None:

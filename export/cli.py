@@ -1,4 +1,14 @@
-"""``tokembed export``: the command line of the exporter."""
+"""``tokembed export``: the command line of the exporter, one command for every model kind.
+
+From a checkpoint, the kind follows from the keys given beside ``--key`` (the word
+embeddings): ``--segment-key`` (BERT's ``token_type_embeddings``) makes a segment model,
+``--projection-key`` (ALBERT's ``embedding_hidden_mapping_in``, with
+``--projection-bias-key`` for its bias) a factorized one. Without a checkpoint, ``--kind``
+with ``--type-vocab-size`` or ``--factor-dim`` makes a seeded random one.
+
+The flags are checked here, before torch is imported; ``sources`` then makes the kind's
+part (``parts``) from the checkpoint or the seed, and ``pipeline.export`` exports it.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +16,12 @@ import argparse
 import logging
 from pathlib import Path
 
-from tokembed.export import kind_cli
 from tokembed.export.architecture import OVERRIDE_FLAG
 from tokembed.export.checkpoint_dir import checkpoint_in
-from tokembed.export.config_flags import as_configured, print_notes
+from tokembed.export.config_flags import print_notes
 from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.errors import ExportError
-from tokembed.export.kinds import TOKEN
+from tokembed.export.kinds import FACTORIZED, KINDS, SEGMENT, TOKEN
 from tokembed.export.manifest import Manifest
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
@@ -20,6 +29,8 @@ from tokembed.export.out_dir import check_out_dir
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_D_MODEL = 512
 DEFAULT_SEED = 0
+DEFAULT_TYPE_VOCAB_SIZE = 2  # BERT's
+DEFAULT_FACTOR_DIM = 128  # ALBERT's embedding_size
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -133,8 +144,58 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the longest text, in tokens, the model takes (its positions): a longer one is "
         "refused, or truncated when the request asks (default: the server's per-request limit)",
     )
-    kind_cli.add_arguments(parser)
+    _add_kind_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "model kinds",
+        "BERT's segment embeddings (E[id]*scale + S[type]) and ALBERT's factorized ones "
+        "(E [V,D'] projected to D); the scale defaults to none (1) for both, as in those models",
+    )
+    group.add_argument(
+        "--segment-key",
+        default=None,
+        metavar="KEY",
+        help="with --weights: key of the [T,D] token type table (BERT: "
+        "embeddings.token_type_embeddings.weight): a segment model",
+    )
+    group.add_argument(
+        "--projection-key",
+        default=None,
+        metavar="KEY",
+        help="with --weights: key of the [D,D'] Linear weight projecting the [V,D'] table "
+        "to D (ALBERT: encoder.embedding_hidden_mapping_in.weight): a factorized model",
+    )
+    group.add_argument(
+        "--projection-bias-key",
+        default=None,
+        metavar="KEY",
+        help="with --projection-key: key of its [D] bias (ALBERT: "
+        "encoder.embedding_hidden_mapping_in.bias)",
+    )
+    group.add_argument(
+        "--kind",
+        default=None,
+        choices=sorted(KINDS),
+        help="without --weights: the kind of the seeded random model (default token)",
+    )
+    group.add_argument(
+        "--type-vocab-size",
+        type=int,
+        default=None,
+        metavar="T",
+        help=f"--kind segment: token types (default {DEFAULT_TYPE_VOCAB_SIZE})",
+    )
+    group.add_argument(
+        "--factor-dim",
+        type=int,
+        default=None,
+        metavar="D'",
+        help=f"--kind factorized: width of the table before the projection (default "
+        f"{DEFAULT_FACTOR_DIM})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,7 +242,7 @@ def _export(args: argparse.Namespace) -> int:
     # ValueError deep inside the export, which would surface as a traceback.
     if not 0 <= args.seed < 2**64:
         raise ExportError(f"--seed must be in [0, 2**64), got {args.seed}")
-    kind = kind_cli.kind_asked(args)
+    kind = _kind_asked(args)
     # Before loading and hashing a checkpoint that may be many GB, not after.
     check_out_dir(args.out, args.force)
     name = args.name if args.name is not None else model_name_for(args.out)
@@ -190,105 +251,87 @@ def _export(args: argparse.Namespace) -> int:
         d_model = args.d_model if args.d_model is not None else DEFAULT_D_MODEL
         _check_positive("--vocab-size", vocab_size)
         _check_positive("--d-model", d_model)
-        _check_padding(args.padding_idx, vocab_size)
+        check_padding(args.padding_idx, vocab_size)
 
     # Imported here: `tokembed --help` and the other subcommands must not pay for torch.
     # Without it (a server-only install), cli/main.py says which extra to install.
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    from tokembed.export import sources
+    from tokembed.export.pipeline import ExportOptions
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
-    if kind != TOKEN:  # the segment and factorized kinds (BERT's, ALBERT's)
-        random_sizes = (vocab_size, d_model) if args.weights is None else None
-        code = kind_cli.run(args, kind, name, random_sizes)
-        print_notes(args.notes)
-        return code
-    if args.weights is not None:
-        manifest = _from_checkpoint(args, name)
+    options = ExportOptions(
+        out_dir=args.out,
+        name=name,
+        version=args.model_version,
+        weight_dtype=args.dtype,
+        force=args.force,
+        seed=args.seed,
+    )
+    if args.weights is None:
+        manifest = sources.export_random(args, kind, vocab_size, d_model, options)
     else:
-        try:
-            table = random_table(vocab_size, d_model, args.seed, args.padding_idx)
-        except (RuntimeError, MemoryError) as exc:
-            # An impossible V x D fails here, in torch's allocator: a bad input, not a bug.
+        manifest = sources.export_checkpoint(args, kind, options)
+    _print_exported(manifest, args.out)
+    print_notes(args.notes)
+    return 0
+
+
+def _kind_asked(args: argparse.Namespace) -> str:
+    """The kind the flags ask for (``ExportError`` for flags that do not go together)."""
+    if args.projection_bias_key is not None and args.projection_key is None:
+        raise ExportError("--projection-bias-key needs --projection-key")
+    if args.weights is not None:
+        if args.kind is not None:
             raise ExportError(
-                f"cannot allocate a [{vocab_size}, {d_model}] float32 table "
-                f"({vocab_size * d_model * 4 / 2**30:,.1f} GiB): out of memory"
-            ) from exc
-        scale = args.scale if args.scale is not None else "sqrt"
-        module = TokenEmbedding(
-            vocab_size, d_model, scale=scale, padding_idx=args.padding_idx, weight=table
-        )
-        manifest = export_model(
-            module,
-            ExportOptions(
-                out_dir=args.out,
-                name=name,
-                version=args.model_version,
-                weight_dtype=args.dtype,
-                force=args.force,
-                seed=args.seed,
-                source={"kind": "random", "seed": args.seed, "init": "normal(0,1)"},
-            ),
-        )
+                "--kind is for random models; with --weights the keys say the kind "
+                "(--segment-key: segment, --projection-key: factorized)"
+            )
+        if args.segment_key is not None and args.projection_key is not None:
+            raise ExportError("--segment-key and --projection-key make different kinds; give one")
+        for flag, given in (("--type-vocab-size", args.type_vocab_size),
+                            ("--factor-dim", args.factor_dim)):  # fmt: skip
+            if given is not None:
+                raise ExportError(f"{flag} is for random models; with --weights the checkpoint "
+                                  "gives it")  # fmt: skip
+        if args.segment_key is not None:
+            return SEGMENT
+        return FACTORIZED if args.projection_key is not None else TOKEN
+    for flag, given in (("--segment-key", args.segment_key),
+                        ("--projection-key", args.projection_key)):  # fmt: skip
+        if given is not None:
+            raise ExportError(f"{flag} needs --weights")
+    kind = args.kind or TOKEN
+    if args.type_vocab_size is not None and kind != SEGMENT:
+        raise ExportError("--type-vocab-size is for --kind segment")
+    if args.factor_dim is not None and kind != FACTORIZED:
+        raise ExportError("--factor-dim is for --kind factorized")
+    for flag, value in (("--type-vocab-size", args.type_vocab_size),
+                        ("--factor-dim", args.factor_dim)):  # fmt: skip
+        if value is not None and value <= 0:
+            raise ExportError(f"{flag} must be positive, got {value}")
+    return kind
+
+
+def _print_exported(manifest: Manifest, out: Path) -> None:
+    """The export's result on stdout: the model (a kind other than token named, with its
+    sizes), its parity (the bound where it is not 0), and its tie when asked."""
+    kind = "" if manifest.kind == TOKEN else f" ({manifest.kind})"
+    sizes = "".join(
+        f" {label}={size}"
+        for label, size in (("T", manifest.type_vocab_size), ("D'", manifest.factor_dim))
+        if size is not None
+    )
+    parity = manifest.parity
+    bound = f" (bound {parity.tolerance:g})" if parity.tolerance != 0 else ""
     print(
-        f"exported {manifest.name} v{manifest.version}: V={manifest.vocab_size} "
-        f"D={manifest.d_model} scale={manifest.scale:g} weights={manifest.weight_dtype} "
-        f"max_abs_error={manifest.parity.max_abs_error:g} -> {args.out}"
+        f"exported {manifest.name} v{manifest.version}{kind}: V={manifest.vocab_size} "
+        f"D={manifest.d_model}{sizes} scale={manifest.scale:g} weights={manifest.weight_dtype} "
+        f"max_abs_error={parity.max_abs_error:g}{bound} -> {out}"
     )
     if manifest.tie is not None:
         tie = manifest.tie
         state = "tied to" if tie.tied else "not tied to"
         print(f"{state} the output projection {tie.output_projection} ({tie.evidence})")
-    print_notes(args.notes)
-    return 0
-
-
-def _from_checkpoint(args: argparse.Namespace, name: str) -> Manifest:
-    """The matrix at --key, streamed from the checkpoint (``export.from_checkpoint``): the
-    file is opened and checked first, then hashed and exported."""
-    from tokembed.export.from_checkpoint import export_checkpoint
-    from tokembed.export.hashing import sha256_file
-    from tokembed.export.module import resolve_scale
-    from tokembed.export.weights import find_tie, open_matrix
-
-    with open_matrix(args.weights, args.key) as matrix:
-        vocab_size, d_model = matrix.shape
-        for flag, given, actual in (
-            ("--vocab-size", args.vocab_size, vocab_size),
-            ("--d-model", args.d_model, d_model),
-        ):
-            if given is not None and given != actual:
-                raise ExportError(f"{flag} {given} disagrees with the checkpoint's {actual}")
-        _check_padding(args.padding_idx, vocab_size)
-        dtype_name = str(matrix.dtype).removeprefix("torch.")
-        given_scale, padding_idx = as_configured(args, matrix.shape, dtype_name, "sqrt")
-        scale = resolve_scale(given_scale, d_model)
-        tie = None
-        if args.output_projection is not None:
-            tie = find_tie(matrix, args.weights, args.output_projection)
-        source: dict[str, object] = {
-            "kind": "checkpoint",
-            "file": args.weights.name,
-            "key": args.key,
-            "sha256": sha256_file(args.weights, label=f"hashing {args.weights.name}"),
-        }
-        if matrix.index is not None:
-            # The index names the shard; the shard holds the bytes.
-            source["shard"] = matrix.file.name
-            source["shard_sha256"] = sha256_file(matrix.file, label=f"hashing {matrix.file.name}")
-        return export_checkpoint(
-            matrix,
-            args.out,
-            scale=scale,
-            padding_idx=padding_idx,
-            weight_dtype=args.dtype,
-            name=name,
-            version=args.model_version,
-            force=args.force,
-            seed=args.seed,
-            source=source,
-            tie=tie,
-        )
 
 
 def _builtin(args: argparse.Namespace) -> int:
@@ -325,6 +368,7 @@ def _check_positive(flag: str, value: int) -> None:
         raise ExportError(f"{flag} must be positive, got {value}")
 
 
-def _check_padding(padding_idx: int | None, vocab_size: int) -> None:
+def check_padding(padding_idx: int | None, vocab_size: int) -> None:
+    """``--padding-idx`` is a row of the table."""
     if padding_idx is not None and not 0 <= padding_idx < vocab_size:
         raise ExportError(f"--padding-idx {padding_idx} is outside [0, {vocab_size})")

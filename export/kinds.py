@@ -14,7 +14,7 @@ The kinds:
   checkpoint has one): ``x = P(E[id] * scale)``.
 
 A new kind is a ``ModelKind`` here, a graph the exporter writes for it, and a backend
-that computes it (``tokembed.server.loading``). Manifests written before kinds existed
+that computes it (``tokembed.server.models.loading``). Manifests written before kinds existed
 have no ``kind``: they are ``token`` models.
 """
 

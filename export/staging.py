@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import platform
 import secrets
@@ -62,12 +63,27 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
     # The manifest goes last and our old files go first: a reader never sees a manifest
     # that describes files not yet (or no longer) there.
     old_manifest = out_dir / MANIFEST_NAME
+    stale = _listed_in(old_manifest)
     if old_manifest.exists():
         old_manifest.unlink()
-    for stale in out_dir.glob(f"{MODEL_NAME}*"):
-        stale.unlink()
+    for path in [*out_dir.glob(f"{MODEL_NAME}*"), *stale]:
+        path.unlink(missing_ok=True)
     for path in sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
         os.replace(path, out_dir / path.name)
+
+
+def _listed_in(manifest: Path) -> list[Path]:
+    """The files a previous export's manifest lists beside it (a model directory may hold
+    more than its graph); none when there is no manifest, or it cannot be read."""
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8")).get("files")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return []
+    if not isinstance(files, dict):
+        return []
+    # Only plain names: a manifest is data, and never names a file outside its directory.
+    names = [name for name in files if isinstance(name, str) and name == Path(name).name]
+    return [manifest.parent / name for name in names if name not in ("", ".", "..")]
 
 
 def publish_new(staging: Path, out_dir: Path) -> bool:

@@ -8,7 +8,8 @@ whose ``weight_map`` names the shard that holds each key: only that shard is ope
 slice at a time, so that neither the checkpoint nor the matrix is ever held in memory
 whole (a safetensors tensor is read from its offset in the file, with plain reads, never
 mapped; a torch zip file is memory-mapped). ``load_matrix`` reads a matrix whole, as
-float32. ``find_tie`` says whether the matrix is also the model's output projection.
+float32, and ``load_vector`` a vector (a projection's bias). ``find_tie`` says whether the
+matrix is also the model's output projection.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tokembed.export.checkpoint_files import (
     missing_key,
     open_file_matrix,
     tensor_shapes,
+    torch_tensors,
 )
 from tokembed.export.errors import CheckpointError
 from tokembed.export.hashing import phase
@@ -51,6 +53,34 @@ def load_matrix(path: Path, key: str) -> torch.Tensor:
         rows = matrix.rows(0, matrix.shape[0])
     # rows is a fresh tensor already; widening makes another only when the dtype differs.
     return rows.to(torch.float32)
+
+
+def load_vector(path: Path, key: str) -> torch.Tensor:
+    """The 1-D float tensor at ``key`` (a projection's bias) in a state_dict or a
+    safetensors file, as float32: safetensors reads its one tensor, torch files are read
+    as ``open_matrix`` reads them."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    tensor: torch.Tensor | None
+    if path.suffix.lower() == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = set(handle.keys())  # a safe_open handle is not iterable
+                tensor = handle.get_tensor(key) if key in names else None
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {key!r} from {path.name}: {exc}") from exc
+    else:
+        tensor = torch_tensors(path).get(key)
+    if tensor is None:
+        raise CheckpointError(f"key {key!r} not found in {path.name}")
+    if tensor.dim() != 1 or not tensor.is_floating_point():
+        raise CheckpointError(
+            f"{key!r} in {path.name} is {tensor.dtype}{list(tensor.shape)}, expected a 1-D "
+            "float vector"
+        )
+    return tensor.detach().to(torch.float32).clone()
 
 
 def find_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -> Tie:

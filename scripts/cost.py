@@ -83,7 +83,7 @@ def main() -> int:
 def _measure(args: argparse.Namespace) -> int:
     from tokembed.server.app import TokembedServer
     from tokembed.server.core.errors import ServerConfigError
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     models: dict[str, Any] = (
         {"model_dir": (args.model_dir,)}

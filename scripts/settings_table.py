@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from tokembed.server.settings import ENV_PREFIX, Settings, shown
+from tokembed.server.process.settings import ENV_PREFIX, Settings, shown
 
 
 def settings_table() -> str:

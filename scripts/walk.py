@@ -24,7 +24,7 @@ import numpy as np
 
 from tokembed.client import EmbeddingClient
 from tokembed.server.app import TokembedServer
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 IDS = [[1, 2, 3, 4, 5, 6, 7, 8]]
 

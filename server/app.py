@@ -39,7 +39,6 @@ from tokembed.server.core.policy import Policy
 from tokembed.server.core.repository import ModelHandle, Repository
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
-from tokembed.server.default_model import ensure_default_model
 from tokembed.server.edge.grpc_server import GrpcOptions, bind, build_grpc_server
 from tokembed.server.edge.v1.servicer import (
     FRONT_END,
@@ -47,12 +46,13 @@ from tokembed.server.edge.v1.servicer import (
 )
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
-from tokembed.server.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
-from tokembed.server.memory import release_free_memory, trim_forever
-from tokembed.server.metrics import Metrics
-from tokembed.server.metrics_http import start_metrics_server
-from tokembed.server.model_metrics import ModelLabels
-from tokembed.server.settings import Settings
+from tokembed.server.models.default_model import ensure_default_model
+from tokembed.server.models.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
+from tokembed.server.observability.metrics import Metrics
+from tokembed.server.observability.metrics_http import start_metrics_server
+from tokembed.server.observability.model_metrics import ModelLabels
+from tokembed.server.process.memory import release_free_memory, trim_forever
+from tokembed.server.process.settings import Settings
 
 logger = logging.getLogger(__name__)
 

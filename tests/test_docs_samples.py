@@ -166,7 +166,7 @@ def _run(command: str, target: str) -> tuple[int, list[str]]:
 @pytest.fixture(scope="module")
 def servers(model_dirs: Callable[[str], Path]) -> Iterator[Callable[[tuple[str, ...]], Any]]:
     """One server per set of models the pages name, started on first use."""
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     from support.server import ServerThread
 

@@ -1,6 +1,6 @@
 """The backend interface: how one model's ids become rows.
 
-A backend is chosen for a model at load (``tokembed.server.loading``) and reported in
+A backend is chosen for a model at load (``tokembed.server.models.loading``) and reported in
 GetModelInfo and the logs. The scheduler asks it for the rows of one request, or of a
 batch of requests when the backend gains from company (``batches``); it never asks how.
 

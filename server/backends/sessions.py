@@ -30,7 +30,7 @@ CUDA = "CUDAExecutionProvider"
 @dataclass(frozen=True)
 class Graph:
     """A model's ONNX graph and what its model directory declares of it, read there by
-    server/loading.py (the backends never open a model directory)."""
+    server/models/loading.py (the backends never open a model directory)."""
 
     path: Path
     input_name: str  # the ids

@@ -32,7 +32,7 @@ from tokembed.v1 import embedding_pb2
 @dataclass(frozen=True)
 class GrpcOptions:
     """What the gRPC server and its front ends take from the settings, under the
-    settings' names (server/settings.py says what each means)."""
+    settings' names (server/process/settings.py says what each means)."""
 
     host: str
     port: int

@@ -1,7 +1,7 @@
 """Readers for the deployment files, shared by the static checks and the container test.
 
 Plain functions over the repository's files, no fixtures: what the server really listens
-on comes from ``tokembed.server.settings`` (its defaults and its TOKEMBED_* parsing), and
+on comes from ``tokembed.server.process.settings`` (its defaults and its TOKEMBED_* parsing), and
 which metrics it really exports from the registry of a ``TokembedServer`` as it is built.
 """
 
@@ -60,10 +60,10 @@ def series_names(families: Mapping[str, str]) -> set[str]:
 
 def server_metric_families() -> dict[str, str]:
     """{family name: type} of every metric the server registers, process collectors too:
-    those of ``tokembed.server.metrics`` and those the server wires in as it is built
+    those of ``tokembed.server.observability.metrics`` and those the server wires in as it is built
     (what is served, read from its repository at each scrape). Built, never started."""
     from tokembed.server.app import TokembedServer
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     registry = TokembedServer(Settings()).registry
     return {family.name: family.type for family in registry.collect()}
@@ -74,7 +74,7 @@ def server_metric_families() -> dict[str, str]:
 
 def settings_from_env(env: Mapping[str, str]) -> Any:
     """The Settings that `tokembed serve` builds from these variables (and no flags)."""
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     parser = argparse.ArgumentParser()
     Settings.add_arguments(parser)
@@ -84,7 +84,7 @@ def settings_from_env(env: Mapping[str, str]) -> Any:
 def settings_env_names() -> set[str]:
     from dataclasses import fields
 
-    from tokembed.server.settings import ENV_PREFIX, Settings
+    from tokembed.server.process.settings import ENV_PREFIX, Settings
 
     return {ENV_PREFIX + spec.name.upper() for spec in fields(Settings)}
 

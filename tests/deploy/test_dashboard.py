@@ -200,7 +200,7 @@ class Scraped:
 @pytest.fixture(scope="module")
 def scraped(small_model_dir: Path) -> Iterator[Scraped]:
     binary("prometheus")
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     settings = Settings(model_dir=small_model_dir, port=0, metrics_port=0).validate()
     server = ServerThread(settings).start()

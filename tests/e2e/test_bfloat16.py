@@ -82,7 +82,7 @@ def bfloat16_model(exports: dict[str, Path]) -> Path:
 
 def torch_answer(weight_dtype: str, answer_dtype: str, ids: np.ndarray) -> np.ndarray:
     """torch's answer (see the module docstring), as the answer dtype's bit patterns."""
-    from tokembed.export.module import random_table
+    from tokembed.export.modules import random_table
 
     table = random_table(V, D, SEED, PAD).to(TORCH[weight_dtype])
     with torch.no_grad():
@@ -143,7 +143,7 @@ def test_a_bfloat16_table_times_the_scale_in_bfloat16_is_torchs_embedding_layer(
 ) -> None:
     """The issue's definition, literally: ``nn.Embedding`` in bfloat16 (the exported
     table's values), then ``* math.sqrt(D)``; every id of the vocabulary."""
-    from tokembed.export.module import random_table
+    from tokembed.export.modules import random_table
 
     layer = torch.nn.Embedding(V, D, _weight=random_table(V, D, SEED, PAD).to(torch.bfloat16))
     ids = np.arange(V).reshape(10, -1)

@@ -22,7 +22,7 @@ from tokembed.client import (
     RequestTooLargeError,
     UnavailableError,
 )  # fmt: skip
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.backends import HOLDABLE, HookedLoader

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tokembed.client import EmbeddingClient
-from tokembed.server import memory
 from tokembed.server.core.policy import INLINE_MAX_BYTES
+from tokembed.server.process import memory
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import EVERY_BACKEND, SMALL_D, SMALL_PAD, SMALL_V

@@ -215,7 +215,7 @@ def test_serve_refuses_a_default_model_dir_holding_other_files(tmp_path: Path) -
 def test_serve_help_documents_every_setting_and_its_variable() -> None:
     from dataclasses import fields
 
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     result = subprocess.run(
         [sys.executable, "-m", "tokembed.cli", "serve", "--help"],

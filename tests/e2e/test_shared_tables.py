@@ -63,7 +63,7 @@ def test_twins_answer_from_one_table(tmp_path, start_server, caplog, dtype):
     other = _export(other_weights, tmp_path / "o", "o", "--dtype", dtype)
     assert _files(encoder) == _files(decoder) != _files(other)
 
-    with caplog.at_level(logging.INFO, logger="tokembed.server.loading"):
+    with caplog.at_level(logging.INFO, logger="tokembed.server.models.loading"):
         server = start_server((encoder, decoder, other))
     shared = [r.getMessage() for r in caplog.records if "row tables are shared" in r.getMessage()]
     assert len(shared) == 1, shared

@@ -203,7 +203,7 @@ def test_t5(t5, form, tmp_path, start_server, caplog):
         assert tie.keys == ["shared.weight", "decoder.embed_tokens.weight",
                             "encoder.embed_tokens.weight", "lm_head.weight"]  # fmt: skip
 
-    with caplog.at_level(logging.INFO, logger="tokembed.server.loading"):
+    with caplog.at_level(logging.INFO, logger="tokembed.server.models.loading"):
         server = start_server((tmp_path / "encoder", tmp_path / "decoder"))
     assert any("row tables are shared" in r.getMessage() for r in caplog.records)
     ids = _ids()

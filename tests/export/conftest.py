@@ -25,8 +25,8 @@ import torch
 
 from tokembed.cli.main import main as cli_main
 from tokembed.export.manifest import Manifest
-from tokembed.export.module import TokenEmbedding
-from tokembed.export.onnx_export import ExportOptions, export_model
+from tokembed.export.modules import TokenEmbedding
+from tokembed.export.pipeline import ExportOptions, export_model
 
 SMALL_V = 1000
 # D=48: sqrt(48) is irrational, so the scale really rounds (sqrt(64) = 8, a power of

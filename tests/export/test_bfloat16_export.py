@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.manifest import Manifest
-from tokembed.export.module import TokenEmbedding
-from tokembed.export.onnx_export import ExportOptions, export_model
+from tokembed.export.modules import TokenEmbedding
+from tokembed.export.pipeline import ExportOptions, export_model
 
 
 def seeded_table(vocab_size: int, d_model: int, seed: int) -> np.ndarray:

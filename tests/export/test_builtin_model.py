@@ -172,7 +172,7 @@ def test_two_builds_at_once_in_one_directory_both_succeed(monkeypatch, tmp_path)
 
 _ENSURE = (
     "import sys; from pathlib import Path; "
-    "from tokembed.server.default_model import ensure_default_model; "
+    "from tokembed.server.models.default_model import ensure_default_model; "
     "ensure_default_model(Path(sys.argv[1])); "
     "assert 'torch' not in sys.modules"
 )

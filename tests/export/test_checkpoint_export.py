@@ -1,7 +1,8 @@
-"""Exporting from a checkpoint a slice at a time (``tokembed.export.from_checkpoint``): the
-table written is the checkpoint's matrix converted as ``TokenEmbedding`` and ``StoredAs``
-convert it, across the slices' boundaries; the check compares every slice; what cannot be
-served as the model computes it is refused; the same checkpoint gives the same bytes.
+"""Exporting from a checkpoint a slice at a time (``tokembed.export.parts.TokenPart``): the
+table written is the checkpoint's matrix widened as ``TokenEmbedding`` widens it and
+rounded to the stored dtype as torch rounds it, across the slices' boundaries; the check
+compares every slice; what cannot be served as the model computes it is refused; the same
+checkpoint gives the same bytes.
 
 Expected values are computed here from the checkpoint's tensors with torch (widen, round
 to the stored dtype, multiply by the float32 scale), never with the exporter's helpers.
@@ -26,7 +27,6 @@ from safetensors.torch import save_file
 from tokembed.cli.main import main
 from tokembed.export.errors import ParityError
 from tokembed.export.model_dir import load_model_dir
-from tokembed.export.onnx_export import parity_tolerance
 from tokembed.export.parity import check_in_slices, storage_tolerance
 
 KEY = "embed.weight"
@@ -226,16 +226,19 @@ def test_check_in_slices_compares_every_slice():
     assert sorted(answered) == list(range(1000))
 
 
-def test_storage_tolerance_is_the_exporters():
-    """The one formula both exporters state (``onnx_export.parity_tolerance``, for a
-    torch module): kept in step here."""
-    from tokembed.export.module import TokenEmbedding
+def test_storage_tolerance_is_the_bound_a_module_is_exported_with(tmp_path):
+    """The one formula, whether the table comes from a checkpoint or a torch module
+    (``export_model``): the manifest records it for each stored dtype."""
+    from tokembed.export.modules import TokenEmbedding
+    from tokembed.export.pipeline import ExportOptions, export_model
 
     weight = torch.randn(10, 48) * 3
     module = TokenEmbedding(10, 48, weight=weight)
     largest = float(weight.abs().max())
     for dtype in ("float32", "float16", "bfloat16"):
-        assert storage_tolerance(dtype, largest, module.scale) == parity_tolerance(module, dtype)
+        options = ExportOptions(out_dir=tmp_path / dtype, weight_dtype=dtype)
+        manifest = export_model(module, options)
+        assert manifest.parity.tolerance == storage_tolerance(dtype, largest, module.scale)
 
 
 # --- what reading a memory-mapped torch file leaves resident -------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokembed.export.errors import ExportError
-from tokembed.export.module import TokenEmbedding, random_table, resolve_scale
+from tokembed.export.modules import TokenEmbedding, random_table, resolve_scale
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,24 @@ def test_force_replaces_a_previous_export(tmp_path, capsys, table_of, bitwise_eq
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
+def test_force_removes_every_file_the_previous_manifest_listed(tmp_path, capsys):
+    """A model directory may hold more files than its graph (a tokenizer, a second graph):
+    the export that replaces it removes every file the old manifest listed, not only the
+    graph's, and keeps the user's own."""
+    out = tmp_path / "model"
+    export(capsys, out, "--vocab-size", 30, "--d-model", 4)
+    raw = manifest_of(out)
+    (out / "tokenizer.json").write_text("{}")
+    raw["files"]["tokenizer.json"] = {"sha256": "0" * 64, "size_bytes": 2}
+    (out / "manifest.json").write_text(json.dumps(raw))
+    (out / "notes.txt").write_text("kept")
+    export(capsys, out, "--vocab-size", 30, "--d-model", 4, "--force")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json", "model.onnx", "model.onnx.data", "notes.txt",
+    ]  # fmt: skip
+    load_model_dir(out)
+
+
 def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as info:
         main(["export", "--help"])

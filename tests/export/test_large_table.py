@@ -1,6 +1,6 @@
 """A table past protobuf's 2 GiB limit exports through external data, stays exact, and
-loads. Measured on the 2-core development machine: ~35 s, peak RSS of the export
-process ~2.4x the table. Marked slow so it can be skipped; CI runs it."""
+loads, within 3x the table's bytes of resident memory (docs/export.md, "Time and memory",
+has the figures). Marked slow so it can be skipped; CI runs it."""
 
 from __future__ import annotations
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from tokembed.export import onnx_export
+from tokembed.export import parts
 from tokembed.export.errors import ExportError, ParityError
 from tokembed.export.model_dir import load_model_dir
-from tokembed.export.module import TokenEmbedding
-from tokembed.export.onnx_export import ExportOptions, export_model, parity_ids, parity_tolerance
+from tokembed.export.modules import TokenEmbedding
+from tokembed.export.parity import parity_ids, storage_tolerance
+from tokembed.export.pipeline import ExportOptions, export_model
 
 
 def stored_table(model_dir: Path) -> np.ndarray:
@@ -59,8 +60,8 @@ def test_float16_is_within_the_stated_bound(make_export, bitwise_equal):
     table, scale = exported.table, exported.scale
     # The bound docs/export.md states: scale * (max|E| * (2^-11 + 2^-22) + 2^-24).
     bound = scale * (float(np.abs(table).max()) * (2**-11 + 2**-22) + 2**-24)
-    module = TokenEmbedding(*table.shape, weight=torch.from_numpy(table.copy()))
-    assert parity_tolerance(module, "float16") == pytest.approx(bound, rel=1e-12)
+    largest = float(np.abs(table).max())
+    assert storage_tolerance("float16", largest, scale) == pytest.approx(bound, rel=1e-12)
     assert exported.manifest.parity.tolerance == pytest.approx(bound, rel=1e-12)
 
     ids = all_ids(exported.vocab_size)
@@ -118,7 +119,7 @@ def test_float16_refuses_a_table_it_cannot_hold(tmp_path):
 def test_parity_failure_fails_the_export_and_leaves_nothing(monkeypatch, tmp_path):
     # A tolerance below zero makes even an exact graph fail: this proves the check is
     # enforced and that a failed export leaves neither the directory nor its staging.
-    monkeypatch.setattr(onnx_export, "parity_tolerance", lambda module, dtype: -1.0)
+    monkeypatch.setattr(parts, "storage_tolerance", lambda dtype, largest, scale: -1.0)
     module = TokenEmbedding(10, 4, weight=torch.randn(10, 4))
     with pytest.raises(ParityError, match=r"differs from torch by 0 \(tolerance -1"):
         export_model(module, ExportOptions(out_dir=tmp_path / "m"))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tokembed.server.edge.v1.servicer import FRONT_END
-from tokembed.server.metrics import REJECTION_REASONS
+from tokembed.server.observability.metrics import REJECTION_REASONS
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.backends import Gate

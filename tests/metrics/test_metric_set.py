@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from tokembed.server.edge.status_codes import STATUS_BY_ERROR
 from tokembed.server.edge.v1.servicer import FRONT_END
-from tokembed.server.metrics import REJECTION_REASONS, Metrics
-from tokembed.server.model_metrics import ModelLabels
+from tokembed.server.observability.metrics import REJECTION_REASONS, Metrics
+from tokembed.server.observability.model_metrics import ModelLabels
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.metrics import families, matching, scrape

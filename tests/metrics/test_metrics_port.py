@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tokembed.server.metrics_http import METRICS_MAX_CONNECTIONS, METRICS_READ_TIMEOUT_S
+from tokembed.server.observability.metrics_http import (
+    METRICS_MAX_CONNECTIONS,
+    METRICS_READ_TIMEOUT_S,
+)
 
 from support.metrics import scrape, value
 from support.server import ServerProcess, serve_args

@@ -8,7 +8,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tokembed.server.metrics import Metrics, PendingUpdates
+from tokembed.server.observability.metrics import Metrics, PendingUpdates
 
 # How the calls' bookkeeping (core.calls) labels a tokembed.v1 Embed call.
 EMBED = {"protocol": "tokembed.v1", "operation": "embed", "method": "Embed"}

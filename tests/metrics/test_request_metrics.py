@@ -1,4 +1,4 @@
-"""The series every request updates (server/request_metrics.py) are exposed exactly as
+"""The series every request updates (server/observability/request_metrics.py) are exposed exactly as
 prometheus_client exposes its own counters and histograms after the same updates (less
 their ``_created`` series, which ours leave out), and a scrape filtered by name sees them,
 up to date."""
@@ -13,7 +13,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 
 from tokembed.server.core.calls import OUTCOMES
 from tokembed.server.edge.v1.servicer import FRONT_END
-from tokembed.server.metrics import (
+from tokembed.server.observability.metrics import (
     BATCH_REQUESTS_BUCKETS,
     BATCH_TOKENS_BUCKETS,
     LATENCY_BUCKETS_S,

@@ -12,7 +12,7 @@ from tokembed.server.core.calls import Call, Calls, Delivered, FrontEnd
 from tokembed.server.core.dtypes import FLOAT32
 from tokembed.server.core.errors import EmbedError
 from tokembed.server.core.types import Timings
-from tokembed.server.metrics import Metrics
+from tokembed.server.observability.metrics import Metrics
 
 # A protocol whose served calls end with a status named otherwise than gRPC's "OK".
 FRONT_END = FrontEnd(

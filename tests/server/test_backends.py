@@ -13,8 +13,8 @@ from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.backends.table import GATHER_MIN_ROWS
 from tokembed.server.core.dtypes import FLOAT32, ID_DTYPES, OUTPUT_DTYPES, DType
 from tokembed.server.core.types import TokenIds
-from tokembed.server.loading import LoadedModel, load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import LoadedModel, load_model
+from tokembed.server.process.settings import Settings
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
 from support.models import export_model_dir

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tokembed.server.loading import load_model
-from tokembed.server.settings import MiB, Settings
+from tokembed.server.models.loading import load_model
+from tokembed.server.process.settings import MiB, Settings
 
 from support.models import export_model_dir
 

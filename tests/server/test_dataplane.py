@@ -59,8 +59,8 @@ from tokembed.server.core.repository import ModelHandle, Repository
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.core.types import Answer
-from tokembed.server.loading import LoadedModel, load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import LoadedModel, load_model
+from tokembed.server.process.settings import Settings
 
 from support.backends import Gate, HookedBackend, entered, failing, poisoned_by
 from support.fixtures import SMALL_V

@@ -21,7 +21,7 @@ from tokembed.server.core.errors import EmbedError, InvalidInput, TooLarge
 from tokembed.server.core.operations.embed import EMBED, validate
 from tokembed.server.core.operations.embed_request import EmbedInput, IdsInput, Unread
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
-from tokembed.server.loading import LoadedModel
+from tokembed.server.models.loading import LoadedModel
 
 MAX_TOKENS = 64
 

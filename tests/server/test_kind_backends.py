@@ -23,8 +23,8 @@ from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.backends.table import GATHER_MIN_ROWS
 from tokembed.server.core.dtypes import FLOAT32, INT64, OUTPUT_DTYPES
 from tokembed.server.core.types import TokenIds
-from tokembed.server.loading import load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import load_model
+from tokembed.server.process.settings import Settings
 
 V, D, T, INNER, PAD = 500, 16, 3, 8, 1
 FLOAT16 = OUTPUT_DTYPES["float16"]

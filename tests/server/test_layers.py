@@ -105,6 +105,37 @@ ROOMS = (
         ),
     ),
     Room(
+        "server/models/",
+        "tokembed.server.models",
+        may_import=(
+            *("numpy", "tokembed.export", "tokembed.server.models"),
+            *("tokembed.server.core", "tokembed.server.backends"),
+            "tokembed.server.process.settings",
+        ),
+    ),
+    Room(
+        "server/observability/",
+        "tokembed.server.observability",
+        may_import=(
+            *("prometheus_client", "tokembed.server.observability"),
+            "tokembed.server.core.calls",
+        ),
+    ),
+    Room(
+        "server/process/",
+        "tokembed.server.process",
+        may_import=(
+            "tokembed.server.process",
+            *(f"tokembed.server.core.{module}" for module in ("dtypes", "errors")),
+        ),
+        # What a started process runs: the server, its logs, the default model.
+        deferred=(
+            "tokembed.server.app",
+            "tokembed.server.observability.logs",
+            "tokembed.server.models.default_model",
+        ),
+    ),
+    Room(
         "server/ top",
         "tokembed.server",
         may_import=(
@@ -211,16 +242,19 @@ def test_every_module_is_in_a_room() -> None:
     assert {
         module: where[f"tokembed.{module}"]
         for module in ("server.core.operations.embed", "server.edge.v1.servicer",
-                       "server.backends.table", "server.metrics", "server", "export.model_dir",
-                       "export.onnx_export", "v1.embedding_pb2_grpc", "client.aio", "cli.main")
+                       "server.backends.table", "server.observability.metrics", "server.app",
+                       "server.process.settings", "server.models.loading", "export.model_dir",
+                       "export.pipeline", "v1.embedding_pb2_grpc", "client.aio", "cli.main")
     } == {
         "server.core.operations.embed": "server/core/",
         "server.edge.v1.servicer": "server/edge/",
         "server.backends.table": "server/backends/",
-        "server.metrics": "server/ top",
-        "server": "server/ top",
+        "server.observability.metrics": "server/observability/",
+        "server.app": "server/ top",
+        "server.process.settings": "server/process/",
+        "server.models.loading": "server/models/",
         "export.model_dir": "export/ (the contract)",
-        "export.onnx_export": "export/ (the exporter)",
+        "export.pipeline": "export/ (the exporter)",
         "v1.embedding_pb2_grpc": "protos/",
         "client.aio": "client/",
         "cli.main": "cli/",
@@ -252,16 +286,16 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
         "from tokembed import __version__, v1\n"
         "def f():\n"
         "    import grpc.aio\n"
-        "    from tokembed.server import settings\n"
+        "    from tokembed.server.process import settings\n"
         "    from tokembed.server.core.dtypes import DType\n"
     )
     assert _imports(module) == {
-        "tokembed.__version__", "tokembed.v1", "grpc.aio", "tokembed.server.settings",
+        "tokembed.__version__", "tokembed.v1", "grpc.aio", "tokembed.server.process.settings",
         "tokembed.server.core.dtypes.DType",
     }  # fmt: skip
     backends = next(room for room in ROOMS if room.name == "server/backends/")
     assert _forbidden(module, None, backends) == [
-        "grpc.aio", "tokembed.__version__", "tokembed.server.settings", "tokembed.v1"
+        "grpc.aio", "tokembed.__version__", "tokembed.server.process.settings", "tokembed.v1"
     ]  # fmt: skip
     relative = tmp_path / "r.py"
     relative.write_text("from ..core import dtypes\nfrom . import table\n")

@@ -43,7 +43,7 @@ from tokembed.server.core.policy import Policy
 from tokembed.server.core.repository import ModelHandle, ModelState, Repository
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
-from tokembed.server.loading import LoadedModel
+from tokembed.server.models.loading import LoadedModel
 
 from support.backends import HookedBackend
 

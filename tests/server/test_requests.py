@@ -24,7 +24,7 @@ from tokembed.server.edge.v1.requests import (
     parse_list_models,
     parse_model_query,
 )
-from tokembed.server.loading import LoadedModel
+from tokembed.server.models.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
 
 

@@ -59,8 +59,8 @@ from tokembed.server.core.policy import INLINE_MAX_BYTES, Policy
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.core.types import Answer
-from tokembed.server.loading import LoadedModel, load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import LoadedModel, load_model
+from tokembed.server.process.settings import Settings
 
 from support.backends import Gate, HookedBackend, entered, failing
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V

@@ -21,7 +21,7 @@ from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.edge.v1.requests import EmbedParser, parse_embed
 from tokembed.server.edge.v1.servicer import EmbeddingServicer
-from tokembed.server.loading import LoadedModel
+from tokembed.server.models.loading import LoadedModel
 from tokembed.v1 import embedding_pb2 as pb
 
 from support.fixtures import SMALL_D, SMALL_V

@@ -25,7 +25,7 @@ from tokembed.server.backends.sessions import (
 )
 from tokembed.server.core.dtypes import FLOAT16
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.loading import graph_of
+from tokembed.server.models.loading import graph_of
 
 from support.fixtures import SMALL_D, SMALL_PAD, SMALL_V
 
@@ -123,8 +123,8 @@ _THREADS_SCRIPT = """
 import os
 import sys
 from pathlib import Path
-from tokembed.server.loading import load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import load_model
+from tokembed.server.process.settings import Settings
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -228,9 +228,9 @@ _ARENA_BURST_SCRIPT = """
 import sys
 import numpy as np
 from tokembed.export.model_dir import load_model_dir
-from tokembed.server.memory import release_free_memory
+from tokembed.server.process.memory import release_free_memory
 from tokembed.server.backends.sessions import ModelSession, SessionOptions
-from tokembed.server.loading import graph_of
+from tokembed.server.models.loading import graph_of
 
 def rss():
     with open("/proc/self/statm") as statm:

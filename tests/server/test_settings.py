@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tokembed.server import cli
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.settings import ENV_PREFIX, MiB, Settings, shown
+from tokembed.server.process import cli
+from tokembed.server.process.settings import ENV_PREFIX, MiB, Settings, shown
 
 NAMES = [spec.name for spec in dataclasses.fields(Settings)]
 

@@ -13,7 +13,7 @@ from tokembed.server.edge.status_codes import (
     trailing_metadata,
 )
 from tokembed.server.edge.v2 import status as v2_status
-from tokembed.server.metrics import REJECTION_REASONS
+from tokembed.server.observability.metrics import REJECTION_REASONS
 
 EXPECTED = {
     errors.InvalidInput: (grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"),
@@ -74,7 +74,7 @@ def test_every_status_code_of_the_table_has_a_requests_series_from_the_start() -
 
     from tokembed.server.core.calls import OUTCOMES
     from tokembed.server.edge.v1.servicer import FRONT_END
-    from tokembed.server.metrics import Metrics
+    from tokembed.server.observability.metrics import Metrics
 
     assert FRONT_END.ok == "OK"
     registry = CollectorRegistry()

@@ -26,7 +26,7 @@ from tokembed.server.core.operations.embed import (
 )
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
 from tokembed.server.core.types import Timings
-from tokembed.server.loading import LoadedModel
+from tokembed.server.models.loading import LoadedModel
 
 from support.fixtures import SMALL_D, SMALL_V
 

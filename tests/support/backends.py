@@ -32,8 +32,8 @@ import numpy as np
 from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.core.dtypes import INT64, DType
 from tokembed.server.core.types import TokenIds
-from tokembed.server.loading import LoadedModel, load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import LoadedModel, load_model
+from tokembed.server.process.settings import Settings
 
 # A server whose look-ups may be held: the onnxruntime backend, which batches (so requests
 # queue behind a held batch), and every look-up off the event loop (a look-up inline on the

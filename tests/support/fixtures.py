@@ -75,8 +75,8 @@ def decoder_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pad_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """V=50, D=16, seed 3, padding id 7 whose row is the seeded random row, not zeros;
     named "padded"."""
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    from tokembed.export.modules import TokenEmbedding, random_table
+    from tokembed.export.pipeline import ExportOptions, export_model
 
     out_dir = tmp_path_factory.mktemp("pad-model") / "model"
     table = random_table(PAD_V, PAD_D, PAD_SEED, padding_idx=None)  # row 7 left as drawn
@@ -117,8 +117,8 @@ def text_model_dir(tmp_path_factory: pytest.TempPathFactory, trained_tokenizers:
 def small_loaded(small_model_dir: Path) -> Any:
     """The small model loaded as the server loads it (its tables too), once: tests build
     services around it and change nothing in it."""
-    from tokembed.server.loading import load_model
-    from tokembed.server.settings import Settings
+    from tokembed.server.models.loading import load_model
+    from tokembed.server.process.settings import Settings
 
     return load_model(small_model_dir, Settings())
 
@@ -189,7 +189,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 @pytest.fixture
 def start_server() -> Iterator[Callable[..., ServerThread]]:
     """Start real servers (in threads, port 0); all are stopped after the test."""
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     started: list[ServerThread] = []
 

@@ -23,8 +23,8 @@ def export_model_dir(
     version: str = "1",
 ) -> Path:
     """Export a seeded random table with the real exporter (imports torch)."""
-    from tokembed.export.module import TokenEmbedding, random_table
-    from tokembed.export.onnx_export import ExportOptions, export_model
+    from tokembed.export.modules import TokenEmbedding, random_table
+    from tokembed.export.pipeline import ExportOptions, export_model
 
     table = random_table(vocab_size, d_model, seed, padding_idx)
     module = TokenEmbedding(vocab_size, d_model, padding_idx=padding_idx, weight=table)

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from tokembed.server.app import TokembedServer
-from tokembed.server.loading import ModelLoader, load_model
-from tokembed.server.settings import Settings
+from tokembed.server.models.loading import ModelLoader, load_model
+from tokembed.server.process.settings import Settings
 
 from support.metrics import total
 

@@ -50,7 +50,7 @@ from tokembed.server.backends.tokenizer import TextTokenizer
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.core.repository import ModelSet
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -14,14 +14,14 @@ import multiprocessing
 import signal
 from types import FrameType
 
-from tokembed.server.settings import Settings
+from tokembed.server.process.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 
 def _worker_main(settings: Settings, index: int) -> None:
     from tokembed.server.app import serve
-    from tokembed.server.logs import configure_logging
+    from tokembed.server.observability.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
     logging.getLogger(__name__).info("worker %d starting", index)
@@ -31,7 +31,7 @@ def _worker_main(settings: Settings, index: int) -> None:
 def run_workers(settings: Settings) -> int:
     if settings.model_dir is None:
         # Create the default model once, here, not N times in a race.
-        from tokembed.server.default_model import ensure_default_model
+        from tokembed.server.models.default_model import ensure_default_model
 
         settings = settings.replace(model_dir=ensure_default_model(settings.default_model_dir))
     context = multiprocessing.get_context("spawn")

@@ -27,8 +27,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from tokembed.server.core.calls import OUTCOMES, FrontEnd, ModelTotals
-from tokembed.server.model_metrics import ModelLabels, ModelsCollector
-from tokembed.server.request_metrics import (
+from tokembed.server.observability.model_metrics import ModelLabels, ModelsCollector
+from tokembed.server.observability.request_metrics import (
     CounterFamily,
     CounterSeries,
     HistogramFamily,

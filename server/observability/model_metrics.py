@@ -1,6 +1,6 @@
 """The series that describe what is served, read from the repository at each scrape
 (models come and go): ``tokembed_model_info``, ``tokembed_queued_tokens`` and
-``tokembed_ready``. docs/metrics.md documents them with the rest (server/metrics.py).
+``tokembed_ready``. docs/metrics.md documents them with the rest (server/observability/metrics.py).
 """
 
 from __future__ import annotations

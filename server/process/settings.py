@@ -18,10 +18,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tokembed.server import flags
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from tokembed.server.core.errors import ServerConfigError
-from tokembed.server.flags import ENV_PREFIX, setting, shown
+from tokembed.server.process import flags
+from tokembed.server.process.flags import ENV_PREFIX, setting, shown
 
 # ENV_PREFIX and shown: what the settings table's script and the tests name beside Settings.
 __all__ = ["ENV_PREFIX", "MiB", "Settings", "shown"]

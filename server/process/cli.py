@@ -8,7 +8,7 @@ import os
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # Settings imports nothing heavy; the server itself is imported in run().
-    from tokembed.server.settings import Settings
+    from tokembed.server.process.settings import Settings
 
     parser = subparsers.add_parser(
         "serve",
@@ -26,13 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokembed.server.logs import configure_logging
-    from tokembed.server.settings import Settings
+    from tokembed.server.observability.logs import configure_logging
+    from tokembed.server.process.settings import Settings
 
     settings = Settings.from_args(args, os.environ)
     configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:
-        from tokembed.server.workers import run_workers
+        from tokembed.server.process.workers import run_workers
 
         return run_workers(settings)
     from tokembed.server.app import serve

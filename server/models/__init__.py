@@ -1,0 +1,2 @@
+"""What is served: a model directory checked and turned into its backend, and the built-in
+default model."""
