@@ -83,18 +83,23 @@ OUTCOMES: dict[str, Outcomes] = {
 class Call:
     """One call (or one item of a stream) being served: what its outcome is told with."""
 
-    __slots__ = ("front_end", "method", "model", "request_id", "started")
+    __slots__ = ("_operation", "front_end", "method", "model", "request_id", "started")
 
-    def __init__(self, front_end: FrontEnd, method: str, request_id: str) -> None:
+    def __init__(
+        self, front_end: FrontEnd, method: str, request_id: str, operation: str = ""
+    ) -> None:
         self.started = time.perf_counter()
         self.front_end = front_end
         self.method = method
         self.model = ""  # the model that answers it, once known
         self.request_id = request_id
+        # The operation that serves it, when its method serves more than one (V2's
+        # ModelInfer: ids, or texts); else its method's.
+        self._operation = operation
 
     @property
     def operation(self) -> str:
-        return self.front_end.methods.get(self.method, "")
+        return self._operation or self.front_end.methods.get(self.method, "")
 
 
 @dataclass(slots=True)
@@ -158,11 +163,14 @@ class Calls:
 
     # --- in flight
 
-    def start(self, front_end: FrontEnd, method: str, request_id: str = "") -> Call:
-        """A call reached its handler: it is in flight until ``end``."""
+    def start(
+        self, front_end: FrontEnd, method: str, request_id: str = "", operation: str = ""
+    ) -> Call:
+        """A call reached its handler: it is in flight until ``end`` (``operation``: the
+        one serving it, where its method serves several)."""
         self.active += 1
         self.last_call_at = time.monotonic()
-        return Call(front_end, method, request_id)
+        return Call(front_end, method, request_id, operation)
 
     def end(self) -> None:
         self.active -= 1

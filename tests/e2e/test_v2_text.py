@@ -79,6 +79,12 @@ def test_requested_outputs_choose_tokenizing_or_vectors_and_their_dtype(
     )
     assert result.as_numpy("input_ids") is None
     np.testing.assert_array_equal(result.as_numpy("hidden_states"), half.hidden_states)
+    # Each ModelInfer is counted under the operation that served it.
+    v2 = {"protocol": "v2", "method": "ModelInfer", "code": "OK"}
+    for operation in ("tokenize", "embed_text"):
+        labels = {**v2, "operation": operation}
+        assert server.metric("tokembed_requests_total", labels) == 1, operation
+    assert server.metric("tokembed_requests_total", {**v2, "operation": "embed"}) == 0
 
 
 def test_metadata_and_config_describe_the_text_input(triton: Any) -> None:
