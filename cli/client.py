@@ -473,9 +473,17 @@ def _info_lines(info: ModelInfo) -> list[str]:
         f"{way} {_size(count)}{' (chosen)' if way == chosen else ''}"
         for way, count in sorted(info.serving_memory_bytes.items())
     ]
+    # A model exported with --from-pretrained: its architecture and what each engine expects.
+    pretrained = [
+        f"architecture       {info.architecture}",
+        f"convention         {info.convention}",
+        "engine scales      "
+        + ", ".join(f"{engine} {scale:g}" for engine, scale in sorted(info.engine_scales.items())),
+    ] if info.architecture else []  # fmt: skip
     return [
         f"model              {info.name} {info.version}",
         f"kind               {info.kind}",
+        *pretrained,
         f"vocab_size (V)     {info.vocab_size}",
         f"d_model (D)        {info.d_model}",
         f"scale              {info.scale:g}",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
         SharedMemoryUnavailableError as SharedMemoryUnavailableError,
     )
     from tokembed.client.errors import UnavailableError as UnavailableError
+    from tokembed.client.errors import UnknownConventionError as UnknownConventionError
     from tokembed.client.errors import from_rpc_error as from_rpc_error
     from tokembed.client.results import EmbedResult as EmbedResult
     from tokembed.client.results import IdInputInfo as IdInputInfo
@@ -73,6 +74,7 @@ _EXPORTS = {
     "SharedMemorySession": "tokembed.client.shared_memory",
     "AsyncSharedMemorySession": "tokembed.client.shared_memory_aio",
     "SharedMemoryUnavailableError": "tokembed.client.errors",
+    "UnknownConventionError": "tokembed.client.errors",
 }
 
 __all__ = sorted(_EXPORTS)

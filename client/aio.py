@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from tokembed.client import codec, decode, text_codec
+from tokembed.client import codec, decode, engines, text_codec
 from tokembed.client._async_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
@@ -41,6 +41,8 @@ from tokembed.client.results import (
 from tokembed.v1 import embedding_pb2 as pb
 
 if TYPE_CHECKING:
+    import torch
+
     from tokembed.client.shared_memory_aio import AsyncSharedMemorySession
 
 T = TypeVar("T")
@@ -201,6 +203,57 @@ class AsyncEmbeddingClient(ClientBase):
             lambda t: embed_text(request, timeout=t, metadata=metadata),
         )
         return text_codec.embed_text_result(raw)
+    # ------------------------------------------------------------------ engine-ready answers
+
+    async def embed_torch(
+        self,
+        ids: Any,
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        """:meth:`embed`'s answer as a torch tensor over the received bytes, without a
+        copy (``torch.bfloat16`` for "bfloat16"): transformers' ``inputs_embeds``. Read-only
+        like the array; ``.clone()`` it to write. Needs torch (the client's optional
+        extra)."""
+        hidden = await self.embed(ids, dtype, model=model, timeout_s=timeout_s)
+        return engines.as_torch(hidden)
+
+    async def vllm_prompt_embeds(
+        self,
+        ids: Any,
+        dtype: str = "bfloat16",
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """One prompt's ids (1-D) as vLLM's ``prompt_embeds``: base64 of ``torch.save`` of
+        its ``[S, hidden]`` tensor in ``dtype`` ("float32", "bfloat16", "float16"), scaled
+        as vLLM's model of this architecture expects (``ModelInfo.engine_scales``). Two
+        calls: GetModelInfo, then Embed. Needs torch."""
+        prompt = engines.one_prompt(ids)
+        scale = engines.scale_for(await self.info(model, timeout_s=timeout_s), engines.VLLM)
+        # Served in the dtype asked when nothing is to be scaled: the payload is then the
+        # served tensor itself; else in float32, scaled once, then rounded.
+        asked = dtype if scale == 1.0 and dtype in engines.VLLM_DTYPES else "float32"
+        hidden = await self.embed([prompt], asked, model=model, timeout_s=timeout_s)
+        return engines.vllm_prompt_embeds(hidden, dtype, scale=scale)
+
+    async def sglang_input_embeds(
+        self,
+        ids: Any,
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[list[float]]:
+        """One prompt's ids (1-D) as SGLang's ``input_embeds``: ``[S, hidden]`` nested
+        lists of floats, scaled as SGLang's model of this architecture expects
+        (``ModelInfo.engine_scales``). Two calls: GetModelInfo, then Embed."""
+        prompt = engines.one_prompt(ids)
+        scale = engines.scale_for(await self.info(model, timeout_s=timeout_s), engines.SGLANG)
+        hidden = await self.embed([prompt], model=model, timeout_s=timeout_s)
+        return engines.sglang_input_embeds(hidden, scale=scale)
 
     async def shared_memory(
         self,

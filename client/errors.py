@@ -12,8 +12,11 @@ Everything the client raises derives from :class:`EmbeddingError`::
     ├── RequestCancelledError      CANCELLED (not named CancelledError: asyncio has one)
     ├── AuthenticationError        UNAUTHENTICATED, PERMISSION_DENIED
     ├── ServerError                INTERNAL, UNKNOWN, anything else
-    └── SharedMemoryUnavailableError  a shared-memory session the server cannot use
-                                   (``EmbeddingClient.shared_memory``; not from a status)
+    ├── SharedMemoryUnavailableError  a shared-memory session the server cannot use
+    │                              (``EmbeddingClient.shared_memory``; not from a status)
+    └── UnknownConventionError     an engine payload (vLLM's, SGLang's) asked of a model
+                                   whose architecture records no convention for that
+                                   engine (``client/engines.py``; not from a status)
 
 The server puts the cause in the trailing metadata ``tokembed-error-reason``; the status
 code alone cannot tell "this request is too large" (retrying is pointless) from "the
@@ -107,6 +110,12 @@ class SharedMemoryUnavailableError(EmbeddingError):
     """The server cannot use this client's shared memory: it has shared memory off, runs
     on another host (or in another container), cannot open the object, or takes another
     prefix. The message is the server's; ``code`` is the registration's status."""
+
+
+class UnknownConventionError(EmbeddingError):
+    """An engine's payload asked of a model whose architecture (``ModelInfo.architecture``)
+    records no convention for that engine: the scale it expects is not known, so no
+    payload is made rather than a possibly wrong one."""
 
 
 # The one table: (status code, reason) -> class. A (code, None) row is the fallback for

@@ -127,7 +127,11 @@ class ModelInfo:
     projected to D, ALBERT's); ``inputs`` are the ids a request carries and their bounds,
     ``tables`` its weights. ``memory_bytes`` is what the chosen backend holds, by what
     it is; ``serving_memory_bytes`` what each way of serving the model would hold, by
-    backend (the table is chosen when it fits the server's budget).
+    backend (the table is chosen when it fits the server's budget). A model exported
+    with ``--from-pretrained`` has its ``architecture`` (config.json's model_type), the
+    ``convention`` of its vectors in one line, and ``engine_scales``: by engine
+    ("transformers", "vllm", "sglang"), the scale that engine expects on the table's rows
+    (the served vectors carry ``scale``); empty for other models.
     """
 
     name: str
@@ -150,6 +154,9 @@ class ModelInfo:
     serving_memory_bytes: dict[str, int] = field(default_factory=dict)
     # The model's own tokenizer; None: it has none (text calls are refused).
     tokenizer: TokenizerInfo | None = None
+    architecture: str = ""
+    convention: str = ""
+    engine_scales: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -191,6 +198,9 @@ class ModelInfo:
                 if msg.HasField("tokenizer")
                 else None
             ),
+            architecture=msg.architecture,
+            convention=msg.convention,
+            engine_scales=dict(msg.engine_scales),
         )
 
 

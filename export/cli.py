@@ -16,13 +16,14 @@ import argparse
 import logging
 from pathlib import Path
 
+from tokembed.export import pretrained_cli
 from tokembed.export.architecture import OVERRIDE_FLAG
 from tokembed.export.checkpoint_dir import checkpoint_in
 from tokembed.export.config_flags import print_notes
 from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.errors import ExportError
 from tokembed.export.kinds import FACTORIZED, KINDS, SEGMENT, TOKEN
-from tokembed.export.manifest import Manifest
+from tokembed.export.manifest import TOKENIZER_NAME, Manifest
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 
@@ -144,6 +145,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the longest text, in tokens, the model takes (its positions): a longer one is "
         "refused, or truncated when the request asks (default: the server's per-request limit)",
     )
+    pretrained_cli.add_argument(parser)
     _add_kind_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -206,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
     args.notes = []
     if args.builtin:
         return _builtin(args)
+    if args.tokenizer is None and args.from_pretrained is not None:
+        beside = args.from_pretrained / TOKENIZER_NAME
+        if beside.is_file():  # a Hugging Face model directory's own tokenizer comes with it
+            args.tokenizer = beside
     tokenizer = None
     if args.tokenizer is not None:
         from tokembed.export.tokenizer_file import read_tokenizer
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     """The model itself, as the flags ask."""
+    # A Hugging Face model directory: the flags it stands for (--weights, --key, ...).
+    findings = pretrained_cli.apply(args)
     # Flags that need no checkpoint are checked before torch is imported: a mistyped
     # command then answers at once instead of after a second of imports.
     if args.key is not None and args.weights is None:
@@ -271,7 +279,11 @@ def _export(args: argparse.Namespace) -> int:
         manifest = sources.export_random(args, kind, vocab_size, d_model, options)
     else:
         manifest = sources.export_checkpoint(args, kind, options)
+        if findings is not None:
+            manifest = pretrained_cli.record(args.out, manifest, findings)
     _print_exported(manifest, args.out)
+    if findings is not None:
+        print("\n".join(pretrained_cli.describe(manifest, findings)))
     print_notes(args.notes)
     return 0
 
@@ -339,7 +351,8 @@ def _builtin(args: argparse.Namespace) -> int:
     from tokembed.export.builtin import DEFAULT, build_builtin_model
 
     others = [flag for flag, given in (
-        ("--weights", args.weights), ("--key", args.key), ("--vocab-size", args.vocab_size),
+        ("--weights", args.weights), ("--key", args.key),
+        ("--from-pretrained", args.from_pretrained), ("--vocab-size", args.vocab_size),
         ("--d-model", args.d_model), ("--padding-idx", args.padding_idx), ("--name", args.name),
         ("--force", args.force or None), ("--segment-key", args.segment_key),
         (OVERRIDE_FLAG, args.override_config or None),

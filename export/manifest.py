@@ -71,6 +71,23 @@ class TokenizerSpec:
     model: str  # the tokenizers library's model: "BPE", "WordPiece", "Unigram", ...
     vocab_size: int  # ids it gives, added tokens included, all below the manifest's V
     max_length: int | None = None
+class Pretrained:
+    """What ``tokembed export --from-pretrained`` found in a Hugging Face model directory.
+
+    The served vectors are what transformers' ``inputs_embeds`` takes for
+    ``architecture``; ``engine_scales`` says, by engine ("transformers", "vllm",
+    "sglang"), the scale that engine expects on the table's rows (the served vectors carry
+    the manifest's ``scale``): a client multiplies by ``engine_scales[engine] / scale``
+    before handing them over. An engine absent is one whose convention for this
+    architecture tokembed does not record.
+    """
+
+    architecture: str  # config.json's model_type ("gemma2"; "gemma3_text" for Gemma 3)
+    convention: str  # one line: what the served vectors are, where an engine differs
+    engine_scales: dict[str, float]
+    # The checkpoint's keys found (embedding_key, output_projection, output_key,
+    # segment_key, projection_key, norm_key, norm_kind, norm_eps, ...), as found.
+    keys: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -101,12 +118,14 @@ class Manifest:
     tie: Tie | None = None
     # Written only when the model carries its tokenizer (``TokenizerSpec``).
     tokenizer: TokenizerSpec | None = None
+    # Written only for a model exported with --from-pretrained.
+    pretrained: Pretrained | None = None
 
     def to_json(self) -> str:
         fields = asdict(self)
         # A size a kind does not have, or a tie not known, is left out, not written as
         # null: a token model's manifest stays what it was before these fields existed.
-        for key in (*_KIND_SIZES, "tie", "tokenizer"):
+        for key in (*_KIND_SIZES, "tie", "tokenizer", "pretrained"):
             if fields[key] is None:
                 del fields[key]
         return json.dumps(fields, indent=2, sort_keys=True) + "\n"
@@ -172,6 +191,11 @@ class Manifest:
                 if reader.get("tokenizer") is not None
                 else None
             ),
+            pretrained=(
+                _pretrained(reader.obj("pretrained"), f"{where}: pretrained")
+                if reader.get("pretrained") is not None
+                else None
+            ),
         )
 
 
@@ -205,6 +229,19 @@ def _tokenizer(raw: dict[str, Any], where: str) -> TokenizerSpec:
         model=reader.text("model"),
         vocab_size=reader.integer("vocab_size"),
         max_length=reader.optional_integer("max_length"),
+def _pretrained(raw: dict[str, Any], where: str) -> Pretrained:
+    reader = _Reader(raw, where)
+    scales = reader.obj("engine_scales")
+    for engine, value in scales.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ModelDirError(
+                f"{where}: engine_scales[{engine!r}] must be a positive number, got {value!r}"
+            )
+    return Pretrained(
+        architecture=reader.text("architecture"),
+        convention=reader.text("convention"),
+        engine_scales={str(k): float(v) for k, v in scales.items()},
+        keys=reader.obj("keys"),
     )
 
 

@@ -118,6 +118,11 @@ def find_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -> Tie
 # --- sharded checkpoints ------------------------------------------------------------------
 
 
+def shard_files(index: Path) -> list[Path]:
+    """Every shard a sharded checkpoint's index names, each once, in name order."""
+    return [_member(index, name) for name in sorted(set(_weight_map(index).values()))]
+
+
 def _shard_of(index: Path, key: str) -> Path:
     """The shard that an index's weight_map names for ``key``; reads nothing else."""
     weight_map = _weight_map(index)
@@ -173,7 +178,11 @@ def _declared_tie(matrix: CheckpointMatrix, checkpoint: Path, projection: str) -
     # The declaration is about the model's word embeddings: the exported matrix must be
     # of their shape, which the config states too.
     vocab_size, d_model = matrix.shape
-    width = next((config[k] for k in ("d_model", "hidden_size") if k in config), None)
+    # ALBERT's table is [V, embedding_size], narrower than its hidden_size.
+    width = next(
+        (config[k] for k in ("embedding_size", "d_model", "n_embd", "hidden_size") if k in config),
+        None,
+    )
     if config.get("vocab_size") != vocab_size or width != d_model:
         raise CheckpointError(
             f"{where}; {config_path.name} declares tie_word_embeddings for a "

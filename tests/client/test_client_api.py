@@ -88,13 +88,16 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "embed_stream",
         "embed_stream_results",
         "embed_text",
+        "embed_torch",
         "health",
         "info",
         "model_info",
         "models",
+        "sglang_input_embeds",
         "shared_memory",
         "target",
         "tokenize",
+        "vllm_prompt_embeds",
     ]
 
 

@@ -101,3 +101,25 @@ def test_mistakes_are_one_line(
     assert err.count("\n") == 1, err
     assert err.startswith("tokembed export: error: ")
     assert re.search(message, err), err
+
+
+def test_from_pretrained_brings_the_directorys_own_tokenizer(
+    tmp_path: Path, trained_tokenizers: dict[str, Path]
+) -> None:
+    """``--from-pretrained DIR`` passes ``DIR/tokenizer.json`` through ``--tokenizer``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    saved = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=700, n_embd=8, n_layer=1, n_head=2)).save_pretrained(
+        saved
+    )
+    shutil.copyfile(trained_tokenizers["bpe"], saved / "tokenizer.json")
+    out = tmp_path / "out"
+    assert main(["export", "--from-pretrained", str(saved), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"]["model"] == "BPE"
+    assert manifest["pretrained"]["architecture"] == "gpt2"
+    assert (out / "tokenizer.json").read_bytes() == trained_tokenizers["bpe"].read_bytes()
+    assert load_model_dir(out).tokenizer_path == out / "tokenizer.json"

@@ -194,6 +194,26 @@ BAD_MANIFESTS = {
     "output shape": (lambda m: m["output"].update(shape=["b", "s"]), "output.shape is ['b', 's']"),
     "input shape fixed": (lambda m: m["input"].update(shape=[1, "s"]), "input.shape is [1, 's']"),
     "no model file": (lambda m: m["files"].pop("model.onnx"), "files does not list model.onnx"),
+    # --from-pretrained's record: what GetModelInfo reports must be well formed.
+    "pretrained not an object": (
+        lambda m: m.update(pretrained="llama"),
+        "field 'pretrained' must be an object",
+    ),
+    "pretrained without architecture": (
+        lambda m: m.update(pretrained={"convention": "c", "engine_scales": {}, "keys": {}}),
+        "pretrained: field 'architecture' missing",
+    ),
+    "engine scale not positive": (
+        lambda m: m.update(
+            pretrained={
+                "architecture": "llama",
+                "convention": "c",
+                "engine_scales": {"vllm": 0},
+                "keys": {},
+            }
+        ),
+        "engine_scales['vllm'] must be a positive number, got 0",
+    ),
 }
 
 

@@ -151,6 +151,7 @@ ROOMS = (
             *("grpc", "grpc_health", "google.protobuf", "numpy", "ml_dtypes", VERSION),
             *("tokembed.v1", "tokembed.v2", "tokembed.client"),
         ),
+        deferred=("torch",),  # engine-ready answers (client/engines.py), an optional extra
     ),
     Room(
         "cli/",

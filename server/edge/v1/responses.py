@@ -186,6 +186,10 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         answer.tokenizer.vocab_size = served.tokenizer.vocab_size
         answer.tokenizer.max_length = served.tokenizer.max_length
         answer.tokenizer.sha256 = manifest.files[tokenizer.file].sha256
+    if manifest.pretrained is not None:
+        answer.architecture = manifest.pretrained.architecture
+        answer.convention = manifest.pretrained.convention
+        answer.engine_scales.update(manifest.pretrained.engine_scales)
     return answer
 
 

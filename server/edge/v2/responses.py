@@ -220,6 +220,13 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
         facts["tokenizer"] = manifest.tokenizer.model
         facts["tokenizer_max_length"] = served.tokenizer.max_length
         facts["tokenizer_sha256"] = manifest.files[manifest.tokenizer.file].sha256
+    if manifest.pretrained is not None:
+        # As tokembed.v1's GetModelInfo reports them (architecture, convention,
+        # engine_scales), one parameter each: "engine_scale_vllm", ...
+        facts["architecture"] = manifest.pretrained.architecture
+        facts["convention"] = manifest.pretrained.convention
+        for engine, scale in sorted(manifest.pretrained.engine_scales.items()):
+            facts[f"engine_scale_{engine}"] = repr(scale)
     for key, value in facts.items():
         config.parameters[key].string_value = str(value)
     return pb.ModelConfigResponse(config=config)
