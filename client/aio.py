@@ -203,6 +203,7 @@ class AsyncEmbeddingClient(ClientBase):
             lambda t: embed_text(request, timeout=t, metadata=metadata),
         )
         return text_codec.embed_text_result(raw)
+
     # ------------------------------------------------------------------ engine-ready answers
 
     async def embed_torch(

@@ -71,6 +71,9 @@ class TokenizerSpec:
     model: str  # the tokenizers library's model: "BPE", "WordPiece", "Unigram", ...
     vocab_size: int  # ids it gives, added tokens included, all below the manifest's V
     max_length: int | None = None
+
+
+@dataclass(frozen=True)
 class Pretrained:
     """What ``tokembed export --from-pretrained`` found in a Hugging Face model directory.
 
@@ -229,6 +232,9 @@ def _tokenizer(raw: dict[str, Any], where: str) -> TokenizerSpec:
         model=reader.text("model"),
         vocab_size=reader.integer("vocab_size"),
         max_length=reader.optional_integer("max_length"),
+    )
+
+
 def _pretrained(raw: dict[str, Any], where: str) -> Pretrained:
     reader = _Reader(raw, where)
     scales = reader.obj("engine_scales")

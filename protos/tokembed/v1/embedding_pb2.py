@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokembed/v1/embedding.proto\x12\x0btokembed.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb4\x02\n\x0c\x45mbedRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12(\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\x30\n\rragged_layout\x18\x04 \x01(\x0e\x32\x19.tokembed.v1.RaggedLayout\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12#\n\x06layout\x18\x08 \x01(\x0e\x32\x13.tokembed.v1.Layout\x12+\n\x0etoken_type_ids\x18\t \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\x7f\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x62\x61tch_requests\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x05 \x01(\x04\"\xb2\x01\n\rEmbedResponse\x12*\n\rhidden_states\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x13\x45mbedStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.tokembed.v1.ErrorH\x00\x42\x08\n\x06result\"F\n\nEmbedChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponse\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokembed.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x9e\x01\n\x06Limits\x12\x1e\n\x16max_tokens_per_request\x18\x01 \x01(\x04\x12$\n\x1cmax_output_bytes_per_request\x18\x02 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_delay_seconds\x18\x05 \x01(\x01\"\xd5\x06\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x17\n\npadding_id\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cweight_dtype\x18\x07 \x01(\t\x12(\n\x0cinput_dtypes\x18\x08 \x03(\x0e\x32\x12.tokembed.v1.DType\x12)\n\routput_dtypes\x18\t \x03(\x0e\x32\x12.tokembed.v1.DType\x12\x1a\n\x12\x65xecution_provider\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.tokembed.v1.Limits\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x0c\n\x04kind\x18\x0e \x01(\t\x12(\n\x06inputs\x18\x0f \x03(\x0b\x32\x18.tokembed.v1.IdInputInfo\x12&\n\x06tables\x18\x10 \x03(\x0b\x32\x16.tokembed.v1.TableInfo\x12=\n\x0cmemory_bytes\x18\x11 \x03(\x0b\x32\'.tokembed.v1.ModelInfo.MemoryBytesEntry\x12L\n\x14serving_memory_bytes\x18\x12 \x03(\x0b\x32..tokembed.v1.ModelInfo.ServingMemoryBytesEntry\x12\x14\n\x0c\x61rchitecture\x18\x13 \x01(\t\x12\x12\n\nconvention\x18\x14 \x01(\t\x12?\n\rengine_scales\x18\x15 \x03(\x0b\x32(.tokembed.v1.ModelInfo.EngineScalesEntry\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17ServingMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11\x45ngineScalesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_padding_id\"Q\n\x0bIdInputInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ound\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ound_field\x18\x03 \x01(\t\x12\x10\n\x08optional\x18\x04 \x01(\x08\"7\n\tTableInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT64\x10\x01\x12\x0f\n\x0b\x44TYPE_INT32\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05*_\n\x0cRaggedLayout\x12\x1d\n\x19RAGGED_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14RAGGED_LAYOUT_PADDED\x10\x01\x12\x16\n\x12RAGGED_LAYOUT_FLAT\x10\x02*S\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_BATCH_FIRST\x10\x01\x12\x19\n\x15LAYOUT_SEQUENCE_FIRST\x10\x02\x32\x81\x03\n\x10\x45mbeddingService\x12>\n\x05\x45mbed\x12\x19.tokembed.v1.EmbedRequest\x1a\x1a.tokembed.v1.EmbedResponse\x12N\n\x0b\x45mbedStream\x12\x19.tokembed.v1.EmbedRequest\x1a .tokembed.v1.EmbedStreamResponse(\x01\x30\x01\x12\x44\n\x0c\x45mbedChunked\x12\x19.tokembed.v1.EmbedRequest\x1a\x17.tokembed.v1.EmbedChunk0\x01\x12H\n\x0cGetModelInfo\x12 .tokembed.v1.GetModelInfoRequest\x1a\x16.tokembed.v1.ModelInfo\x12M\n\nListModels\x12\x1e.tokembed.v1.ListModelsRequest\x1a\x1f.tokembed.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokembed/v1/embedding.proto\x12\x0btokembed.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb4\x02\n\x0c\x45mbedRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12(\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\x30\n\rragged_layout\x18\x04 \x01(\x0e\x32\x19.tokembed.v1.RaggedLayout\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12#\n\x06layout\x18\x08 \x01(\x0e\x32\x13.tokembed.v1.Layout\x12+\n\x0etoken_type_ids\x18\t \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\x7f\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x62\x61tch_requests\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x05 \x01(\x04\"\xb2\x01\n\rEmbedResponse\x12*\n\rhidden_states\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x13\x45mbedStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.tokembed.v1.ErrorH\x00\x42\x08\n\x06result\"F\n\nEmbedChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponse\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xc4\x01\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\x0c\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12+\n\ntruncation\x18\x03 \x01(\x0e\x32\x17.tokembed.v1.Truncation\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x15\n\x13_add_special_tokens\"\xef\x01\n\x10\x45mbedTextRequest\x12\r\n\x05texts\x18\x01 \x03(\x0c\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12+\n\ntruncation\x18\x03 \x01(\x0e\x32\x17.tokembed.v1.Truncation\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12(\n\x0coutput_dtype\x18\x07 \x01(\x0e\x32\x12.tokembed.v1.DTypeB\x15\n\x13_add_special_tokens\"\xa8\x01\n\x11\x44\x65tokenizeRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"b\n\x12\x44\x65tokenizeResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\xa2\x01\n\x0fTensorsResponse\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.tokembed.v1.NamedTensor\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokembed.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x9e\x01\n\x06Limits\x12\x1e\n\x16max_tokens_per_request\x18\x01 \x01(\x04\x12$\n\x1cmax_output_bytes_per_request\x18\x02 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_delay_seconds\x18\x05 \x01(\x01\"\x84\x07\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x17\n\npadding_id\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cweight_dtype\x18\x07 \x01(\t\x12(\n\x0cinput_dtypes\x18\x08 \x03(\x0e\x32\x12.tokembed.v1.DType\x12)\n\routput_dtypes\x18\t \x03(\x0e\x32\x12.tokembed.v1.DType\x12\x1a\n\x12\x65xecution_provider\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.tokembed.v1.Limits\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x0c\n\x04kind\x18\x0e \x01(\t\x12(\n\x06inputs\x18\x0f \x03(\x0b\x32\x18.tokembed.v1.IdInputInfo\x12&\n\x06tables\x18\x10 \x03(\x0b\x32\x16.tokembed.v1.TableInfo\x12=\n\x0cmemory_bytes\x18\x11 \x03(\x0b\x32\'.tokembed.v1.ModelInfo.MemoryBytesEntry\x12L\n\x14serving_memory_bytes\x18\x12 \x03(\x0b\x32..tokembed.v1.ModelInfo.ServingMemoryBytesEntry\x12\x14\n\x0c\x61rchitecture\x18\x13 \x01(\t\x12\x12\n\nconvention\x18\x14 \x01(\t\x12?\n\rengine_scales\x18\x15 \x03(\x0b\x32(.tokembed.v1.ModelInfo.EngineScalesEntry\x12-\n\ttokenizer\x18\x1e \x01(\x0b\x32\x1a.tokembed.v1.TokenizerInfo\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17ServingMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11\x45ngineScalesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_padding_id\"V\n\rTokenizerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x04\x12\x12\n\nmax_length\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"Q\n\x0bIdInputInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ound\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ound_field\x18\x03 \x01(\t\x12\x10\n\x08optional\x18\x04 \x01(\x08\"7\n\tTableInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT64\x10\x01\x12\x0f\n\x0b\x44TYPE_INT32\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05*_\n\x0cRaggedLayout\x12\x1d\n\x19RAGGED_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14RAGGED_LAYOUT_PADDED\x10\x01\x12\x16\n\x12RAGGED_LAYOUT_FLAT\x10\x02*S\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_BATCH_FIRST\x10\x01\x12\x19\n\x15LAYOUT_SEQUENCE_FIRST\x10\x02*X\n\nTruncation\x12\x1a\n\x16TRUNCATION_UNSPECIFIED\x10\x00\x12\x15\n\x11TRUNCATION_REFUSE\x10\x01\x12\x17\n\x13TRUNCATION_TRUNCATE\x10\x02\x32\xe2\x04\n\x10\x45mbeddingService\x12>\n\x05\x45mbed\x12\x19.tokembed.v1.EmbedRequest\x1a\x1a.tokembed.v1.EmbedResponse\x12N\n\x0b\x45mbedStream\x12\x19.tokembed.v1.EmbedRequest\x1a .tokembed.v1.EmbedStreamResponse(\x01\x30\x01\x12\x44\n\x0c\x45mbedChunked\x12\x19.tokembed.v1.EmbedRequest\x1a\x17.tokembed.v1.EmbedChunk0\x01\x12H\n\x0cGetModelInfo\x12 .tokembed.v1.GetModelInfoRequest\x1a\x16.tokembed.v1.ModelInfo\x12M\n\nListModels\x12\x1e.tokembed.v1.ListModelsRequest\x1a\x1f.tokembed.v1.ListModelsResponse\x12\x46\n\x08Tokenize\x12\x1c.tokembed.v1.TokenizeRequest\x1a\x1c.tokembed.v1.TensorsResponse\x12M\n\nDetokenize\x12\x1e.tokembed.v1.DetokenizeRequest\x1a\x1f.tokembed.v1.DetokenizeResponse\x12H\n\tEmbedText\x12\x1d.tokembed.v1.EmbedTextRequest\x1a\x1c.tokembed.v1.TensorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_ENGINESCALESENTRY']._loaded_options = None
   _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2314
-  _globals['_DTYPE']._serialized_end=2436
-  _globals['_RAGGEDLAYOUT']._serialized_start=2438
-  _globals['_RAGGEDLAYOUT']._serialized_end=2533
-  _globals['_LAYOUT']._serialized_start=2535
-  _globals['_LAYOUT']._serialized_end=2618
+  _globals['_DTYPE']._serialized_start=3392
+  _globals['_DTYPE']._serialized_end=3514
+  _globals['_RAGGEDLAYOUT']._serialized_start=3516
+  _globals['_RAGGEDLAYOUT']._serialized_end=3611
+  _globals['_LAYOUT']._serialized_start=3613
+  _globals['_LAYOUT']._serialized_end=3696
+  _globals['_TRUNCATION']._serialized_start=3698
+  _globals['_TRUNCATION']._serialized_end=3786
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=116
   _globals['_EMBEDREQUEST']._serialized_start=119
@@ -57,26 +59,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDSTREAMRESPONSE']._serialized_end=911
   _globals['_EMBEDCHUNK']._serialized_start=913
   _globals['_EMBEDCHUNK']._serialized_end=983
-  _globals['_GETMODELINFOREQUEST']._serialized_start=985
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1049
-  _globals['_LISTMODELSREQUEST']._serialized_start=1051
-  _globals['_LISTMODELSREQUEST']._serialized_end=1070
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1072
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1155
-  _globals['_LIMITS']._serialized_start=1158
-  _globals['_LIMITS']._serialized_end=1316
-  _globals['_MODELINFO']._serialized_start=1319
-  _globals['_MODELINFO']._serialized_end=2172
-  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_start=1995
-  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_end=2045
-  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_start=2047
-  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_end=2104
-  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_start=2106
-  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_end=2157
-  _globals['_IDINPUTINFO']._serialized_start=2174
-  _globals['_IDINPUTINFO']._serialized_end=2255
-  _globals['_TABLEINFO']._serialized_start=2257
-  _globals['_TABLEINFO']._serialized_end=2312
-  _globals['_EMBEDDINGSERVICE']._serialized_start=2621
-  _globals['_EMBEDDINGSERVICE']._serialized_end=3006
+  _globals['_TOKENIZEREQUEST']._serialized_start=986
+  _globals['_TOKENIZEREQUEST']._serialized_end=1182
+  _globals['_EMBEDTEXTREQUEST']._serialized_start=1185
+  _globals['_EMBEDTEXTREQUEST']._serialized_end=1424
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1427
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1595
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1597
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1695
+  _globals['_NAMEDTENSOR']._serialized_start=1697
+  _globals['_NAMEDTENSOR']._serialized_end=1761
+  _globals['_TENSORSRESPONSE']._serialized_start=1764
+  _globals['_TENSORSRESPONSE']._serialized_end=1926
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1928
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1992
+  _globals['_LISTMODELSREQUEST']._serialized_start=1994
+  _globals['_LISTMODELSREQUEST']._serialized_end=2013
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2015
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2098
+  _globals['_LIMITS']._serialized_start=2101
+  _globals['_LIMITS']._serialized_end=2259
+  _globals['_MODELINFO']._serialized_start=2262
+  _globals['_MODELINFO']._serialized_end=3162
+  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_start=2985
+  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_end=3035
+  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_start=3037
+  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_end=3094
+  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_start=3096
+  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_end=3147
+  _globals['_TOKENIZERINFO']._serialized_start=3164
+  _globals['_TOKENIZERINFO']._serialized_end=3250
+  _globals['_IDINPUTINFO']._serialized_start=3252
+  _globals['_IDINPUTINFO']._serialized_end=3333
+  _globals['_TABLEINFO']._serialized_start=3335
+  _globals['_TABLEINFO']._serialized_end=3390
+  _globals['_EMBEDDINGSERVICE']._serialized_start=3789
+  _globals['_EMBEDDINGSERVICE']._serialized_end=4399
 # @@protoc_insertion_point(module_scope)
