@@ -39,7 +39,10 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import ModelList as ModelList
     from tokembed.client.results import RepositoryModel as RepositoryModel
     from tokembed.client.results import TableInfo as TableInfo
+    from tokembed.client.results import TextEmbedResult as TextEmbedResult
     from tokembed.client.results import Timings as Timings
+    from tokembed.client.results import TokenizeResult as TokenizeResult
+    from tokembed.client.results import TokenizerInfo as TokenizerInfo
     from tokembed.client.shared_memory import SharedMemorySession as SharedMemorySession
     from tokembed.client.shared_memory_aio import (
         AsyncSharedMemorySession as AsyncSharedMemorySession,
@@ -57,6 +60,9 @@ _EXPORTS = {
     "IdInputInfo": "tokembed.client.results",
     "TableInfo": "tokembed.client.results",
     "Timings": "tokembed.client.results",
+    "TokenizeResult": "tokembed.client.results",
+    "TextEmbedResult": "tokembed.client.results",
+    "TokenizerInfo": "tokembed.client.results",
     "EmbeddingError": "tokembed.client.errors",
     "InvalidInputError": "tokembed.client.errors",
     "RequestTooLargeError": "tokembed.client.errors",

@@ -16,12 +16,15 @@ import grpc
 
 from tokembed.client import codec, decode
 from tokembed.client._config import (
+    METHOD_DETOKENIZE,
     METHOD_EMBED,
     METHOD_EMBED_CHUNKED,
     METHOD_EMBED_STREAM,
+    METHOD_EMBED_TEXT,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
     METHOD_NEAREST,
+    METHOD_TOKENIZE,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
@@ -52,10 +55,21 @@ class Methods:
             request_serializer=pb.ListModelsRequest.SerializeToString,
             response_deserializer=pb.ListModelsResponse.FromString,
         )
+        # Answers of several named tensors (Tokenize, EmbedText, Nearest) come as raw
+        # bytes, decoded in place (``text_codec.named_tensors``).
+        self.tokenize = channel.unary_unary(
+            METHOD_TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString
+        )
+        self.detokenize = channel.unary_unary(
+            METHOD_DETOKENIZE,
+            request_serializer=pb.DetokenizeRequest.SerializeToString,
+            response_deserializer=pb.DetokenizeResponse.FromString,
+        )
+        self.embed_text = channel.unary_unary(
+            METHOD_EMBED_TEXT, request_serializer=pb.EmbedTextRequest.SerializeToString
+        )
         self.nearest = channel.unary_unary(
-            METHOD_NEAREST,
-            request_serializer=pb.NearestRequest.SerializeToString,
-            response_deserializer=pb.TensorsResponse.FromString,
+            METHOD_NEAREST, request_serializer=pb.NearestRequest.SerializeToString
         )
         self._channel = channel
         self._control: ControlMethods | None = None

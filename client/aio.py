@@ -18,14 +18,14 @@ reading a stream's inputs) in ``_async_backend`` and ``_sync_backend``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
-from tokembed.client import codec, decode, engines
+from tokembed.client import codec, decode, engines, text_codec
 from tokembed.client._async_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
@@ -37,6 +37,8 @@ from tokembed.client.results import (
     ModelList,
     NearestResult,
     RepositoryModel,
+    TextEmbedResult,
+    TokenizeResult,
 )
 from tokembed.client.vectors import nearest_request
 from tokembed.v1 import embedding_pb2 as pb
@@ -156,12 +158,85 @@ class AsyncEmbeddingClient(ClientBase):
         request = nearest_request(
             vectors, k, metric, logits, apply_norm, self._model(model), request_id
         )
-        response = await self._with_retries(
+        raw: bytes = await self._with_retries(
             "Nearest",
             self._deadline(timeout_s),
             lambda t: nearest(request, timeout=t, metadata=metadata),
         )
-        return decode.nearest_result(response)
+        return decode.nearest_result(raw)
+
+    async def tokenize(
+        self,
+        texts: str | bytes | Sequence[str | bytes],
+        *,
+        add_special_tokens: bool = True,
+        truncation: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> TokenizeResult:
+        """Texts (one, or several) tokenized by the model's own tokenizer, in one batch:
+        ids, offsets and which tokens are special (``TokenizeResult``). A text longer than
+        the model's limit (``info().tokenizer.max_length``) is refused (``TooLargeError``)
+        unless ``truncation``; a model without a tokenizer refuses every text call."""
+        tokenize, metadata = self._methods().tokenize, self._metadata()
+        request = text_codec.tokenize_request(
+            texts, add_special_tokens, truncation, self._model(model), request_id
+        )
+        raw: bytes = await self._with_retries(
+            "Tokenize",
+            self._deadline(timeout_s),
+            lambda t: tokenize(request, timeout=t, metadata=metadata),
+        )
+        return text_codec.tokenize_result(raw)
+
+    async def detokenize(
+        self,
+        ids: Any,
+        *,
+        skip_special_tokens: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> list[str]:
+        """Token ids back to texts by the model's own tokenizer: one text per sequence
+        (``ids``: one sequence of ints, sequences of any lengths, or a ``[B, S]`` array)."""
+        detokenize, metadata = self._methods().detokenize, self._metadata()
+        request = text_codec.detokenize_request(
+            ids, skip_special_tokens, self._model(model), request_id
+        )
+        message = await self._with_retries(
+            "Detokenize",
+            self._deadline(timeout_s),
+            lambda t: detokenize(request, timeout=t, metadata=metadata),
+        )
+        return list(message.texts)
+
+    async def embed_text(
+        self,
+        texts: str | bytes | Sequence[str | bytes],
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        add_special_tokens: bool = True,
+        truncation: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> TextEmbedResult:
+        """Texts to vectors in one call: tokenized by the model's own tokenizer (as
+        :meth:`tokenize`), then embedded. ``hidden_states [N, D]`` holds every text's rows
+        one after another, ``lengths`` each text's tokens, ``input_ids`` their ids;
+        ``sequences()`` gives each text's ``[len, D]``."""
+        embed_text, metadata = self._methods().embed_text, self._metadata()
+        request = text_codec.embed_text_request(
+            texts, dtype, add_special_tokens, truncation, self._model(model), request_id
+        )
+        raw: bytes = await self._with_retries(
+            "EmbedText",
+            self._deadline(timeout_s),
+            lambda t: embed_text(request, timeout=t, metadata=metadata),
+        )
+        return text_codec.embed_text_result(raw)
 
     # ------------------------------------------------------------------ engine-ready answers
 

@@ -210,6 +210,7 @@ class TokembedServer:
                 max_queued_tokens=settings.max_queued_tokens,
                 nearest_max_batch_rows=settings.nearest_max_batch_rows,
             ),
+            tokenizer=loaded.tokenizer,
         )
         return Scheduler(
             served,

@@ -64,16 +64,19 @@ class Outcomes:
 
 
 _BEFORE_ROUTING = (InvalidInput, TooLarge, ModelNotFound, Unavailable, Unauthenticated)
+# What a served operation's calls may end with (embed's; the text operations' the same: a
+# model without a tokenizer is an InvalidInput).
+_SERVED = Outcomes(
+    _BEFORE_ROUTING,
+    (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
+)
 OUTCOMES: dict[str, Outcomes] = {
-    "embed": Outcomes(
-        _BEFORE_ROUTING,
-        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
-    ),
+    "embed": _SERVED,
     # The way back: refused, overloaded or failed as embed is (one batcher, one admission).
-    "nearest": Outcomes(
-        _BEFORE_ROUTING,
-        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
-    ),
+    "nearest": _SERVED,
+    "tokenize": _SERVED,
+    "detokenize": _SERVED,
+    "embed_text": _SERVED,
     "model_info": Outcomes((InvalidInput, ModelNotFound, Unavailable, Unauthenticated), ()),
     "list_models": Outcomes((InvalidInput, Unavailable, Unauthenticated), (), ok_with_model=False),
 }
@@ -93,8 +96,9 @@ class Call:
         self.model = ""  # the model that answers it, once known
         self.version = ""  # and its version
         self.request_id = request_id
-        # One method may serve several operations (V2's ModelInfer: embed, or nearest on
-        # a model's ``.nearest`` name): the data plane names the one it served.
+        # The operation that serves it, when its method serves more than one (V2's
+        # ModelInfer: ids, texts, or vectors on a model's ``.nearest`` name); else its
+        # method's.
         self._operation = operation
 
     @property
@@ -168,7 +172,8 @@ class Calls:
     def start(
         self, front_end: FrontEnd, method: str, request_id: str = "", operation: str = ""
     ) -> Call:
-        """A call reached its handler: it is in flight until ``end``."""
+        """A call reached its handler: it is in flight until ``end`` (``operation``: the
+        one serving it, where its method serves several)."""
         self.active += 1
         self.last_call_at = time.monotonic()
         return Call(front_end, method, request_id, operation)

@@ -237,7 +237,7 @@ class DataPlane:
         sink: StreamSink[F],
     ) -> _StreamAnswer[F]:
         """One answer of a stream, with the room to release once it is sent."""
-        call = self.calls.start(front_end, method, incoming.request_id)
+        call = self.calls.start(front_end, method, incoming.request_id, operation.name)
         try:
             if not isinstance(incoming, Refused) and operation.unread(incoming.body):
                 incoming = await self._read(call, operation, incoming)

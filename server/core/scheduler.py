@@ -36,6 +36,9 @@ from tokembed.server.core.types import Answer, Timings
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F")
+# Threads per model for text operations: each request's batch encode already runs on the
+# tokenizers library's own threads, so a few requests at once keep the cores busy.
+TEXT_THREADS = 4
 _Item = tuple[Operation[Any, Any, Any], Job]
 
 
@@ -72,6 +75,9 @@ class Scheduler:
         # Batches compute on threads of their own, as many as may compute at once: a
         # model's batches never wait behind another model's large frames.
         self._batch_threads: ThreadPoolExecutor | None = None
+        # Text operations (``Operation.off_loop``: tokenizing) compute on threads of their
+        # own: a large batch of texts never holds a worker that a look-up or a frame needs.
+        self._text_threads: ThreadPoolExecutor | None = None
         self._closed = False
         # Over the batchers, not a method of this scheduler: no cycle keeps an unloaded
         # version (its tables) until the cyclic collector runs.
@@ -113,7 +119,11 @@ class Scheduler:
         else:  # a backend that never batches has no batcher to ask
             key, idle = None, True
         placement = policy.place(
-            job.tokens, job.output_bytes, batcher_idle=idle, heavy=operation.heavy
+            job.tokens,
+            job.output_bytes,
+            batcher_idle=idle,
+            heavy=operation.heavy,
+            off_loop=operation.off_loop,
         )
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
@@ -123,15 +133,17 @@ class Scheduler:
         if placement is Placement.INLINE:
             return self._alone(operation, job, frame)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, self._alone, operation, job, frame)
+        workers = self._text_workers() if operation.off_loop else self._workers
+        return await loop.run_in_executor(workers, self._alone, operation, job, frame)
 
     async def close(self) -> None:
         """Fail what is still queued, wait for the batches computing, let go."""
         self._closed = True
         for batcher in self._batchers.values():
             await batcher.close()
-        if self._batch_threads is not None:
-            self._batch_threads.shutdown(wait=False)
+        for threads in (self._batch_threads, self._text_threads):
+            if threads is not None:
+                threads.shutdown(wait=False)
         self.served.backend.close()
 
     # --- the compute, for every placement
@@ -167,6 +179,13 @@ class Scheduler:
             return frame(answer)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._workers, frame, answer)
+
+    def _text_workers(self) -> ThreadPoolExecutor:
+        if self._text_threads is None:
+            self._text_threads = ThreadPoolExecutor(
+                max_workers=TEXT_THREADS, thread_name_prefix=f"tokembed-text-{self.served.name}"
+            )
+        return self._text_threads
 
     def _new_batcher(self, heavy: bool) -> Batcher[_Item, Any]:
         """A batcher; a heavy operation's batches are bounded by rows (its vectors)."""

@@ -96,10 +96,7 @@ class NamedTensor:
     shape: tuple[int, ...]
     dtype: DType
     pieces: Sequence[Buffer]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(piece) for piece in self.pieces)
+    nbytes: int  # the pieces' bytes together (a look-up's rows are many pieces)
 
 
 @dataclass(slots=True)
@@ -131,3 +128,19 @@ class Answer:
     def several(self) -> bool:
         """Whether the answer is ``tensors`` (named) rather than one unnamed tensor."""
         return bool(self.tensors)
+
+    @classmethod
+    def of_tensors(
+        cls,
+        tensors: Sequence[NamedTensor],
+        timings: Timings,
+        tokens: int,
+        model_name: str,
+        model_version: str,
+    ) -> Answer:
+        """An answer of several named tensors, described by its first (``several``)."""
+        first = tensors[0]
+        return cls(
+            first.shape, first.dtype, first.pieces, None, timings, tokens,
+            sum(tensor.nbytes for tensor in tensors), model_name, model_version, tuple(tensors),
+        )  # fmt: skip

@@ -82,10 +82,12 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
     # docs/client.md's API summary lists these for both clients.
     assert sorted(n for n in _public(EmbeddingClient) if not n.startswith("_")) == [
         "close",
+        "detokenize",
         "embed",
         "embed_result",
         "embed_stream",
         "embed_stream_results",
+        "embed_text",
         "embed_torch",
         "health",
         "info",
@@ -97,6 +99,7 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
         "sglang_input_embeds",
         "shared_memory",
         "target",
+        "tokenize",
         "unload_model",
         "vllm_prompt_embeds",
     ]

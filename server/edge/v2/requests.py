@@ -46,6 +46,7 @@ from tokembed.server.core.operations.embed_request import (
 )
 from tokembed.server.core.operations.nearest import NearestInput
 from tokembed.server.edge.v2 import nearest
+from tokembed.server.edge.v2.text import TextCall, is_text, text_call
 from tokembed.v2 import grpc_service_pb2 as pb
 
 # The V2 datatype names, by the rows of the server's dtype table (``core.dtypes``): a row
@@ -114,7 +115,7 @@ class InferParser:
         self._max_tokens = max_tokens
         self._source = source or in_request
 
-    def __call__(self, data: bytes) -> InferCall | NearestCall | Refused:
+    def __call__(self, data: bytes) -> InferCall | NearestCall | TextCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
@@ -125,6 +126,11 @@ class InferParser:
         if base is not None:  # NAME.nearest: the nearest operation of NAME
             try:
                 return nearest.nearest_call(request, base)
+            except EmbedError as error:
+                return Refused(error, request.id)
+        if is_text(request):  # texts, not ids (``edge.v2.text``)
+            try:
+                return text_call(request, V2_OUTPUT_DTYPES)
             except EmbedError as error:
                 return Refused(error, request.id)
         try:

@@ -37,7 +37,9 @@ from tokembed.server.core.errors import (
     Unavailable,
 )
 from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.operations.embed_text import EMBED_TEXT
 from tokembed.server.core.operations.nearest import NEAREST
+from tokembed.server.core.operations.tokenize import TOKENIZE
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
@@ -61,6 +63,7 @@ from tokembed.server.edge.v2.shm_service import (
     output_window,
 )
 from tokembed.server.edge.v2.status import V2, status_name, status_of
+from tokembed.server.edge.v2.text import TextCall, stream_refusal
 from tokembed.v2 import grpc_service_pb2 as pb
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -120,8 +123,12 @@ class InferenceServicer:
     # --- inference
 
     async def ModelInfer(
-        self, request: InferCall | NearestCall | Refused, context: grpc.aio.ServicerContext
+        self,
+        request: InferCall | NearestCall | TextCall | Refused,
+        context: grpc.aio.ServicerContext,
     ) -> bytes:
+        if isinstance(request, TextCall):
+            return await self._text(request, context)
         if not isinstance(request, (InferCall, Refused)):  # NAME.nearest: v2.nearest
             tensors = TensorsSink(context)
             try:
@@ -138,6 +145,18 @@ class InferenceServicer:
             )
         except EmbedError as error:
             refuse(context, status_of(error), error)  # not an abort: see refuse
+        return sink.payload
+
+    async def _text(self, request: TextCall, context: grpc.aio.ServicerContext) -> bytes:
+        """Texts: tokenized, or embedded, as the requested outputs say (``edge.v2.text``)."""
+        sink = TensorsSink(context)
+        operation = TOKENIZE if request.tokenize else EMBED_TEXT
+        try:
+            await self._dataplane.serve(
+                FRONT_END, "ModelInfer", operation, request, deadline_of(context), sink
+            )
+        except EmbedError as error:
+            refuse(context, status_of(error), error)
         return sink.payload
 
     def unary_sink(
@@ -185,7 +204,9 @@ class InferenceServicer:
         memory is refused (a stream's answers are its messages; ModelInfer writes answers
         into regions), and so is one for a ``.nearest`` name (ModelInfer serves it)."""
         async for request in requests:
-            if not isinstance(request, (InferCall, Refused)):
+            if isinstance(request, TextCall):
+                yield Refused(stream_refusal(), request.request_id)
+            elif not isinstance(request, (InferCall, Refused)):
                 yield Refused(
                     InvalidInput(
                         f"model {request.model_name + nearest.SUFFIX!r} is served by "
@@ -359,11 +380,11 @@ class UnarySink(GrpcUnarySink):
 
 
 class TensorsSink(GrpcUnarySink):
-    """ModelInfer of an answer of several named tensors (NAME.nearest): one
+    """ModelInfer of an answer of several named tensors (NAME.nearest's, a tokenizer's): one
     ModelInferResponse with an output each."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
-        return nearest.infer_response(answer, call.request_id)
+        return responses.tensors_infer_response(answer, call.request_id)
 
 
 class StreamItemSink(GrpcStreamItemSink):
