@@ -46,6 +46,7 @@ from tokembed.server.core.operations.embed_request import (
 )
 from tokembed.server.core.operations.nearest import NearestInput
 from tokembed.server.edge.v2 import nearest
+from tokembed.server.edge.v2.parameters import string_parameter
 from tokembed.server.edge.v2.text import TextCall, is_text, text_call
 from tokembed.v2 import grpc_service_pb2 as pb
 
@@ -253,8 +254,8 @@ def _output_dtype(request: pb.ModelInferRequest) -> str:
             raise InvalidInput(
                 f"unexpected inference output {output.name!r}; the model's output is {OUTPUT_NAME}"
             )
-        asked = _string_parameter(output.parameters, DATATYPE_PARAMETER) or asked
-    asked = asked or _string_parameter(request.parameters, DATATYPE_PARAMETER)
+        asked = string_parameter(output.parameters, DATATYPE_PARAMETER) or asked
+    asked = asked or string_parameter(request.parameters, DATATYPE_PARAMETER)
     if not asked:
         return DEFAULT_OUTPUT_DTYPE
     dtype = V2_OUTPUT_DTYPES.get(asked)
@@ -267,7 +268,7 @@ def _output_dtype(request: pb.ModelInferRequest) -> str:
 
 
 def _layout(parameters: Mapping[str, pb.InferParameter]) -> str:
-    asked = _string_parameter(parameters, LAYOUT_PARAMETER)
+    asked = string_parameter(parameters, LAYOUT_PARAMETER)
     if not asked:
         return PADDED
     layout = _LAYOUTS.get(asked.lower())
@@ -276,15 +277,6 @@ def _layout(parameters: Mapping[str, pb.InferParameter]) -> str:
             f"parameter {LAYOUT_PARAMETER} = {asked!r} is not supported; use padded or flat"
         )
     return layout
-
-
-def _string_parameter(parameters: Mapping[str, pb.InferParameter], name: str) -> str:
-    if name not in parameters:
-        return ""
-    parameter = parameters[name]
-    if parameter.WhichOneof("parameter_choice") != "string_param":
-        raise InvalidInput(f"parameter {name} must be a string")
-    return str(parameter.string_param)
 
 
 def parse_message(message: Any) -> Callable[[bytes], Any]:

@@ -28,6 +28,7 @@ from tokembed.server.core.errors import InvalidInput
 from tokembed.server.core.operations.embed_text import EMBED_TEXT_OUTPUTS
 from tokembed.server.core.operations.text_request import HIDDEN_STATES, TEXT, TextInput
 from tokembed.server.core.operations.tokenize import TOKENIZE_OUTPUTS
+from tokembed.server.edge.v2.parameters import bool_parameter, string_parameter
 from tokembed.v2 import grpc_service_pb2 as pb
 
 BYTES = "BYTES"
@@ -103,8 +104,8 @@ def text_call(request: pb.ModelInferRequest, output_dtypes: Mapping[str, str]) -
                 f"with {HIDDEN_STATES}, ask for {', '.join(EMBED_TEXT_OUTPUTS)}"
             )
     body = TextInput(
-        texts, _bool(request.parameters, ADD_SPECIAL_TOKENS, True),
-        _bool(request.parameters, TRUNCATE, False), _output_dtype(request, output_dtypes),
+        texts, bool_parameter(request.parameters, ADD_SPECIAL_TOKENS, True),
+        bool_parameter(request.parameters, TRUNCATE, False), _output_dtype(request, output_dtypes),
         tuple(asked),
     )  # fmt: skip
     return TextCall(request.model_name, request.model_version, body, request.id, tokenize)
@@ -136,23 +137,10 @@ def bytes_elements(raw: bytes) -> list[bytes]:
 _LENGTH = struct.Struct("<I")
 
 
-def _bool(parameters: Mapping[str, pb.InferParameter], name: str, default: bool) -> bool:
-    if name not in parameters:
-        return default
-    parameter = parameters[name]
-    if parameter.WhichOneof("parameter_choice") != "bool_param":
-        raise InvalidInput(f"parameter {name} must be a bool")
-    return bool(parameter.bool_param)
-
-
 def _output_dtype(request: pb.ModelInferRequest, output_dtypes: Mapping[str, str]) -> str:
     asked = ""
     for parameters in [output.parameters for output in request.outputs] + [request.parameters]:
-        if DATATYPE_PARAMETER in parameters:
-            parameter = parameters[DATATYPE_PARAMETER]
-            if parameter.WhichOneof("parameter_choice") != "string_param":
-                raise InvalidInput(f"parameter {DATATYPE_PARAMETER} must be a string")
-            asked = asked or parameter.string_param
+        asked = asked or string_parameter(parameters, DATATYPE_PARAMETER)
     if not asked:
         return "float32"
     dtype = output_dtypes.get(asked)
