@@ -15,7 +15,6 @@ pip's index (its cache, once warm); every step is bounded in time.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,11 +26,9 @@ import numpy as np
 import pytest
 import tomllib
 
+from support.install import copy_source
+
 ROOT = Path(__file__).resolve().parents[2]
-IGNORED = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", ".*venv*", "venv", "__pycache__", ".*_cache",
-    "*.onnx", "*.onnx.data", "models", ".work", ".hypothesis", "tests",
-)  # fmt: skip
 # Installing from pip's cache takes ~30 s on the loaded development machine; a cold cache
 # downloads grpcio (~6 MB) and numpy (~16 MB) once.
 STEP_TIMEOUT_S = 600
@@ -93,7 +90,7 @@ def test_round_trips_on_the_lowest_protobuf_and_grpcio(
     tmp_path: Path, small_model_dir: Path, start_server: Any, small_rows: Any
 ) -> None:
     bounds = lower_bounds()
-    source = Path(shutil.copytree(ROOT, tmp_path / "src", ignore=IGNORED))
+    source = copy_source(tmp_path / "src")
     wheels = tmp_path / "wheels"
     proc = run(
         sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",

@@ -13,10 +13,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Never copied: VCS data, build output (the editable link tree lives in build/),
 # virtual environments, caches, exported models and the tests.
-IGNORED = shutil.ignore_patterns(
+_IGNORED_ANYWHERE = shutil.ignore_patterns(
     ".git", "build", "dist", "*.egg-info", ".*venv*", "venv", "__pycache__", ".*_cache",
-    "*.onnx", "*.onnx.data", "models", ".work", ".hypothesis", "tests",
+    "*.onnx", "*.onnx.data", ".work", ".hypothesis",
 )  # fmt: skip
+# Only at the top: exported models (models/, as .gitignore says) and the tests; the
+# server's own models/ room is a package.
+_IGNORED_AT_TOP = {"models", "tests"}
+
+
+def ignored(directory: str, names: list[str]) -> set[str]:
+    """What ``shutil.copytree`` leaves out of a copy of the project."""
+    ignored = set(_IGNORED_ANYWHERE(directory, names))
+    if Path(directory).resolve() == ROOT:
+        ignored |= _IGNORED_AT_TOP & set(names)
+    return ignored
+
+
 # A cold cache downloads onnxruntime, onnx, grpcio and numpy (tens of MB) once.
 STEP_TIMEOUT_S = 600
 
@@ -31,7 +44,7 @@ def run(
 
 
 def copy_source(destination: Path) -> Path:
-    return Path(shutil.copytree(ROOT, destination, ignore=IGNORED))
+    return Path(shutil.copytree(ROOT, destination, ignore=ignored))
 
 
 def build_wheel(directory: Path) -> Path:
