@@ -93,6 +93,33 @@ def test_logits_and_three_dimensional_vectors(models, start_server):
     np.testing.assert_array_equal(found.ids, np.argsort(-want, axis=-1)[..., :4])
     assert info.head is not None and (info.head.table, info.head.norm) == ("embedding", "")
     assert info.head.max_k == V  # the server's limit (1024) is past V
+    # The look-up's tables hold E * sqrt(D), not the head's E: the head maps the stored
+    # table (float32 here), and GetModelInfo says so.
+    assert info.memory_bytes["float32 head table (mapped)"] == V * D * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_head_of_scale_one_reads_the_look_ups_own_table(tmp_path, start_server, dtype):
+    """Scale 1: the look-up's table of the stored dtype holds the head's bytes, and the
+    head reads it (GetModelInfo lists no table of the head's own); answers stay exact."""
+    from tokembed.export.modules import TokenEmbedding
+    from tokembed.export.pipeline import ExportOptions, export_model
+
+    table = random_table(V, D, 3, None)
+    module = TokenEmbedding(V, D, padding_idx=None, weight=table, scale=1.0)
+    directory = tmp_path / dtype
+    export_model(module, ExportOptions(out_dir=directory, name="one", weight_dtype=dtype, seed=3))
+    add_head(directory, output_table=None, output_key=None, norm=None)
+    server = start_server(directory)
+    h = np.random.default_rng(8).standard_normal((50, D)).astype(np.float32)
+    with EmbeddingClient(server.target) as client:
+        found = client.nearest(h, k=3)
+        info = client.info()
+    assert not [key for key in info.memory_bytes if "head" in key], info.memory_bytes
+    assert info.memory_bytes[f"{dtype} table"] == V * D * (4 if dtype == "float32" else 2)
+    stored = table.to(TORCH[dtype]).double()
+    exact = torch.from_numpy(h).double() @ stored.T
+    np.testing.assert_array_equal(found.ids, torch.topk(exact, 3).indices.numpy())
 
 
 def test_round_trip_of_every_id_of_the_default_model(tmp_path, start_server):
