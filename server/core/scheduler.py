@@ -27,7 +27,7 @@ from tokembed.server.core import deadlines
 from tokembed.server.core.admission import Admission, OutputBudget, Ticket
 from tokembed.server.core.batcher import Batcher
 from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal, Unavailable
-from tokembed.server.core.operations.base import Job, Operation
+from tokembed.server.core.operations.base import Costed, Job, Operation
 from tokembed.server.core.policy import Placement, Policy
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Timings
@@ -67,20 +67,34 @@ class Scheduler:
         # model's batches never wait behind another model's large frames.
         self._batch_threads: ThreadPoolExecutor | None = None
         self._closed = False
+        self._heavy_keys: set[Hashable] = set()  # the batchers of heavy operations
         self._admission = Admission(
             budget, max_queued_tokens=served.batch.max_queued_tokens,
-            queued_tokens=self.queued_tokens,
+            queued_tokens=self._queued_light_tokens,
+            max_queued_work=served.batch.max_queued_nearest_flops,
+            queued_work=self.queued_work,
         )  # fmt: skip
 
     def queued_tokens(self) -> int:
-        """Tokens waiting in this model version's batchers."""
+        """Tokens (a heavy operation's: vectors) waiting in this model version's batchers."""
         # A snapshot: the metrics thread asks while the loop may add a batcher.
         return sum(batcher.queued_tokens for batcher in list(self._batchers.values()))
 
+    def queued_work(self) -> int:
+        """The flops waiting in this version's heavy batchers: each queued vector is one
+        row of a multiply over the whole table, ``2 D V`` flops."""
+        rows = sum(self._batchers[key].queued_tokens for key in list(self._heavy_keys))
+        return rows * 2 * self.served.d_model * self.served.vocab_size
+
+    def _queued_light_tokens(self) -> int:
+        return sum(batcher.queued_tokens for key, batcher in list(self._batchers.items())
+                   if key not in self._heavy_keys)  # fmt: skip
+
     def admit(self, job: Job, on_release: Callable[[], None] | None = None) -> Ticket:
         """Room for ``job``, or ``Overloaded``; release the ticket once its answer is sent
-        (``on_release`` is called then)."""
-        return self._admission.admit(job.tokens, job.output_bytes, on_release)
+        (``on_release`` is called then). A heavy job (``Costed``) is bounded by its work."""
+        work = job.work if isinstance(job, Costed) else None
+        return self._admission.admit(job.tokens, job.output_bytes, on_release, work=work)
 
     async def run(
         self,
@@ -151,6 +165,8 @@ class Scheduler:
         batcher = self._batchers.get(key)
         if batcher is None:
             batcher = self._batchers[key] = self._new_batcher(operation.heavy)
+            if operation.heavy:
+                self._heavy_keys.add(key)
         batched = await batcher.submit((operation, job), job.tokens, deadline)
         timings = Timings(
             batched.queue_s, batched.compute_s, batched.batch_requests, batched.batch_tokens
