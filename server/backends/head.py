@@ -161,7 +161,8 @@ class NearestHead:
         A float32 dot product over D terms differs from the exact one by at most
         ``D 2**-24 sum|h_i w_i|`` whatever the order of its sums (which BLAS chooses by
         the batch's shape), and ``sum|h_i w_i| <= |h| |w|``: ``bound`` is that, for the
-        widest row of the table (cosine: divided by ``|h| |w_v|``, at most ``D 2**-24``).
+        widest row of the table (cosine, ranked by ``cosine |h|``: divided by ``|w_v|``,
+        at most ``D 2**-24 |h|``, plus the roundings of the division).
         So the answer is the same whatever the batch a vector was in, and whatever BLAS.
         """
         h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))

@@ -158,3 +158,21 @@ def test_a_narrow_table_is_read_as_stored_in_blocks_and_answers_exactly(dtype, m
             answers.setdefault(metric, together.ids)
             np.testing.assert_array_equal(answers[metric], together.ids)
     assert NearestHead(table, None, "embedding", shared=True).memory_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_narrow_table_of_odd_width(dtype):
+    """An odd D has no pairs of bfloat16 words: the block is widened by numpy's cast;
+    the answer is still the exact one."""
+    import ml_dtypes
+
+    numpy_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((50, 7)).astype(numpy_dtype)
+    h = rng.standard_normal((9, 7)).astype(np.float32)
+    (found,) = NearestHead(table, None, "embedding", shared=False).search(
+        [Query(h, 3, "dot", False, False)]
+    )
+    exact = h.astype(np.float64) @ table.astype(np.float64).T
+    want = np.argsort(-exact.astype(np.float32), axis=1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(found.ids, want)
