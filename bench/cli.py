@@ -65,6 +65,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "includes it; --quick does not)",
     )
     parser.add_argument(
+        "--text",
+        action="store_true",
+        help="the text section alone: EmbedText through the server (16 callers, batches of "
+        "64 texts of ~200 characters) against the same tokenizer's batch encode and table "
+        "gather in this process, at D=64 and 512",
+    )
+    parser.add_argument(
         "--no-mlserver",
         action="store_true",
         help="leave MLServer out of the V2 section (its first run installs it from PyPI)",
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nearest:
         return _run_nearest(args)
+    if args.text:
+        return _run_text(args)
     plan = plans.QUICK if args.quick else plans.FULL
     if args.duration_s is not None:
         plan = dataclasses.replace(plan, duration_s=args.duration_s)
@@ -195,6 +204,31 @@ def _run_nearest(args: argparse.Namespace) -> int:
               f"16 callers x 8 / in-process multiply, {f.dtype}")  # fmt: skip
     print(f"wrote {path}")
     return 0
+
+
+def _run_text(args: argparse.Namespace) -> int:
+    """``--text``: the text section alone (``bench.text``)."""
+    from tokembed.bench import text
+    from tokembed.bench.plan import DEPLOYMENT_ENV
+
+    duration_s = args.duration_s if args.duration_s is not None else 8.0
+    results = []
+    for d_model in (64, 512):
+        result = text.measure(args.cache_dir, d_model, duration_s, dict(DEPLOYMENT_ENV))
+        print(
+            f"D={d_model}: server {result.server_tokens_s:,.0f} tokens/s, reference "
+            f"{result.reference_tokens_s:,.0f} tokens/s: ratio {result.ratio:.2f} "
+            f"(wanted >= {text.TARGET}); p50 {result.server_p50_ms:.1f} ms, "
+            f"{result.errors} errors"
+        )
+        results.append(result)
+    out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="tokembed-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    path = out / f"{args.name or 'text'}.md"
+    path.write_text(text.markdown(results, command.strip()), encoding="utf-8")
+    print(f"wrote {path}")
+    return 1 if any(r.errors for r in results) else 0
 
 
 def output_dir(out: Path | None, *, quick: bool) -> Path:

@@ -1,5 +1,5 @@
 """``tokembed embed``, ``nearest`` (``cli.nearest``), ``info``, ``models``, ``health``: the
-client on the command line.
+client on the command line (``models index|load|unload``: ``control``).
 
 grpc and numpy are imported inside the run functions (and ``--dtype``'s choices when they
 are first asked for), so that ``tokembed --help`` and the other subcommands do not pay for
@@ -86,11 +86,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Call Embed and print the answer's shape, a preview (or save the answer "
         "to a .npy file: --output) and the server timings.",
     )
-    embed.add_argument(
+    given = embed.add_mutually_exclusive_group(required=True)
+    given.add_argument(
         "--ids",
-        required=True,
         help='token ids separated by spaces or commas; ";" separates sequences, which may '
         'differ in length (e.g. "5 6 7 8; 9 10")',
+    )
+    given.add_argument(
+        "--text",
+        action="append",
+        metavar="TEXT",
+        help="a text, tokenized by the model's own tokenizer on the server (EmbedText); "
+        "repeat it for several. Prints the ids beside the answer [N,D] (each text's rows "
+        "one after another)",
     )
     embed.add_argument(
         "--token-types",
@@ -130,12 +138,42 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "printing a preview; bfloat16 answers are saved as their uint16 bits: "
         "np.load(FILE).view(ml_dtypes.bfloat16)",
     )
+    embed.add_argument(
+        "--truncate",
+        action="store_true",
+        help="with --text: cut a text longer than the model's limit to it (default: refused)",
+    )
     embed.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
     embed.set_defaults(run=run_embed)
 
     from tokembed.cli import nearest
 
     nearest.add_parser(subparsers, common)
+
+    tokenize = subparsers.add_parser(
+        "tokenize",
+        parents=[common],
+        help="tokenize texts with a served model's own tokenizer and print the ids",
+        description="Call Tokenize and print, for each text, its ids and their tokens' "
+        "offsets in the text (characters: start-end); special tokens are marked with *.",
+    )
+    tokenize.add_argument("texts", nargs="+", metavar="TEXT", help="the texts to tokenize")
+    tokenize.add_argument(
+        "--model", default=None, metavar="NAME", help="the served model (default: the default)"
+    )
+    tokenize.add_argument(
+        "--no-special-tokens",
+        action="store_true",
+        help="do not add the tokenizer's special tokens ([CLS], </s>...)",
+    )
+    tokenize.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut a text longer than the model's limit to it (default: refused)",
+    )
+    tokenize.add_argument("--json", action="store_true", help="print JSON instead of text")
+    tokenize.add_argument("--timeout-s", type=float, default=30.0, help="per call (default 30)")
+    tokenize.set_defaults(run=run_tokenize)
 
     info = subparsers.add_parser(
         "info",
@@ -161,12 +199,36 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     models = subparsers.add_parser(
         "models",
         parents=[common],
-        help="list the models a running server serves, one line each",
-        description="Call ListModels and print one line per served model: its name, "
-        "version, V, D, weight dtype and backend, the default one marked with *. "
-        "`tokembed info --all` prints every model in full.",
+        help="list the models a running server serves; index, load and unload its repository's",
+        description="Without an action: call ListModels and print one line per served "
+        "model: its name, version, V, D, weight dtype and backend, the default one marked "
+        "with *. `tokembed info --all` prints every model in full. index: every model of "
+        "the server's repository, each version's state and the reason of a failure "
+        "(RepositoryIndex); load NAME: load a model (RepositoryModelLoad), returning once "
+        "it serves; unload NAME: unload one (RepositoryModelUnload).",
     )
-    models.add_argument("--timeout-s", type=float, default=10.0, help="per call (default 10)")
+    models.add_argument(
+        "action", nargs="?", choices=("list", "index", "load", "unload"), default="list"
+    )
+    models.add_argument("name", nargs="?", help="the model to load or unload")
+    models.add_argument(
+        "--config",
+        default=None,
+        help="load: what the model's configuration may override, as JSON, e.g. "
+        '\'{"version_policy": {"latest": {"num_versions": 2}}}\'',
+    )
+    models.add_argument("--force", action="store_true", help="load: even an unchanged model")
+    models.add_argument(
+        "--control-token-file",
+        type=Path,
+        default=None,
+        help="index, load, unload: file holding the server's control token "
+        "(its --control-token-file), sent instead of --token-file's",
+    )
+    models.add_argument("--json", action="store_true", help="index: print JSON")
+    models.add_argument(
+        "--timeout-s", type=float, default=None, help="per call (default 10; load 300)"
+    )
     models.set_defaults(run=run_models)
 
     health = subparsers.add_parser(
@@ -235,6 +297,8 @@ def parse_ids(text: str, flag: str = "--ids") -> list[list[int]]:
 
 
 def run_embed(args: argparse.Namespace) -> int:
+    if args.text is not None:
+        return _run_embed_text(args)
     import numpy as np
 
     ids = parse_ids(args.ids)
@@ -270,6 +334,64 @@ def run_embed(args: argparse.Namespace) -> int:
         f"{t.batch_tokens} token(s)"
     )
     return 0
+
+
+def _run_embed_text(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from tokembed.client.errors import client_invalid_input
+
+    for flag, given in (("--token-types", args.token_types), ("--layout", args.layout != "padded")):
+        if given:
+            raise client_invalid_input(f"{flag} goes with --ids, not --text")
+    with _client(args) as client:
+        result = client.embed_text(
+            args.text, args.dtype, truncation=args.truncate, model=args.model
+        )
+    hs = result.hidden_states
+    saved = None if args.output is None else save_npy(args.output, hs)
+    print(
+        f"hidden_states {list(hs.shape)} {hs.dtype}, "
+        f"model {result.model_name or '?'} {result.model_version}".rstrip()
+    )
+    for index, ids in enumerate(_parts(result.input_ids, result.lengths)):
+        print(f"text {index}: {len(ids)} tokens {ids.tolist()}")
+    if saved is not None:
+        print(saved)
+    else:
+        with np.printoptions(precision=4, suppress=True, threshold=24, edgeitems=2, linewidth=100):
+            print(hs)
+    return 0
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        result = client.tokenize(
+            args.texts, add_special_tokens=not args.no_special_tokens,
+            truncation=args.truncate, model=args.model,
+        )  # fmt: skip
+    ids, offsets = result.ids(), result.offset_pairs()
+    special = [part.tolist() for part in _parts(result.special_tokens_mask, result.lengths)]
+    if args.json:
+        texts = [
+            {"ids": each, "offsets": [list(pair) for pair in pairs], "special_tokens_mask": marks}
+            for each, pairs, marks in zip(ids, offsets, special, strict=True)
+        ]
+        print(json.dumps({"model": result.model_name, "texts": texts}))
+        return 0
+    for index, (each, pairs, marks) in enumerate(zip(ids, offsets, special, strict=True)):
+        tokens = " ".join(
+            f"{token}{'*' if mark else ''}@{start}-{end}"
+            for token, (start, end), mark in zip(each, pairs, marks, strict=True)
+        )
+        print(f"text {index}: {len(each)} tokens: {tokens}")
+    return 0
+
+
+def _parts(flat: Any, lengths: Any) -> list[Any]:
+    import numpy as np
+
+    return list(np.split(flat, np.cumsum(lengths)[:-1])) if len(lengths) else []
 
 
 def save_npy(path: Path, answer: npt.NDArray[Any]) -> str:
@@ -323,6 +445,12 @@ def _run_info_all(args: argparse.Namespace) -> int:
 
 
 def run_models(args: argparse.Namespace) -> int:
+    if args.action != "list":
+        from tokembed.cli.control import run_control
+
+        return run_control(args, _client)
+    if args.timeout_s is None:
+        args.timeout_s = 10.0
     with _client(args) as client:
         served = client.models()
     print("\n".join(models_table(served)))

@@ -38,8 +38,10 @@ class Extra:
     modules: frozenset[str]
 
 
-_SERVER = frozenset({"onnxruntime", "onnx", "prometheus_client", "grpc_health", "grpc_reflection"})
-_EXPORT = frozenset({"torch", "onnx", "onnxruntime", "safetensors"})
+_SERVER = frozenset(
+    {"onnxruntime", "onnx", "prometheus_client", "grpc_health", "grpc_reflection", "tokenizers"}
+)
+_EXPORT = frozenset({"torch", "onnx", "onnxruntime", "safetensors", "tokenizers"})
 # The subcommands that need an extra; the others need only the base install. A module
 # missing that is not the extra's is a broken install or a bug, and keeps its traceback.
 _EXTRAS = {

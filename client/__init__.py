@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.errors import DeadlineExceededError as DeadlineExceededError
     from tokembed.client.errors import EmbeddingError as EmbeddingError
     from tokembed.client.errors import InvalidInputError as InvalidInputError
+    from tokembed.client.errors import ModelLoadError as ModelLoadError
     from tokembed.client.errors import ModelNotFoundError as ModelNotFoundError
     from tokembed.client.errors import OverloadedError as OverloadedError
     from tokembed.client.errors import RequestCancelledError as RequestCancelledError
@@ -36,8 +37,12 @@ if TYPE_CHECKING:  # the names below, for type checkers ("X as X" marks a re-exp
     from tokembed.client.results import Limits as Limits
     from tokembed.client.results import ModelInfo as ModelInfo
     from tokembed.client.results import ModelList as ModelList
+    from tokembed.client.results import RepositoryModel as RepositoryModel
     from tokembed.client.results import TableInfo as TableInfo
+    from tokembed.client.results import TextEmbedResult as TextEmbedResult
     from tokembed.client.results import Timings as Timings
+    from tokembed.client.results import TokenizeResult as TokenizeResult
+    from tokembed.client.results import TokenizerInfo as TokenizerInfo
     from tokembed.client.shared_memory import SharedMemorySession as SharedMemorySession
     from tokembed.client.shared_memory_aio import (
         AsyncSharedMemorySession as AsyncSharedMemorySession,
@@ -50,15 +55,20 @@ _EXPORTS = {
     "EmbedResult": "tokembed.client.results",
     "ModelInfo": "tokembed.client.results",
     "ModelList": "tokembed.client.results",
+    "RepositoryModel": "tokembed.client.results",
     "Limits": "tokembed.client.results",
     "IdInputInfo": "tokembed.client.results",
     "TableInfo": "tokembed.client.results",
     "Timings": "tokembed.client.results",
+    "TokenizeResult": "tokembed.client.results",
+    "TextEmbedResult": "tokembed.client.results",
+    "TokenizerInfo": "tokembed.client.results",
     "EmbeddingError": "tokembed.client.errors",
     "InvalidInputError": "tokembed.client.errors",
     "RequestTooLargeError": "tokembed.client.errors",
     "OverloadedError": "tokembed.client.errors",
     "ModelNotFoundError": "tokembed.client.errors",
+    "ModelLoadError": "tokembed.client.errors",
     "UnavailableError": "tokembed.client.errors",
     "DeadlineExceededError": "tokembed.client.errors",
     "RequestCancelledError": "tokembed.client.errors",

@@ -54,6 +54,9 @@ METHOD_EMBED_CHUNKED = f"/{_SERVICE}/EmbedChunked"
 METHOD_GET_MODEL_INFO = f"/{_SERVICE}/GetModelInfo"
 METHOD_LIST_MODELS = f"/{_SERVICE}/ListModels"
 METHOD_NEAREST = f"/{_SERVICE}/Nearest"
+METHOD_TOKENIZE = f"/{_SERVICE}/Tokenize"
+METHOD_DETOKENIZE = f"/{_SERVICE}/Detokenize"
+METHOD_EMBED_TEXT = f"/{_SERVICE}/EmbedText"
 
 PemSource = str | os.PathLike[str] | bytes
 

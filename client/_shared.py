@@ -7,20 +7,24 @@ or awaited) around these, as httpx's Client and AsyncClient are around its model
 from __future__ import annotations
 
 import collections
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
 
 from tokembed.client import codec, decode
 from tokembed.client._config import (
+    METHOD_DETOKENIZE,
     METHOD_EMBED,
     METHOD_EMBED_CHUNKED,
     METHOD_EMBED_STREAM,
+    METHOD_EMBED_TEXT,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
     METHOD_NEAREST,
+    METHOD_TOKENIZE,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
 from tokembed.client.errors import EmbeddingError, from_rpc_error, protocol_error
@@ -51,11 +55,75 @@ class Methods:
             request_serializer=pb.ListModelsRequest.SerializeToString,
             response_deserializer=pb.ListModelsResponse.FromString,
         )
-        self.nearest = channel.unary_unary(
-            METHOD_NEAREST,
-            request_serializer=pb.NearestRequest.SerializeToString,
-            response_deserializer=pb.TensorsResponse.FromString,
+        # Answers of several named tensors (Tokenize, EmbedText, Nearest) come as raw
+        # bytes, decoded in place (``text_codec.named_tensors``).
+        self.tokenize = channel.unary_unary(
+            METHOD_TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString
         )
+        self.detokenize = channel.unary_unary(
+            METHOD_DETOKENIZE,
+            request_serializer=pb.DetokenizeRequest.SerializeToString,
+            response_deserializer=pb.DetokenizeResponse.FromString,
+        )
+        self.embed_text = channel.unary_unary(
+            METHOD_EMBED_TEXT, request_serializer=pb.EmbedTextRequest.SerializeToString
+        )
+        self.nearest = channel.unary_unary(
+            METHOD_NEAREST, request_serializer=pb.NearestRequest.SerializeToString
+        )
+        self._channel = channel
+        self._control: ControlMethods | None = None
+
+    def control(self) -> ControlMethods:
+        """The model repository's methods (made on first use: most clients never load)."""
+        if self._control is None:
+            self._control = ControlMethods(self._channel)
+        return self._control
+
+
+class ControlMethods:
+    """The Open Inference Protocol's model repository methods (load, unload, the index),
+    which tokembed serves under Triton's service name."""
+
+    def __init__(self, channel: Any) -> None:
+        from tokembed.v2 import grpc_service_pb2 as v2
+
+        self.v2 = v2
+        service = "/inference.GRPCInferenceService/"
+        self.index = channel.unary_unary(
+            service + "RepositoryIndex",
+            request_serializer=v2.RepositoryIndexRequest.SerializeToString,
+            response_deserializer=v2.RepositoryIndexResponse.FromString,
+        )
+        self.load = channel.unary_unary(
+            service + "RepositoryModelLoad",
+            request_serializer=v2.RepositoryModelLoadRequest.SerializeToString,
+            response_deserializer=v2.RepositoryModelLoadResponse.FromString,
+        )
+        self.unload = channel.unary_unary(
+            service + "RepositoryModelUnload",
+            request_serializer=v2.RepositoryModelUnloadRequest.SerializeToString,
+            response_deserializer=v2.RepositoryModelUnloadResponse.FromString,
+        )
+
+    def load_request(self, name: str, config: Mapping[str, Any] | None, force: bool) -> Any:
+        request = self.v2.RepositoryModelLoadRequest(model_name=name)
+        if config is not None:
+            request.parameters["config"].string_param = json.dumps(dict(config))
+        if force:
+            request.parameters["force"].bool_param = True
+        return request
+
+
+def control_metadata(
+    metadata: tuple[tuple[str, str], ...], control_token: str | None
+) -> tuple[tuple[str, str], ...]:
+    """A control call's metadata: the control token in place of the data token, when one
+    is given."""
+    if control_token is None:
+        return metadata
+    kept = tuple((key, value) for key, value in metadata if key != "authorization")
+    return (*kept, ("authorization", f"Bearer {control_token}"))
 
 
 class Attempts:

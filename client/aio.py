@@ -18,20 +18,28 @@ reading a stream's inputs) in ``_async_backend`` and ``_sync_backend``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
-from tokembed.client import codec, decode, engines
+from tokembed.client import codec, decode, engines, text_codec
 from tokembed.client._async_backend import Attempt, Connection, Inputs, iterate, sleep
 from tokembed.client._config import ClientBase
 from tokembed.client._retry import Deadline
-from tokembed.client._shared import Attempts, Health, Methods, StreamBook
+from tokembed.client._shared import Attempts, Health, Methods, StreamBook, control_metadata
 from tokembed.client.errors import EmbeddingError
-from tokembed.client.results import EmbedResult, ModelInfo, ModelList, NearestResult
+from tokembed.client.results import (
+    EmbedResult,
+    ModelInfo,
+    ModelList,
+    NearestResult,
+    RepositoryModel,
+    TextEmbedResult,
+    TokenizeResult,
+)
 from tokembed.client.vectors import nearest_request
 from tokembed.v1 import embedding_pb2 as pb
 
@@ -150,12 +158,85 @@ class AsyncEmbeddingClient(ClientBase):
         request = nearest_request(
             vectors, k, metric, logits, apply_norm, self._model(model), request_id
         )
-        response = await self._with_retries(
+        raw: bytes = await self._with_retries(
             "Nearest",
             self._deadline(timeout_s),
             lambda t: nearest(request, timeout=t, metadata=metadata),
         )
-        return decode.nearest_result(response)
+        return decode.nearest_result(raw)
+
+    async def tokenize(
+        self,
+        texts: str | bytes | Sequence[str | bytes],
+        *,
+        add_special_tokens: bool = True,
+        truncation: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> TokenizeResult:
+        """Texts (one, or several) tokenized by the model's own tokenizer, in one batch:
+        ids, offsets and which tokens are special (``TokenizeResult``). A text longer than
+        the model's limit (``info().tokenizer.max_length``) is refused (``TooLargeError``)
+        unless ``truncation``; a model without a tokenizer refuses every text call."""
+        tokenize, metadata = self._methods().tokenize, self._metadata()
+        request = text_codec.tokenize_request(
+            texts, add_special_tokens, truncation, self._model(model), request_id
+        )
+        raw: bytes = await self._with_retries(
+            "Tokenize",
+            self._deadline(timeout_s),
+            lambda t: tokenize(request, timeout=t, metadata=metadata),
+        )
+        return text_codec.tokenize_result(raw)
+
+    async def detokenize(
+        self,
+        ids: Any,
+        *,
+        skip_special_tokens: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> list[str]:
+        """Token ids back to texts by the model's own tokenizer: one text per sequence
+        (``ids``: one sequence of ints, sequences of any lengths, or a ``[B, S]`` array)."""
+        detokenize, metadata = self._methods().detokenize, self._metadata()
+        request = text_codec.detokenize_request(
+            ids, skip_special_tokens, self._model(model), request_id
+        )
+        message = await self._with_retries(
+            "Detokenize",
+            self._deadline(timeout_s),
+            lambda t: detokenize(request, timeout=t, metadata=metadata),
+        )
+        return list(message.texts)
+
+    async def embed_text(
+        self,
+        texts: str | bytes | Sequence[str | bytes],
+        dtype: codec.OutputDType | str = "float32",
+        *,
+        add_special_tokens: bool = True,
+        truncation: bool = False,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> TextEmbedResult:
+        """Texts to vectors in one call: tokenized by the model's own tokenizer (as
+        :meth:`tokenize`), then embedded. ``hidden_states [N, D]`` holds every text's rows
+        one after another, ``lengths`` each text's tokens, ``input_ids`` their ids;
+        ``sequences()`` gives each text's ``[len, D]``."""
+        embed_text, metadata = self._methods().embed_text, self._metadata()
+        request = text_codec.embed_text_request(
+            texts, dtype, add_special_tokens, truncation, self._model(model), request_id
+        )
+        raw: bytes = await self._with_retries(
+            "EmbedText",
+            self._deadline(timeout_s),
+            lambda t: embed_text(request, timeout=t, metadata=metadata),
+        )
+        return text_codec.embed_text_result(raw)
 
     # ------------------------------------------------------------------ engine-ready answers
 
@@ -258,6 +339,66 @@ class AsyncEmbeddingClient(ClientBase):
             lambda t: list_models(pb.ListModelsRequest(), timeout=t, metadata=metadata),
         )
         return ModelList.from_proto(message)
+
+    # ------------------------------------------------------------------ model control
+
+    async def repository_index(
+        self,
+        *,
+        ready_only: bool = False,
+        control_token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[RepositoryModel]:
+        """Every model of the server's repository, each version with its state and the
+        reason of a failure (RepositoryIndex). ``control_token``: the server's control
+        token (``--control-token-file``), sent in place of the client's token."""
+        control, metadata = self._methods().control(), self._control_metadata(control_token)
+        request = control.v2.RepositoryIndexRequest(ready=ready_only)
+        message = await self._with_retries(
+            "RepositoryIndex",
+            self._deadline(timeout_s),
+            lambda t: control.index(request, timeout=t, metadata=metadata),
+        )
+        return [RepositoryModel(m.name, m.version, m.state, m.reason) for m in message.models]
+
+    async def load_model(
+        self,
+        name: str,
+        *,
+        config: Mapping[str, Any] | None = None,
+        force: bool = False,
+        control_token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Load ``name`` from the server's repository (RepositoryModelLoad); returns once
+        its versions serve. ``config``: what the model's configuration may override (its
+        ``version_policy``: ``{"latest": {"num_versions": 2}}``, ``{"all": {}}``,
+        ``{"specific": {"versions": [1, 3]}}``); ``force``: load again even what is
+        unchanged. A failed load raises ``ModelLoadError`` with its reason; what served
+        before serves still."""
+        control, metadata = self._methods().control(), self._control_metadata(control_token)
+        request = control.load_request(name, config, force)
+        await self._with_retries(
+            "RepositoryModelLoad",
+            self._deadline(timeout_s),
+            lambda t: control.load(request, timeout=t, metadata=metadata),
+        )
+
+    async def unload_model(
+        self, name: str, *, control_token: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Unload ``name`` (RepositoryModelUnload): its new requests are refused at once,
+        those admitted finish."""
+        control, metadata = self._methods().control(), self._control_metadata(control_token)
+        request = control.v2.RepositoryModelUnloadRequest(model_name=name)
+        await self._with_retries(
+            "RepositoryModelUnload",
+            self._deadline(timeout_s),
+            lambda t: control.unload(request, timeout=t, metadata=metadata),
+        )
+
+    def _control_metadata(self, control_token: str | None) -> tuple[tuple[str, str], ...]:
+        return control_metadata(self._metadata(), control_token)
 
     async def embed_stream(
         self,

@@ -60,15 +60,63 @@ def decode_tensor(tensor: pb.Tensor) -> npt.NDArray[Any]:
     return frombuffer(tensor.data, tensor.dtype, tensor.shape)
 
 
-def named_tensors(response: pb.TensorsResponse) -> dict[str, npt.NDArray[Any]]:
-    """An answer of several named tensors (TensorsResponse), each decoded as
-    ``decode_tensor`` does, by name in the server's order: what every operation that
-    answers so (nearest) is decoded with."""
-    return {output.name: decode_tensor(output.tensor) for output in response.outputs}
+def named_tensors(raw: bytes) -> tuple[dict[str, Any], pb.TensorsResponse]:
+    """An answer of several named tensors (TensorsResponse: Nearest's, Tokenize's,
+    EmbedText's): its tensors by name, as arrays, and the response around them (without
+    its tensors when they were found in place)."""
+    if len(raw) >= ZERO_COPY_MIN_BYTES:
+        try:
+            return _in_place(raw)
+        except _wire.WireError:
+            pass  # something unusual: protobuf's parse says what it is
+    try:
+        response = pb.TensorsResponse.FromString(raw)
+    except Exception as exc:  # protobuf's DecodeError
+        raise protocol_error(f"the answer is not a TensorsResponse: {exc}") from exc
+    tensors = {item.name: decode_tensor(item.tensor) for item in response.tensors}
+    return tensors, response
 
 
-def nearest_result(response: pb.TensorsResponse) -> NearestResult:
-    tensors = named_tensors(response)
+def _in_place(raw: bytes) -> tuple[dict[str, Any], pb.TensorsResponse]:
+    """A large answer's tensors as read-only views of the received bytes (as ``decode``
+    does for Embed: protobuf's parse would copy each tensor twice), the rest of the
+    message parsed by protobuf."""
+    tensors: dict[str, Any] = {}
+    rest = []
+    for field in _wire.fields(raw, 0, len(raw)):
+        if field.number != 1:  # TensorsResponse.tensors
+            rest.append(raw[field.start : field.end])
+            continue
+        if field.wire_type != _wire.WIRE_LEN:
+            raise _wire.WireError("tensors is not length-delimited")
+        inner = list(_wire.fields(raw, field.value_start, field.end))
+        name_field = _wire.only(inner, 1)
+        tensor_field = _wire.only(inner, 2)
+        if tensor_field is None:
+            raise _wire.WireError("a named tensor without its tensor")
+        name = "" if name_field is None else raw[name_field.value_start : name_field.end].decode()
+        parts = list(_wire.fields(raw, tensor_field.value_start, tensor_field.end))
+        dtypes = [f for f in parts if f.number == 1 and f.wire_type == _wire.WIRE_VARINT]
+        if len(dtypes) != 1:
+            raise _wire.WireError("a tensor's dtype is missing or repeated")
+        dtype, _ = _wire.read_varint(raw, dtypes[0].value_start, dtypes[0].end)
+        shape_field, data_field = _wire.only(parts, 2), _wire.only(parts, 3)
+        shape: list[int] = []
+        if shape_field is not None:
+            pos = shape_field.value_start
+            while pos < shape_field.end:
+                dim, pos = _wire.read_varint(raw, pos, shape_field.end)
+                shape.append(dim)
+        start = data_field.value_start if data_field is not None else 0
+        size = data_field.end - start if data_field is not None else 0
+        if name in tensors:
+            raise _wire.WireError(f"tensor {name!r} given twice")
+        tensors[name] = frombuffer(raw, dtype, shape, start, size)
+    return tensors, pb.TensorsResponse.FromString(b"".join(rest))
+
+
+def nearest_result(raw: bytes) -> NearestResult:
+    tensors, response = named_tensors(raw)
     missing = [name for name in ("ids", "scores") if name not in tensors]
     if missing:
         raise EmbeddingError(f"the server's Nearest answer has no {', '.join(missing)}")

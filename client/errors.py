@@ -11,6 +11,8 @@ Everything the client raises derives from :class:`EmbeddingError`::
     ├── DeadlineExceededError      DEADLINE_EXCEEDED
     ├── RequestCancelledError      CANCELLED (not named CancelledError: asyncio has one)
     ├── AuthenticationError        UNAUTHENTICATED, PERMISSION_DENIED
+    ├── ModelLoadError             FAILED_PRECONDITION/load_failed: a load that failed
+                                   (what served before serves still)
     ├── ServerError                INTERNAL, UNKNOWN, anything else
     ├── SharedMemoryUnavailableError  a shared-memory session the server cannot use
     │                              (``EmbeddingClient.shared_memory``; not from a status)
@@ -101,6 +103,12 @@ class AuthenticationError(EmbeddingError):
     """The bearer token is missing or wrong (UNAUTHENTICATED), or access is denied."""
 
 
+class ModelLoadError(EmbeddingError):
+    """A model load failed (a version whose files are cut short, do not match their
+    sha256, or hold a graph that does not load; a load over the memory bound): the
+    message is the server's reason, which its repository index gives too."""
+
+
 class ServerError(EmbeddingError):
     """The server failed (INTERNAL, UNKNOWN, any other status), or its reply broke the
     protocol (``code`` None, ``reason`` "protocol")."""
@@ -134,6 +142,7 @@ _ERROR_TABLE: dict[tuple[grpc.StatusCode, str | None], type[EmbeddingError]] = {
     (grpc.StatusCode.CANCELLED, None): RequestCancelledError,
     (grpc.StatusCode.UNAUTHENTICATED, None): AuthenticationError,
     (grpc.StatusCode.PERMISSION_DENIED, None): AuthenticationError,
+    (grpc.StatusCode.FAILED_PRECONDITION, "load_failed"): ModelLoadError,
 }
 
 _CODES_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -129,6 +130,18 @@ class TableInfo:
 
 
 @dataclass(frozen=True)
+class TokenizerInfo:
+    """A model's own tokenizer: the tokenizers library's model ("BPE", "WordPiece",
+    "Unigram"...), the ids it gives, the longest text in tokens the model takes, and the
+    sha256 of its tokenizer.json."""
+
+    model: str
+    vocab_size: int
+    max_length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """One served model: the table's size, scale, dtypes, provider, backend and limits.
 
@@ -164,6 +177,8 @@ class ModelInfo:
     tables: tuple[TableInfo, ...] = ()
     memory_bytes: dict[str, int] = field(default_factory=dict)
     serving_memory_bytes: dict[str, int] = field(default_factory=dict)
+    # The model's own tokenizer; None: it has none (text calls are refused).
+    tokenizer: TokenizerInfo | None = None
     architecture: str = ""
     convention: str = ""
     engine_scales: dict[str, float] = field(default_factory=dict)
@@ -200,6 +215,16 @@ class ModelInfo:
             tables=tuple(TableInfo(t.role, tuple(t.shape), t.dtype) for t in msg.tables),
             memory_bytes=dict(msg.memory_bytes),
             serving_memory_bytes=dict(msg.serving_memory_bytes),
+            tokenizer=(
+                TokenizerInfo(
+                    msg.tokenizer.model,
+                    msg.tokenizer.vocab_size,
+                    msg.tokenizer.max_length,
+                    msg.tokenizer.sha256,
+                )
+                if msg.HasField("tokenizer")
+                else None
+            ),
             architecture=msg.architecture,
             convention=msg.convention,
             engine_scales=dict(msg.engine_scales),
@@ -258,3 +283,69 @@ class ModelList:
 
     def __len__(self) -> int:
         return len(self.models)
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    """One model version of a server's model repository (its index): ``state`` is
+    ``UNAVAILABLE`` (on disk, not served; ``reason`` says why: unloaded, a failed load),
+    ``LOADING``, ``READY`` or ``UNLOADING``. ``version`` is "" for a model with none."""
+
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+def _split(flat: npt.NDArray[np.generic], lengths: npt.NDArray[np.int64]) -> list[Any]:
+    """``flat``'s rows, one part per length (views)."""
+    return list(np.split(flat, np.cumsum(lengths)[:-1])) if len(lengths) else []
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """Texts tokenized by the model's own tokenizer: every text's tokens one after another
+    (``input_ids [N]``, ``offsets [N, 2]``: each token's start and end in characters of
+    its text, ``special_tokens_mask [N]``: True for a token the tokenizer added), and
+    ``lengths [B]``, the tokens of each text."""
+
+    input_ids: npt.NDArray[np.int64]
+    lengths: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.int64]
+    special_tokens_mask: npt.NDArray[np.bool_]
+    timings: Timings
+    model_name: str
+    model_version: str
+    request_id: str
+
+    def ids(self) -> list[list[int]]:
+        """Each text's ids, as lists."""
+        return [part.tolist() for part in _split(self.input_ids, self.lengths)]
+
+    def sequences(self) -> list[npt.NDArray[np.int64]]:
+        """Each text's ids (views)."""
+        return _split(self.input_ids, self.lengths)
+
+    def offset_pairs(self) -> list[list[tuple[int, int]]]:
+        """Each text's offsets, as (start, end) pairs."""
+        return [[(int(a), int(b)) for a, b in part] for part in _split(self.offsets, self.lengths)]
+
+
+@dataclass(frozen=True)
+class TextEmbedResult:
+    """Texts as vectors: every text's rows one after another (``hidden_states [N, D]``,
+    in the dtype asked), the ids they are the rows of (``input_ids [N]``), and the
+    tokens of each text (``lengths [B]``)."""
+
+    hidden_states: npt.NDArray[np.floating]
+    input_ids: npt.NDArray[np.int64]
+    lengths: npt.NDArray[np.int64]
+    timings: Timings
+    model_name: str
+    model_version: str
+    request_id: str
+
+    def sequences(self) -> list[npt.NDArray[np.floating]]:
+        """Each text's rows, ``[len_b, D]`` (views): what ``generate(inputs_embeds=...)``
+        takes for one prompt, with a batch axis added."""
+        return _split(self.hidden_states, self.lengths)

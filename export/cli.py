@@ -24,7 +24,7 @@ from tokembed.export.config_flags import print_notes
 from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.errors import ExportError
 from tokembed.export.kinds import FACTORIZED, KINDS, SEGMENT, TOKEN
-from tokembed.export.manifest import Manifest
+from tokembed.export.manifest import TOKENIZER_NAME, Manifest
 from tokembed.export.naming import model_name_for
 from tokembed.export.out_dir import check_out_dir
 
@@ -129,6 +129,23 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the one `tokembed serve` builds when given no model; needs no torch, and takes "
         "no other option but --out",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the model's Hugging Face tokenizer.json: copied into the directory, hashed "
+        "with its other files and recorded in the manifest, so that the server tokenizes "
+        "text for it (Tokenize, Detokenize, EmbedText); its ids must be rows of the table",
+    )
+    parser.add_argument(
+        "--tokenizer-max-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the longest text, in tokens, the model takes (its positions): a longer one is "
+        "refused, or truncated when the request asks (default: the server's per-request limit)",
+    )
     pretrained_cli.add_argument(parser)
     _add_kind_arguments(parser)
     head_cli.add_arguments(parser)
@@ -193,6 +210,30 @@ def run(args: argparse.Namespace) -> int:
     args.notes = []
     if args.builtin:
         return _builtin(args)
+    if args.tokenizer is None and args.from_pretrained is not None:
+        beside = args.from_pretrained / TOKENIZER_NAME
+        if beside.is_file():  # a Hugging Face model directory's own tokenizer comes with it
+            args.tokenizer = beside
+    tokenizer = None
+    if args.tokenizer is not None:
+        from tokembed.export.tokenizer_file import read_tokenizer
+
+        tokenizer = read_tokenizer(args.tokenizer, args.tokenizer_max_length)
+    elif args.tokenizer_max_length is not None:
+        raise ExportError("--tokenizer-max-length needs --tokenizer")
+    code = _export(args)
+    if tokenizer is not None:
+        from tokembed.export.tokenizer_file import attach_tokenizer
+
+        attach_tokenizer(args.out, args.tokenizer, tokenizer)
+        limit = "" if tokenizer.max_length is None else f", max_length {tokenizer.max_length}"
+        print(f"tokenizer {tokenizer.model}, {tokenizer.vocab_size} ids{limit} -> "
+              f"{args.out / tokenizer.file}")  # fmt: skip
+    return code
+
+
+def _export(args: argparse.Namespace) -> int:
+    """The model itself, as the flags ask."""
     # A Hugging Face model directory: the flags it stands for (--weights, --key, ...).
     findings = pretrained_cli.apply(args)
     # Flags that need no checkpoint are checked before torch is imported: a mistyped
@@ -334,6 +375,7 @@ def _builtin(args: argparse.Namespace) -> int:
         ("--projection-key", args.projection_key), ("--kind", args.kind),
         ("--type-vocab-size", args.type_vocab_size), ("--factor-dim", args.factor_dim),
         ("--output-key", args.output_key), ("--norm-key", args.norm_key),
+        ("--tokenizer", args.tokenizer), ("--tokenizer-max-length", args.tokenizer_max_length),
     ) if given is not None]  # fmt: skip
     # Flags with a default: refused when they ask for another model than the built-in one
     # (its seed 0, float32, sqrt(D), version 1), not silently ignored.

@@ -19,6 +19,7 @@ MODEL_NAME = "model.onnx"
 FORMAT = "tokembed-model/1"
 INPUT_NAME = "input_ids"
 OUTPUT_NAME = "hidden_states"
+TOKENIZER_NAME = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,18 @@ class Tie:
     # The checkpoint's keys that name this very table: the exported one first, then the
     # others stored as one tensor with it (torch files store tied weights once).
     keys: list[str]
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The model's own tokenizer: a Hugging Face ``tokenizer.json`` in the directory
+    (listed in ``files`` and hashed like the graph), what it is, and the longest text in
+    tokens the model takes (``max_length``; None: only the server's per-request limit)."""
+
+    file: str  # its name in the directory: TOKENIZER_NAME
+    model: str  # the tokenizers library's model: "BPE", "WordPiece", "Unigram", ...
+    vocab_size: int  # ids it gives, added tokens included, all below the manifest's V
+    max_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,8 @@ class Manifest:
     factor_dim: int | None = None
     # Written only when known (``Tie``); manifests without it say nothing about a tie.
     tie: Tie | None = None
+    # Written only when the model carries its tokenizer (``TokenizerSpec``).
+    tokenizer: TokenizerSpec | None = None
     # Written only for a model exported with --from-pretrained.
     pretrained: Pretrained | None = None
     # Written only for a model with a head (``Head``): without one, it answers no
@@ -151,7 +166,7 @@ class Manifest:
         fields = asdict(self)
         # A size a kind does not have, or a tie not known, is left out, not written as
         # null: a token model's manifest stays what it was before these fields existed.
-        for key in (*_KIND_SIZES, "tie", "pretrained", "head"):
+        for key in (*_KIND_SIZES, "tie", "tokenizer", "pretrained", "head"):
             if fields[key] is None:
                 del fields[key]
         return json.dumps(fields, indent=2, sort_keys=True) + "\n"
@@ -212,6 +227,11 @@ class Manifest:
             type_vocab_size=reader.optional_integer("type_vocab_size"),
             factor_dim=reader.optional_integer("factor_dim"),
             tie=_tie(reader.obj("tie"), f"{where}: tie") if reader.get("tie") is not None else None,
+            tokenizer=(
+                _tokenizer(reader.obj("tokenizer"), f"{where}: tokenizer")
+                if reader.get("tokenizer") is not None
+                else None
+            ),
             pretrained=(
                 _pretrained(reader.obj("pretrained"), f"{where}: pretrained")
                 if reader.get("pretrained") is not None
@@ -245,6 +265,16 @@ def _tie(raw: dict[str, Any], where: str) -> Tie:
         tied=tied,
         evidence=reader.text("evidence"),
         keys=keys,
+    )
+
+
+def _tokenizer(raw: dict[str, Any], where: str) -> TokenizerSpec:
+    reader = _Reader(raw, where)
+    return TokenizerSpec(
+        file=reader.text("file"),
+        model=reader.text("model"),
+        vocab_size=reader.integer("vocab_size"),
+        max_length=reader.optional_integer("max_length"),
     )
 
 

@@ -43,8 +43,19 @@ class ModelDir:
         return self.manifest.files[MODEL_NAME].sha256
 
     @property
+    def tokenizer_path(self) -> Path | None:
+        """The model's ``tokenizer.json`` (checked and hashed with the rest), if it has one."""
+        spec = self.manifest.tokenizer
+        return None if spec is None else self.path / spec.file
+
+    @property
     def weight_bytes(self) -> int:
-        return sum(entry.size_bytes for entry in self.manifest.files.values())
+        tokenizer = self.manifest.tokenizer
+        return sum(
+            entry.size_bytes
+            for name, entry in self.manifest.files.items()
+            if tokenizer is None or name != tokenizer.file
+        )
 
 
 def load_model_dir(path: Path | str, *, verify_hashes: bool = True) -> ModelDir:
@@ -112,6 +123,22 @@ def _check_manifest_values(manifest: Manifest, directory: Path) -> None:
         raise ModelDirError(f"{where}: padding_idx {padding} is outside [0, {manifest.vocab_size})")
     if MODEL_NAME not in manifest.files:
         raise ModelDirError(f"{where}: files does not list {MODEL_NAME}")
+    tokenizer = manifest.tokenizer
+    if tokenizer is not None:
+        if tokenizer.file not in manifest.files:
+            raise ModelDirError(
+                f"{where}: tokenizer.file {tokenizer.file!r} is not listed in files (every "
+                "file of the model is hashed)"
+            )
+        if not 0 < tokenizer.vocab_size <= manifest.vocab_size:
+            raise ModelDirError(
+                f"{where}: tokenizer.vocab_size {tokenizer.vocab_size} is outside "
+                f"[1, vocab_size {manifest.vocab_size}]: its ids must be rows of the table"
+            )
+        if tokenizer.max_length is not None and tokenizer.max_length <= 0:
+            raise ModelDirError(
+                f"{where}: tokenizer.max_length must be positive, got {tokenizer.max_length}"
+            )
     # The declared shapes are part of the contract too: clients read them.
     if len(manifest.input.shape) != 2 or not all(isinstance(d, str) for d in manifest.input.shape):
         raise ModelDirError(

@@ -8,6 +8,9 @@
                   version of one: requests naming no version go to it from then on)
     unload(...)   stop routing to a model version; returns once its last request is
                   answered and it is let go
+    control       the control plane (server/models/control_plane.py): the one owner of the set
+                  of models, which start-up, load, unload and the V2 repository methods
+                  all go through
     stop()        health NOT_SERVING, refuse new requests (UNAVAILABLE), let the
                   in-flight ones finish within the grace period, close
 
@@ -46,8 +49,8 @@ from tokembed.server.edge.v1.servicer import (
 )
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
-from tokembed.server.models.default_model import ensure_default_model
-from tokembed.server.models.loading import LoadedModel, ModelLoader, check_model_dirs, load_model
+from tokembed.server.models.control_plane import ControlPlane
+from tokembed.server.models.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.observability.metrics import Metrics
 from tokembed.server.observability.metrics_http import start_metrics_server
 from tokembed.server.observability.model_metrics import ModelLabels
@@ -95,7 +98,11 @@ class TokembedServer:
         self._budget = OutputBudget(settings.max_inflight_output_bytes)
         self.metrics.inflight_output_bytes.set_function(lambda: float(self._budget.inflight_bytes))
         self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="tokembed-work")
-        self._loader = loader
+        self.control = ControlPlane(
+            settings, self.repository, loader=loader, scheduler_for=self._scheduler,
+            observer=self.metrics,
+        )  # fmt: skip
+        self.metrics.track_model_states(self.control.index)
         # V2 system shared memory: the regions callers on this host register (refused
         # unless --shared-memory system).
         self.shared_memory = SharedMemoryRegistry(
@@ -117,14 +124,13 @@ class TokembedServer:
 
     async def start(self) -> None:
         settings = self.settings
-        # The model directories first: a bad one is one line, before anything listens.
-        await asyncio.get_running_loop().run_in_executor(
-            None, check_model_dirs, settings.model_dir, settings.default_model
-        )
+        # The model directories (or the repository) first: a bad one is one line, before
+        # anything listens.
+        await asyncio.get_running_loop().run_in_executor(None, self.control.check)
         options = grpc_options(settings)
         self._server = build_grpc_server(
             options, self.dataplane, self.shared_memory, self.metrics.model_totals, self.health,
-            on_unauthenticated=self._unauthenticated,
+            on_unauthenticated=self._unauthenticated, control=self.control,
         )  # fmt: skip
         await self._set_health(NOT_SERVING)
         self.port = bind(self._server, options)
@@ -153,14 +159,7 @@ class TokembedServer:
 
     async def _load_all(self) -> None:
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        directories = self.settings.model_dir
-        if not directories:
-            default = self.settings.default_model_dir
-            directories = (await loop.run_in_executor(None, ensure_default_model, default),)
-        for directory in directories:
-            await self.load(directory)
-        self.repository.started()
+        await self.control.start()
         release_free_memory()  # what loading allocated and dropped, before serving
         if self.settings.memory_trim_interval_s > 0:
             self._trimmer = asyncio.ensure_future(
@@ -186,22 +185,12 @@ class TokembedServer:
         """Load ``directory`` (in a thread) and serve it: a new model, or a new version of
         one served (requests naming no version go to it from now on). Raises
         ``ServerConfigError`` for a directory that cannot be served."""
-        loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(None, self._loader, directory, self.settings)
-        handle = self.repository.add(self._scheduler(loaded))
-        self.metrics.add_model(handle.name)
-        self.repository.activate(handle)
-        self._log_loaded(handle, loaded, directory)
-        return handle
+        return await self.control.load_directory(directory)
 
     async def unload(self, name: str, version: str) -> None:
         """Stop routing to ``version`` of ``name``; return once its last admitted request
         is answered and it is let go."""
-        for handle in self.repository:
-            if handle.name == name and handle.version == version:
-                await self.repository.retire(handle)
-                return
-        raise ServerConfigError(f"version {version} of model {name!r} is not served")
+        await self.control.unload_version(name, version)
 
     def _scheduler(self, loaded: LoadedModel) -> Scheduler:
         settings = self.settings
@@ -222,6 +211,7 @@ class TokembedServer:
                 nearest_max_batch_rows=settings.nearest_max_batch_rows,
                 max_queued_nearest_flops=settings.max_queued_nearest_flops,
             ),
+            tokenizer=loaded.tokenizer,
         )
         return Scheduler(
             served,
@@ -233,21 +223,6 @@ class TokembedServer:
             workers=self._workers,
             observer=self.metrics,
         )
-
-    def _log_loaded(self, handle: ModelHandle, loaded: LoadedModel, directory: Path) -> None:
-        manifest = loaded.model.manifest
-        backend = loaded.backend
-        logger.info(
-            "loaded model %s v%s (V=%d D=%d scale=%g %s, sha256 %s) from %s: %s backend "
-            "on %s%s, in %.2fs",
-            manifest.name, manifest.version, manifest.vocab_size, manifest.d_model,
-            manifest.scale, manifest.weight_dtype, loaded.model.model_sha256, directory,
-            backend.kind, backend.execution_provider,
-            "".join(f", {what} {size} bytes" for what, size in backend.memory_bytes.items()),
-            loaded.load_s,
-            extra={"model": manifest.name, "version": manifest.version,
-                   "backend": backend.kind},
-        )  # fmt: skip
 
     def _model_series(self) -> list[tuple[ModelLabels, int]]:
         """Every model version served, as the metrics label it, and its queued tokens."""
@@ -293,6 +268,7 @@ class TokembedServer:
         # are only cancelled then), and closing down under load takes a moment after it.
         deadline = drain_started + grace - min(CLOSE_RESERVE_S, grace / 4)
         self.repository.drain()
+        await self.control.close()
         await self._set_health(NOT_SERVING)
         if self._health_updates:
             await asyncio.gather(*self._health_updates, return_exceptions=True)

@@ -13,7 +13,9 @@ double the model's memory), a run of the model (``settings.Settings.tables`` dec
 
 A look-up makes no array and copies nothing: its rows are views of the table, one per
 id, which whoever writes the answer copies once, straight from the table (a response's
-join, a shared-memory region's vectored write). The views are made once, at load (a
+join); a shared-memory region's writer has them gathered in cache-sized runs instead
+(``RowViews.runs``: the kernel's copy into the region is then from the cache, not from
+rows scattered over the table). The views are made once, at load (a
 Python object per row of each table kept, a few hundred bytes beside the row's ``D *
 itemsize``), so that a look-up only picks them by id: slicing each row per request cost
 more than the rest of a large look-up, and a numpy gather into an array copied the whole
@@ -30,7 +32,7 @@ import numpy as np
 from tokembed.server.backends.base import ArrayRows, Backend, LookUp, Rows, byte_view
 from tokembed.server.backends.sessions import Cast, ModelSession
 from tokembed.server.core.dtypes import FLOAT32, OUTPUT_DTYPES, DType
-from tokembed.server.core.types import Buffer, TokenIds
+from tokembed.server.core.types import Buffer, GatherableRows, TokenIds
 
 # From this many ids on, numpy works on them as an array (a gather into one array of
 # their own, ``TableRows.joined``; a segment model's row numbers) rather than as ints.
@@ -51,7 +53,9 @@ class TableRows(Rows):
 
     def pieces(self, start: int, stop: int) -> Sequence[Buffer]:
         ids = self._ids.values()
-        return RowViews(self._views, ids[start:stop] if start or stop < len(ids) else ids)
+        if start or stop < len(ids):
+            return RowViews(self._views, ids[start:stop], self._rows, self._ids, start)
+        return RowViews(self._views, ids, self._rows, self._ids, 0)
 
     def joined(self) -> Buffer:
         ids = self._ids
@@ -67,17 +71,25 @@ class TableRows(Rows):
         return self._ids.count
 
 
-class RowViews(Sequence[Buffer]):
+class RowViews(GatherableRows):
     """The views of rows ``ids``, each looked up as it is read: a large answer's writer
     then touches each view's object once, as it copies the row, rather than once more
     beforehand to list them (the objects are scattered and cold: each touch is a cache
-    miss)."""
+    miss). Or the same rows gathered by numpy in runs (``runs``)."""
 
-    __slots__ = ("_ids", "_views")
+    __slots__ = ("_first", "_ids", "_rows", "_source", "_views")
 
-    def __init__(self, views: list[memoryview], ids: list[int]) -> None:
+    def __init__(
+        self, views: list[memoryview], ids: list[int], rows: np.ndarray, source: TokenIds,
+        first: int,
+    ) -> None:  # fmt: skip
+        """``ids``: ``source``'s values from its ``first`` on; ``rows``: the table as one
+        opaque item per row (``TableRows``)."""
         self._views = views
         self._ids = ids
+        self._rows = rows
+        self._source = source
+        self._first = first
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -95,6 +107,13 @@ class RowViews(Sequence[Buffer]):
 
     def __iter__(self) -> Iterator[Buffer]:
         return map(self._views.__getitem__, self._ids)
+
+    def runs(self, max_bytes: int) -> Iterator[Buffer]:
+        per_run = max(1, max_bytes // self._rows.itemsize)
+        ids = self._source.array()[self._first : self._first + len(self._ids)]
+        for start in range(0, len(ids), per_run):
+            # mode="clip": the ids are validated (as in ``TableRows.joined``).
+            yield byte_view(self._rows.take(ids[start : start + per_run], mode="clip"))
 
 
 class TableBackend(Backend):

@@ -126,5 +126,9 @@ class Ticket:
         if budget is not None:
             self._budget = None
             budget.inflight_bytes -= self._output_bytes
-            if self._on_release is not None:
-                self._on_release()
+            on_release, self._on_release = self._on_release, None
+            # Let go of it too: gRPC may keep a finished call's callbacks (this ticket's
+            # release among them) until its cyclic collector runs, and the lease's owner
+            # is a model version, whose tables must go when it is unloaded.
+            if on_release is not None:
+                on_release()

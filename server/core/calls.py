@@ -64,16 +64,19 @@ class Outcomes:
 
 
 _BEFORE_ROUTING = (InvalidInput, TooLarge, ModelNotFound, Unavailable, Unauthenticated)
+# What a served operation's calls may end with (embed's; the text operations' the same: a
+# model without a tokenizer is an InvalidInput).
+_SERVED = Outcomes(
+    _BEFORE_ROUTING,
+    (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
+)
 OUTCOMES: dict[str, Outcomes] = {
-    "embed": Outcomes(
-        _BEFORE_ROUTING,
-        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
-    ),
+    "embed": _SERVED,
     # The way back: refused, overloaded or failed as embed is (one batcher, one admission).
-    "nearest": Outcomes(
-        _BEFORE_ROUTING,
-        (InvalidInput, TooLarge, Overloaded, DeadlineExceeded, Cancelled, Unavailable, Internal),
-    ),
+    "nearest": _SERVED,
+    "tokenize": _SERVED,
+    "detokenize": _SERVED,
+    "embed_text": _SERVED,
     "model_info": Outcomes((InvalidInput, ModelNotFound, Unavailable, Unauthenticated), ()),
     "list_models": Outcomes((InvalidInput, Unavailable, Unauthenticated), (), ok_with_model=False),
 }
@@ -82,7 +85,7 @@ OUTCOMES: dict[str, Outcomes] = {
 class Call:
     """One call (or one item of a stream) being served: what its outcome is told with."""
 
-    __slots__ = ("_operation", "front_end", "method", "model", "request_id", "started")
+    __slots__ = ("_operation", "front_end", "method", "model", "request_id", "started", "version")
 
     def __init__(
         self, front_end: FrontEnd, method: str, request_id: str, operation: str = ""
@@ -91,9 +94,11 @@ class Call:
         self.front_end = front_end
         self.method = method
         self.model = ""  # the model that answers it, once known
+        self.version = ""  # and its version
         self.request_id = request_id
-        # One method may serve several operations (V2's ModelInfer: embed, or nearest on
-        # a model's ``.nearest`` name): the data plane names the one it served.
+        # The operation that serves it, when its method serves more than one (V2's
+        # ModelInfer: ids, texts, or vectors on a model's ``.nearest`` name); else its
+        # method's.
         self._operation = operation
 
     @property
@@ -134,13 +139,15 @@ class CallsObserver(Protocol):
     """What the calls report (the metrics implement it)."""
 
     def call_done(
-        self, protocol: str, operation: str, method: str, code: str, model: str, duration_s: float
-    ) -> None: ...
+        self, protocol: str, operation: str, method: str, code: str, model: str,
+        duration_s: float, version: str = "",
+    ) -> None: ...  # fmt: skip
 
     def call_served(
         self, protocol: str, operation: str, method: str, code: str, model: str,
         duration_s: float,
         tokens: int, output_bytes: int, queue_s: float, encode_s: float | None,
+        version: str = "",
     ) -> None: ...  # fmt: skip
 
     def rejected(self, reason: str) -> None: ...
@@ -165,7 +172,8 @@ class Calls:
     def start(
         self, front_end: FrontEnd, method: str, request_id: str = "", operation: str = ""
     ) -> Call:
-        """A call reached its handler: it is in flight until ``end``."""
+        """A call reached its handler: it is in flight until ``end`` (``operation``: the
+        one serving it, where its method serves several)."""
         self.active += 1
         self.last_call_at = time.monotonic()
         return Call(front_end, method, request_id, operation)
@@ -204,7 +212,7 @@ class Calls:
             self._observer.call_served(
                 call.front_end.protocol, call.operation, call.method, call.front_end.ok,
                 call.model, duration_s, delivered.tokens, delivered.nbytes,
-                delivered.timings.queue_s, delivered.encode_s,
+                delivered.timings.queue_s, delivered.encode_s, version=call.version,
             )  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
             timings = delivered.timings
@@ -223,7 +231,7 @@ class Calls:
         if self._observer is not None:
             self._observer.call_done(
                 call.front_end.protocol, call.operation, call.method, call.front_end.ok,
-                call.model, time.perf_counter() - call.started,
+                call.model, time.perf_counter() - call.started, version=call.version,
             )  # fmt: skip
 
     def refused(self, call: Call, error: EmbedError) -> None:
@@ -231,7 +239,7 @@ class Calls:
         if self._observer is not None:
             self._observer.call_done(
                 call.front_end.protocol, call.operation, call.method, code, call.model,
-                time.perf_counter() - call.started,
+                time.perf_counter() - call.started, version=call.version,
             )  # fmt: skip
             self._observer.rejected(error.reason)
         level = self._refusals.level(error.reason)

@@ -237,7 +237,7 @@ class DataPlane:
         sink: StreamSink[F],
     ) -> _StreamAnswer[F]:
         """One answer of a stream, with the room to release once it is sent."""
-        call = self.calls.start(front_end, method, incoming.request_id)
+        call = self.calls.start(front_end, method, incoming.request_id, operation.name)
         try:
             if not isinstance(incoming, Refused) and operation.unread(incoming.body):
                 incoming = await self._read(call, operation, incoming)
@@ -272,7 +272,7 @@ class DataPlane:
         fits the model it is routed to (``_prepare`` routes it again: the version may
         have changed while it was read)."""
         handle = self.repository.route(incoming.model_name, incoming.model_version)
-        call.model = handle.name
+        call.model, call.version = handle.name, handle.version
         body = await operation.read(incoming.body, handle.served)
         return Request(incoming.model_name, incoming.model_version, body, incoming.request_id)
 
@@ -283,7 +283,7 @@ class DataPlane:
         if isinstance(incoming, Refused):
             raise incoming.error
         handle = self.repository.route(incoming.model_name, incoming.model_version)
-        call.model = handle.name
+        call.model, call.version = handle.name, handle.version
         job = operation.validate(incoming.body, handle.served)
         return handle, job, handle.admit(job)
 
@@ -299,7 +299,7 @@ class DataPlane:
         except EmbedError as error:
             self.calls.refused(call, error)
             raise
-        call.model = served.name
+        call.model, call.version = served.name, served.version
         self.calls.answered(call)
         return served
 

@@ -9,10 +9,13 @@ the request.
      ├── TooLarge            over a per-request limit (tokens, output bytes)
      ├── Overloaded          admission refused: the server is full right now
      ├── ModelNotFound       the request names a model this server does not serve
+     │    └── ModelUnloaded  one unloaded on purpose (it may be loaded again)
      ├── Unavailable         not ready yet, or draining
      ├── DeadlineExceeded    the caller's deadline passed before compute
      ├── Cancelled           the caller went away
      ├── Unauthenticated     no bearer token, or a wrong one
+     ├── ControlRefused      a control call (load, unload, index) this server does not allow
+     ├── LoadFailed          a model (version) could not be loaded; what serves is untouched
      └── Internal            a bug or a runtime failure; logged with its traceback
 """
 
@@ -41,6 +44,10 @@ class ModelNotFound(EmbedError):
     reason = "not_found"
 
 
+class ModelUnloaded(ModelNotFound):
+    """The model was unloaded on purpose (it may be loaded again)."""
+
+
 class Unavailable(EmbedError):
     reason = "unavailable"
 
@@ -55,6 +62,14 @@ class Cancelled(EmbedError):
 
 class Unauthenticated(EmbedError):
     reason = "unauthenticated"
+
+
+class ControlRefused(EmbedError):
+    reason = "control_refused"
+
+
+class LoadFailed(EmbedError):
+    reason = "load_failed"
 
 
 class Internal(EmbedError):

@@ -9,6 +9,9 @@ placement then goes through the same steps (compute, report, answer, frame).
   (no queue, no task, no thread hop: on an idle server these cost more than the look-up).
   A batch the batcher forms is computed on the event loop when it is small, else on a
   worker thread (``runs_inline``, asked per batch).
+- An operation that tokenizes text (``Operation.off_loop``) always runs on a worker
+  thread, alone: what a tokenizer costs is not known before it runs, and its request's
+  texts are the library's own batch.
 - A table gains nothing from company: a request is computed on its own, on the event
   loop when it is small (a tiny look-up and frame cost less than the hop to a thread and
   back), on a worker thread when it is large (its join would hold the loop).
@@ -37,13 +40,22 @@ class Policy:
     inline_max_bytes: int = INLINE_MAX_BYTES
 
     def place(
-        self, tokens: int, output_bytes: int, *, batcher_idle: bool, heavy: bool = False
+        self,
+        tokens: int,
+        output_bytes: int,
+        *,
+        batcher_idle: bool,
+        heavy: bool = False,
+        off_loop: bool = False,
     ) -> Placement:
         """Where one request's compute runs (``batcher_idle``: nothing queued or
         computing in the batcher it would join; ``heavy``: an operation whose compute
-        reads a whole table, which always batches, whatever the backend)."""
+        reads a whole table, which always batches, whatever the backend; ``off_loop``: an
+        operation whose compute never runs on the loop nor in a batch, a tokenizer's)."""
         if heavy:
             return Placement.BATCH
+        if off_loop:
+            return Placement.OFF_LOOP
         if self.runs_inline(tokens, output_bytes) and (batcher_idle or not self.batches):
             return Placement.INLINE
         return Placement.BATCH if self.batches else Placement.OFF_LOOP

@@ -28,7 +28,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tokembed.server.core.admission import Ticket
-from tokembed.server.core.errors import ModelNotFound, ServerConfigError, Unavailable
+from tokembed.server.core.errors import (
+    ModelNotFound,
+    ModelUnloaded,
+    ServerConfigError,
+    Unavailable,
+)
 from tokembed.server.core.operations.base import Job
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.core.served import ServedModel
@@ -52,6 +57,7 @@ class ModelHandle:
         self.state = ModelState.LOADING
         self.leases = 0  # requests admitted whose answers are not yet sent
         self._drained: asyncio.Event | None = None  # made by retire(), in the running loop
+        self._gone: asyncio.Event | None = None  # likewise: set once unloaded
 
     @property
     def name(self) -> str:
@@ -101,6 +107,9 @@ class ModelSet:
             )
         self._paths[name] = path
 
+    def has(self, name: str) -> bool:
+        return name in self._paths
+
     @property
     def default(self) -> str | None:
         """The name that answers requests naming none (None: no model given yet)."""
@@ -126,24 +135,42 @@ class Repository:
         self.starting = True  # until every model given at start is in (``started``)
         self.draining = False
         self._listeners: list[Listener] = []
+        # Names unloaded on purpose, and why: their requests are told so, not "not served".
+        self._unloaded: dict[str, str] = {}
+        self._first_added = ""
 
     # --- changes
 
-    def add(self, scheduler: Scheduler) -> ModelHandle:
+    def add(
+        self,
+        scheduler: Scheduler,
+        *,
+        versioned: bool = False,
+        replacing: ModelHandle | None = None,
+    ) -> ModelHandle:
         """A new version, not yet routable (``activate`` it once ready). While starting,
-        each model directory given must be a model of its own name; once started, a
-        model of a name served already is a new version of it."""
+        each model directory given must be a model of its own name, unless ``versioned``
+        (a repository's versions of one name); once started, a model of a name served
+        already is a new version of it. ``replacing``: the handle of the same version
+        this one replaces (its files changed), retired once this one serves."""
         served = scheduler.served
-        if self.starting:
+        if self.starting and not (versioned and self._given.has(served.name)):
             self._given.add(served.name, served.model.path)
         for handle in self._models.get(served.name, []):
-            if handle.version == served.version and handle.state is not ModelState.UNLOADED:
+            if (
+                handle.version == served.version
+                and handle.state is not ModelState.UNLOADED
+                and handle is not replacing
+                and handle.state is not ModelState.DRAINING
+            ):
                 raise ServerConfigError(
                     f"version {served.version} of model {served.name!r} is served already, "
                     f"from {handle.served.model.path}; cannot add {served.model.path} beside it"
                 )
         handle = ModelHandle(scheduler)
         self._models.setdefault(served.name, []).append(handle)
+        self._first_added = self._first_added or served.name
+        self._unloaded.pop(served.name, None)
         return handle
 
     def activate(self, handle: ModelHandle) -> None:
@@ -154,24 +181,43 @@ class Repository:
         handle.state = ModelState.READY
         self._tell(handle.name, True)
 
-    def started(self) -> None:
-        """Every model given at start is in: an unknown name is now not found, not loading."""
-        self._given.check_default()
+    def started(self, *, models_required: bool = True) -> None:
+        """Every model given at start is in: an unknown name is now not found, not loading.
+        ``models_required=False`` (a model repository): no model at all may be served yet,
+        as long as no default is named that is not."""
+        if models_required or self._given.default is not None:
+            self._given.check_default()
         self.starting = False
 
-    async def retire(self, handle: ModelHandle) -> None:
+    def unloaded(self, name: str, reason: str) -> None:
+        """``name`` was unloaded on purpose: until it is loaded again, its requests are
+        refused with ``reason``."""
+        self._unloaded[name] = reason
+
+    async def retire(self, handle: ModelHandle, grace_s: float | None = None) -> None:
         """Stop routing to ``handle``; return once its last lease is back and it is
-        unloaded (its batches done, its backend let go)."""
+        unloaded (its batches done, its backend let go). ``grace_s``: how long its
+        admitted requests may take to finish (None: as long as they take); past it, what
+        is still queued fails and the version is let go all the same."""
         if handle.state in (ModelState.DRAINING, ModelState.UNLOADED):
+            if handle._gone is not None:
+                await handle._gone.wait()
             return
         handle.state = ModelState.DRAINING
+        handle._drained, handle._gone = asyncio.Event(), asyncio.Event()
         if not self._routable(handle.name):
             self._tell(handle.name, False)
         if handle.leases:
-            handle._drained = asyncio.Event()
-            await handle._drained.wait()
+            try:
+                await asyncio.wait_for(asyncio.shield(handle._drained.wait()), grace_s)
+            except TimeoutError:
+                logger.warning(
+                    "model %s v%s: %d requests still in flight after the grace of %.1fs; "
+                    "letting it go", handle.name, handle.version, handle.leases, grace_s,
+                )  # fmt: skip
         await handle.scheduler.close()
         handle.state = ModelState.UNLOADED
+        handle._gone.set()  # anyone else waiting for this version to go
         versions = self._models[handle.name]
         versions.remove(handle)
         if not versions:
@@ -197,9 +243,11 @@ class Repository:
         ``version`` ("": the newest activated)."""
         if self.draining:
             raise Unavailable("the server is draining; retry on another replica")
-        wanted = name or self._given.default or ""
+        wanted = name or self.default_name
         versions = self._models.get(wanted)
-        if not versions:
+        if not versions or (wanted in self._unloaded and not self._routable(wanted)):
+            if wanted in self._unloaded:
+                raise ModelUnloaded(f"model {wanted!r} is unloaded: {self._unloaded[wanted]}")
             if self.starting:
                 raise Unavailable("the model is still loading; retry shortly")
             raise ModelNotFound(
@@ -210,14 +258,15 @@ class Repository:
                 if handle.state is ModelState.READY:
                     return handle
             raise Unavailable(f"model {wanted!r} has no version ready; retry shortly")
-        for handle in versions:
-            if handle.version == version:
-                if handle.state is ModelState.READY:
-                    return handle
-                raise Unavailable(
-                    f"version {version} of model {wanted!r} is {handle.state.value}; "
-                    "ask for another version, or none"
-                )
+        named = [handle for handle in versions if handle.version == version]
+        for handle in reversed(named):  # a version reloaded: its newest copy
+            if handle.state is ModelState.READY:
+                return handle
+        if named:
+            raise Unavailable(
+                f"version {version} of model {wanted!r} is {named[-1].state.value}; "
+                "ask for another version, or none"
+            )
         served = ", ".join(h.version for h in versions if h.state is ModelState.READY)
         raise ModelNotFound(
             f"model {wanted!r} has no version {version!r} (versions served: {served or 'none'})"
@@ -235,7 +284,8 @@ class Repository:
 
     @property
     def default_name(self) -> str:
-        return self._given.default or ""
+        # No model given at start (a repository's explicit mode): the first loaded since.
+        return self._given.default or self._first_added
 
     @property
     def ready(self) -> bool:

@@ -17,6 +17,7 @@ It knows nothing of protocols: errors are ``core.errors``; ``frame`` is the call
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -35,7 +36,29 @@ from tokembed.server.core.types import Answer, Timings
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F")
+# Threads per model for text operations: each request's batch encode already runs on the
+# tokenizers library's own threads, so a few requests at once keep the cores busy.
+TEXT_THREADS = 4
 _Item = tuple[Operation[Any, Any, Any], Job]
+
+
+def _queued_in(batchers: dict[Hashable, Batcher[_Item, Any]]) -> int:
+    # A snapshot: the metrics thread asks while the loop may add a batcher.
+    return sum(batcher.queued_tokens for batcher in list(batchers.values()))
+
+
+def _queued_light(batchers: dict[Hashable, Batcher[_Item, Any]], heavy: set[Hashable]) -> int:
+    """Tokens waiting in the batchers of the operations that are not heavy."""
+    return sum(batcher.queued_tokens for key, batcher in list(batchers.items())
+               if key not in heavy)  # fmt: skip
+
+
+def _queued_work(
+    batchers: dict[Hashable, Batcher[_Item, Any]], heavy: set[Hashable], row_flops: int
+) -> int:
+    """The flops waiting in the heavy batchers: each queued vector is one row of a multiply
+    over the whole table, ``row_flops`` (``2 D V``)."""
+    return row_flops * sum(batchers[key].queued_tokens for key in list(heavy))
 
 
 class SchedulerObserver(Protocol):
@@ -66,29 +89,31 @@ class Scheduler:
         # Batches compute on threads of their own, as many as may compute at once: a
         # model's batches never wait behind another model's large frames.
         self._batch_threads: ThreadPoolExecutor | None = None
+        # Text operations (``Operation.off_loop``: tokenizing) compute on threads of their
+        # own: a large batch of texts never holds a worker that a look-up or a frame needs.
+        self._text_threads: ThreadPoolExecutor | None = None
         self._closed = False
         self._heavy_keys: set[Hashable] = set()  # the batchers of heavy operations
+        # Over the batchers, not a method of this scheduler: no cycle keeps an unloaded
+        # version (its tables) until the cyclic collector runs.
         self._admission = Admission(
             budget, max_queued_tokens=served.batch.max_queued_tokens,
-            queued_tokens=self._queued_light_tokens,
+            queued_tokens=functools.partial(_queued_light, self._batchers, self._heavy_keys),
             max_queued_work=served.batch.max_queued_nearest_flops,
-            queued_work=self.queued_work,
+            queued_work=functools.partial(
+                _queued_work, self._batchers, self._heavy_keys,
+                2 * served.d_model * served.vocab_size,
+            ),
         )  # fmt: skip
 
     def queued_tokens(self) -> int:
         """Tokens (a heavy operation's: vectors) waiting in this model version's batchers."""
-        # A snapshot: the metrics thread asks while the loop may add a batcher.
-        return sum(batcher.queued_tokens for batcher in list(self._batchers.values()))
+        return _queued_in(self._batchers)
 
     def queued_work(self) -> int:
-        """The flops waiting in this version's heavy batchers: each queued vector is one
-        row of a multiply over the whole table, ``2 D V`` flops."""
-        rows = sum(self._batchers[key].queued_tokens for key in list(self._heavy_keys))
-        return rows * 2 * self.served.d_model * self.served.vocab_size
-
-    def _queued_light_tokens(self) -> int:
-        return sum(batcher.queued_tokens for key, batcher in list(self._batchers.items())
-                   if key not in self._heavy_keys)  # fmt: skip
+        """The flops waiting in this version's heavy batchers (``_queued_work``)."""
+        return _queued_work(self._batchers, self._heavy_keys,
+                            2 * self.served.d_model * self.served.vocab_size)  # fmt: skip
 
     def admit(self, job: Job, on_release: Callable[[], None] | None = None) -> Ticket:
         """Room for ``job``, or ``Overloaded``; release the ticket once its answer is sent
@@ -120,7 +145,11 @@ class Scheduler:
         else:  # a backend that never batches has no batcher to ask
             key, idle = None, True
         placement = policy.place(
-            job.tokens, job.output_bytes, batcher_idle=idle, heavy=operation.heavy
+            job.tokens,
+            job.output_bytes,
+            batcher_idle=idle,
+            heavy=operation.heavy,
+            off_loop=operation.off_loop,
         )
         if placement is Placement.BATCH:
             return await self._batched(operation, job, key, deadline, frame)
@@ -130,15 +159,17 @@ class Scheduler:
         if placement is Placement.INLINE:
             return self._alone(operation, job, frame)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, self._alone, operation, job, frame)
+        workers = self._text_workers() if operation.off_loop else self._workers
+        return await loop.run_in_executor(workers, self._alone, operation, job, frame)
 
     async def close(self) -> None:
         """Fail what is still queued, wait for the batches computing, let go."""
         self._closed = True
         for batcher in self._batchers.values():
             await batcher.close()
-        if self._batch_threads is not None:
-            self._batch_threads.shutdown(wait=False)
+        for threads in (self._batch_threads, self._text_threads):
+            if threads is not None:
+                threads.shutdown(wait=False)
         self.served.backend.close()
 
     # --- the compute, for every placement
@@ -176,6 +207,13 @@ class Scheduler:
             return frame(answer)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._workers, frame, answer)
+
+    def _text_workers(self) -> ThreadPoolExecutor:
+        if self._text_threads is None:
+            self._text_threads = ThreadPoolExecutor(
+                max_workers=TEXT_THREADS, thread_name_prefix=f"tokembed-text-{self.served.name}"
+            )
+        return self._text_threads
 
     def _new_batcher(self, heavy: bool) -> Batcher[_Item, Any]:
         """A batcher; a heavy operation's batches are bounded by rows (its vectors)."""

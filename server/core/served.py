@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tokembed.export.kinds import IdInput, ModelKind
 from tokembed.export.model_dir import ModelDir
 from tokembed.server.backends.base import Backend
+from tokembed.server.backends.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ServedModel:
     backend: Backend
     limits: Limits
     batch: BatchLimits
+    # The model's own tokenizer (its directory's tokenizer.json), if it has one.
+    tokenizer: TextTokenizer | None = None
     # What requests read, taken from the model directory once (plain attributes: no code
     # runs per request to read them).
     name: str = field(init=False)

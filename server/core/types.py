@@ -12,7 +12,8 @@ them after construction, and a frozen dataclass's ``__init__`` (one
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,21 @@ from tokembed.server.core.dtypes import INT64, DType
 Buffer = bytes | memoryview
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+class GatherableRows(Sequence[Buffer]):
+    """An answer's pieces that are rows picked from one table (a look-up's row views),
+    which can also be had gathered: ``runs`` yields their bytes in order as contiguous
+    buffers of at most ``max_bytes`` (at least one row each), each a fresh buffer. A writer
+    that copies an answer into a file (a shared-memory region) writes these: numpy's
+    gather into a buffer small enough to stay in the cache, then the kernel's copy from
+    there, beat the kernel's copy of each row from where it lies in the table
+    (docs/benchmarks/README.md, "Shared memory")."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def runs(self, max_bytes: int) -> Iterator[Buffer]: ...
 
 
 class TokenIds:
@@ -80,10 +96,7 @@ class NamedTensor:
     shape: tuple[int, ...]
     dtype: DType
     pieces: Sequence[Buffer]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(piece) for piece in self.pieces)
+    nbytes: int  # the pieces' bytes together (a look-up's rows are many pieces)
 
 
 @dataclass(slots=True)
@@ -115,3 +128,19 @@ class Answer:
     def several(self) -> bool:
         """Whether the answer is ``tensors`` (named) rather than one unnamed tensor."""
         return bool(self.tensors)
+
+    @classmethod
+    def of_tensors(
+        cls,
+        tensors: Sequence[NamedTensor],
+        timings: Timings,
+        tokens: int,
+        model_name: str,
+        model_version: str,
+    ) -> Answer:
+        """An answer of several named tensors, described by its first (``several``)."""
+        first = tensors[0]
+        return cls(
+            first.shape, first.dtype, first.pieces, None, timings, tokens,
+            sum(tensor.nbytes for tensor in tensors), model_name, model_version, tuple(tensors),
+        )  # fmt: skip

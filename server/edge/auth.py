@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -20,13 +20,13 @@ from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 
 
-def read_token(path: Path) -> bytes:
+def read_token(path: Path, setting: str = "auth_token_file") -> bytes:
     try:
         token = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
-        raise ServerConfigError(f"cannot read auth_token_file {path}: {exc}") from exc
+        raise ServerConfigError(f"cannot read {setting} {path}: {exc}") from exc
     if not token:
-        raise ServerConfigError(f"auth_token_file {path} is empty")
+        raise ServerConfigError(f"{setting} {path} is empty")
     return token.encode("utf-8")
 
 
@@ -36,11 +36,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         token: bytes,
         on_reject: Callable[[str], None] | None = None,
         open_methods: Mapping[str, grpc.RpcMethodHandler] | None = None,
+        skipped: Sequence[str] = (),
     ) -> None:
         """``on_reject(method)``: told of each refused call, by its full method name
         ("/tokembed.v1.EmbeddingService/Embed"); ``open_methods``: by full method name,
-        the handler that answers a call without the token instead of refusing it."""
+        the handler that answers a call without the token instead of refusing it;
+        ``skipped``: methods another credential is checked for (``control_access``)."""
         self._expected = b"Bearer " + token
+        self._skipped = frozenset(skipped)
         self._on_reject = on_reject
         self._open = dict(open_methods or {})
 
@@ -64,6 +67,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        if details.method in self._skipped:
+            return await continuation(details)
         presented = b""
         for key, value in details.invocation_metadata or ():
             if key == "authorization":

@@ -15,14 +15,17 @@ from grpc_reflection.v1alpha import reflection
 
 from tokembed import __version__
 from tokembed.server.core.calls import ModelTotals
+from tokembed.server.core.control import ModelControl
 from tokembed.server.core.dataplane import DataPlane
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.auth import BearerTokenInterceptor, Identities, read_token
+from tokembed.server.edge.control_access import ControlAccessInterceptor, is_loopback
 from tokembed.server.edge.health import HEALTH_SERVICE, HealthFrontEnd
 from tokembed.server.edge.listening import check_port_free, tls_credentials
 from tokembed.server.edge.v1.requests import EmbedParser
 from tokembed.server.edge.v1.servicer import SERVICE_NAME, EmbeddingServicer, generic_handler
 from tokembed.server.edge.v2 import servicer as v2
+from tokembed.server.edge.v2.repository_service import CONTROL_METHODS
 from tokembed.server.edge.v2.requests import InferParser
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_service import SharedMemoryInputs
@@ -41,6 +44,7 @@ class GrpcOptions:
     tls_key: Path | None
     tls_client_ca: Path | None
     auth_token_file: Path | None
+    control_token_file: Path | None
     max_message_bytes: int
     max_receive_bytes: int
     max_request_bytes: int
@@ -59,20 +63,40 @@ def build_grpc_server(
     health_servicer: health.aio.HealthServicer,
     *,
     on_unauthenticated: Callable[[str], None],
+    control: ModelControl | None = None,
 ) -> grpc.aio.Server:
     """Both front ends over ``dataplane``, health and reflection, on a server not yet
     bound (``bind``); ``on_unauthenticated(method)`` hears of each call the bearer-token
-    check refuses."""
+    check refuses; ``control``: what V2's repository methods drive (they take the control
+    credential, ``control_access``)."""
     # Without the token, health tells the status of the server and of its protocol's
     # service: the names orchestrators probe. A model's name is the caller's to know.
     health_front_end = HealthFrontEnd(health_servicer, public=("", SERVICE_NAME))
-    interceptors = []
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    control_methods = [f"/{v2.SERVICE_NAME}/{name}" for name in CONTROL_METHODS]
+    control_token = (
+        None if options.control_token_file is None
+        else read_token(options.control_token_file, "control_token_file")
+    )  # fmt: skip
+    interceptors.append(
+        ControlAccessInterceptor(
+            control_methods, token=control_token, loopback_only=is_loopback(options.host),
+            on_reject=on_unauthenticated,
+        )
+    )  # fmt: skip
     if options.auth_token_file is not None:
         token = read_token(options.auth_token_file)
+        if token == control_token:
+            raise ServerConfigError(
+                "control_token_file and auth_token_file hold the same token: control needs "
+                "a credential of its own"
+            )
         interceptors.append(
             BearerTokenInterceptor(
                 token, on_reject=on_unauthenticated,
                 open_methods=health_front_end.unauthenticated(),
+                # With a control token, the control methods present it instead.
+                skipped=control_methods if control_token is not None else (),
             )
         )  # fmt: skip
     aging: list[tuple[str, int]] = []
@@ -118,6 +142,7 @@ def build_grpc_server(
         ),
         extensions=(*v2.EXTENSIONS, "system_shared_memory")
         if shared_memory.enabled else v2.EXTENSIONS,
+        control=control,
     )  # fmt: skip
     server.add_generic_rpc_handlers(
         [generic_handler(servicer), v2.generic_handler(inference), health_front_end.handler()]

@@ -15,10 +15,12 @@ import grpc
 
 from tokembed.server.core.errors import (
     Cancelled,
+    ControlRefused,
     DeadlineExceeded,
     EmbedError,
     Internal,
     InvalidInput,
+    LoadFailed,
     ModelNotFound,
     Overloaded,
     TooLarge,
@@ -37,6 +39,8 @@ STATUS_BY_ERROR: dict[type[EmbedError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cancelled: grpc.StatusCode.CANCELLED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    ControlRefused: grpc.StatusCode.PERMISSION_DENIED,
+    LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,
     Internal: grpc.StatusCode.INTERNAL,
 }
 

@@ -47,6 +47,7 @@ from tokembed.server.backends.sessions import (
     output_casts,
 )
 from tokembed.server.backends.table import TableBackend
+from tokembed.server.backends.tokenizer import TextTokenizer
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.core.repository import ModelSet
@@ -65,6 +66,7 @@ class LoadedModel:
     model: ModelDir
     backend: Backend
     load_s: float  # opening the session, computing the tables or warming up
+    tokenizer: TextTokenizer | None = None  # the model's own, when its directory has one
 
 
 # What the server loads each model directory with; tests wrap the backend of the real
@@ -107,7 +109,29 @@ def load_model(directory: Path, settings: Settings) -> LoadedModel:
         raise ServerConfigError(
             f"onnxruntime cannot load the model in {directory}: {message}"
         ) from exc
-    return LoadedModel(model, backend, time.perf_counter() - started)
+    tokenizer = _tokenizer(model, settings)
+    return LoadedModel(model, backend, time.perf_counter() - started, tokenizer)
+
+
+def _tokenizer(model: ModelDir, settings: Settings) -> TextTokenizer | None:
+    """The model's tokenizer (its file was hashed with the rest), truncating at the
+    model's own limit, else at the server's per request."""
+    path, spec = model.tokenizer_path, model.manifest.tokenizer
+    if path is None or spec is None:
+        return None
+    try:
+        tokenizer = TextTokenizer(path, spec.max_length or settings.max_tokens_per_request)
+    except Exception as exc:  # the library raises Exception for a file it cannot read
+        message = " ".join(str(exc).split())
+        raise ServerConfigError(
+            f"{path}: the tokenizers library cannot load it ({message})"
+        ) from exc
+    if tokenizer.vocab_size > model.manifest.vocab_size:
+        raise ServerConfigError(
+            f"{path}: its ids reach {tokenizer.vocab_size - 1}, past the table's "
+            f"{model.manifest.vocab_size} rows"
+        )
+    return tokenizer
 
 
 def _backend(model: ModelDir, settings: Settings) -> Backend:
@@ -346,6 +370,9 @@ def _row_tables(
                     return None
             if dtype == FLOAT32:
                 rows = compute_rows(session)
+                # The other tables are cast from these rows: the session (and the weights
+                # it holds) goes now, not beside them (a swap's peak is the new tables).
+                session = None
             else:
                 rows = _rows_in(session, casts[dtype], dtype)
         tables[dtype] = _SHARED.keep(model, dtype.name, rows)

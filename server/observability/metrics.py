@@ -27,7 +27,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from tokembed.server.core.calls import OUTCOMES, FrontEnd, ModelTotals
-from tokembed.server.observability.model_metrics import ModelLabels, ModelsCollector
+from tokembed.server.core.control import IndexEntry
+from tokembed.server.observability.model_metrics import (
+    ModelLabels,
+    ModelsCollector,
+    ModelStatesCollector,
+)
 from tokembed.server.observability.request_metrics import (
     CounterFamily,
     CounterSeries,
@@ -38,6 +43,7 @@ from tokembed.server.observability.request_metrics import (
 
 # Sub-millisecond resolution: a tiny look-up takes microseconds, a round trip less than a
 # millisecond.
+LOAD_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 LATENCY_BUCKETS_S = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -48,7 +54,8 @@ BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 16384, 32768, 65536, 262
 # Reasons a request is refused or dropped, as they appear in tokembed_rejections_total.
 REJECTION_REASONS = (
     "overloaded", "invalid_input", "too_large", "deadline_exceeded", "cancelled",
-    "not_found", "unavailable", "unauthenticated", "internal",
+    "not_found", "unavailable", "unauthenticated", "control_refused", "load_failed",
+    "internal",
 )  # fmt: skip
 
 
@@ -131,21 +138,22 @@ class Metrics:
         self._totals: dict[str, ModelTotals] = {}
         self._front_ends: list[FrontEnd] = []
         self._ok_codes: dict[str, str] = {}  # each front end's status of a served call
-        self._models: list[str] = [""]  # model "" counts calls that reach no served model
+        # (model, version): ("", "") counts calls that reach no served model.
+        self._models: list[tuple[str, str]] = [("", "")]
         # The series every served request updates: plain numbers (see request_metrics),
         # exposed by one collector, read under the lock their updates are applied under.
         self.requests = CounterFamily(
             "tokembed_requests",
-            "Calls finished, by protocol, operation, method, status code and model (a "
-            "stream: one per request)",
-            ["protocol", "operation", "method", "code", "model"],
+            "Calls finished, by protocol, operation, method, status code, model and version "
+            "(a stream: one per request)",
+            ["protocol", "operation", "method", "code", "model", "version"],
         )
         self.request_duration = HistogramFamily(
             "tokembed_request_duration_seconds",
             "Server time of a call, from decoding the request to handing the answer to the "
             "transport",
             LATENCY_BUCKETS_S,
-            ["protocol", "operation", "method", "model"],
+            ["protocol", "operation", "method", "model", "version"],
         )
         self.queue_wait = HistogramFamily(
             "tokembed_queue_wait_seconds",
@@ -184,10 +192,34 @@ class Metrics:
             "Queued requests dropped before compute, by model and reason",
             ["model", "reason"],
         )
+        # The control plane's: loads and unloads of a model version, by outcome.
+        self.model_loads = CounterFamily(
+            "tokembed_model_loads",
+            "Loads of a model version, by model, version and outcome (loaded, failed)",
+            ["model", "version", "outcome"],
+        )
+        self.model_load_duration = HistogramFamily(
+            "tokembed_model_load_duration_seconds",
+            "Time to load and warm a model version (or to fail to), by model and outcome",
+            LOAD_BUCKETS_S,
+            ["model", "outcome"],
+        )
+        self.model_unloads = CounterFamily(
+            "tokembed_model_unloads",
+            "Unloads of a model version, by model, version and outcome (unloaded, failed)",
+            ["model", "version", "outcome"],
+        )
+        self.model_unload_duration = HistogramFamily(
+            "tokembed_model_unload_duration_seconds",
+            "Time from an unload's start to the version let go (its last request answered)",
+            LOAD_BUCKETS_S,
+            ["model", "outcome"],
+        )
         families = (
             self.requests, self.request_duration, self.queue_wait, self.compute,
             self.encode, self.batch_requests, self.batch_tokens, self.batches, self.tokens,
-            self.output_bytes, self.rejections, self.batcher_dropped,
+            self.output_bytes, self.rejections, self.batcher_dropped, self.model_loads,
+            self.model_load_duration, self.model_unloads, self.model_unload_duration,
         )  # fmt: skip
         registry.register(
             RequestMetricsCollector(families, self._pending.lock, self._pending.apply)
@@ -213,9 +245,10 @@ class Metrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
 
-    def _start_call_series(self, front_end: FrontEnd, model: str) -> None:
-        """The series of ``front_end``'s calls that can move for ``model`` ("": calls that
-        reached no model): those ``core.calls.OUTCOMES`` names, and no others."""
+    def _start_call_series(self, front_end: FrontEnd, model: str, version: str) -> None:
+        """The series of ``front_end``'s calls that can move for ``model`` and ``version``
+        ("": calls that reached no model): those ``core.calls.OUTCOMES`` names, and no
+        others."""
         protocol = front_end.protocol
         for method, operation in front_end.methods.items():
             outcomes = OUTCOMES[operation]
@@ -225,9 +258,9 @@ class Metrics:
                 codes.add(front_end.ok)
             if not codes:
                 continue
-            self.request_duration.labels(protocol, operation, method, model)
+            self.request_duration.labels(protocol, operation, method, model, version)
             for code in sorted(codes):
-                self.requests.labels(protocol, operation, method, code, model)
+                self.requests.labels(protocol, operation, method, code, model, version)
 
     # --- the calls' observer: deferred updates (see PendingUpdates)
 
@@ -235,10 +268,17 @@ class Metrics:
     # path pays one append, whatever the number of series.
 
     def call_done(
-        self, protocol: str, operation: str, method: str, code: str, model: str, duration_s: float
+        self,
+        protocol: str,
+        operation: str,
+        method: str,
+        code: str,
+        model: str,
+        duration_s: float,
+        version: str = "",
     ) -> None:
         self._pending.add(
-            self._apply_call_done, (protocol, operation, method, code, model, duration_s)
+            self._apply_call_done, (protocol, operation, method, code, model, duration_s, version)
         )
 
     def call_served(
@@ -253,13 +293,14 @@ class Metrics:
         output_bytes: int,
         queue_s: float,
         encode_s: float | None,
+        version: str = "",
     ) -> None:
         """A call (or one stream answer) served OK: its count and duration, what it
         answered, and how long its frame took (None: not framed as one message)."""
         self._pending.add(
             self._apply_served,
             (protocol, operation, method, code, model, duration_s, tokens, output_bytes,
-             queue_s, encode_s, time.time()),
+             queue_s, encode_s, time.time(), version),
         )  # fmt: skip
 
     def rejected(self, reason: str) -> None:
@@ -276,14 +317,14 @@ class Metrics:
 
     # --- applied by PendingUpdates.apply, under its lock
 
-    def _apply_call_done(self, update: tuple[str, str, str, str, str, float]) -> None:
-        protocol, operation, method, code, model, duration_s = update
-        key = (protocol, operation, method, code, model)
+    def _apply_call_done(self, update: tuple[str, str, str, str, str, float, str]) -> None:
+        protocol, operation, method, code, model, duration_s, version = update
+        key = (protocol, operation, method, code, model, version)
         series = self._call_series.get(key)
         if series is None:
             series = (
                 self.requests.labels(*key),
-                self.request_duration.labels(protocol, operation, method, model),
+                self.request_duration.labels(protocol, operation, method, model, version),
             )
             self._call_series[key] = series
         series[0].inc(1)
@@ -295,11 +336,11 @@ class Metrics:
 
     def _apply_served(
         self,
-        update: tuple[str, str, str, str, str, float, int, int, float, float | None, float],
+        update: tuple[str, str, str, str, str, float, int, int, float, float | None, float, str],
     ) -> None:
         protocol, operation, method, code, model, duration_s = update[:6]
-        tokens, output_bytes, queue_s, encode_s, served_at = update[6:]
-        self._apply_call_done((protocol, operation, method, code, model, duration_s))
+        tokens, output_bytes, queue_s, encode_s, served_at, version = update[6:]
+        self._apply_call_done((protocol, operation, method, code, model, duration_s, version))
         series = self._series(model)
         series.tokens.inc(tokens)
         series.output_bytes.inc(output_bytes)
@@ -351,18 +392,41 @@ class Metrics:
         with self._pending.lock:  # a scrape may be reading the families meanwhile
             self._front_ends.append(front_end)
             self._ok_codes[front_end.protocol] = front_end.ok
-            for model in self._models:
-                self._start_call_series(front_end, model)
+            for model, version in self._models:
+                self._start_call_series(front_end, model, version)
 
-    def add_model(self, name: str) -> None:
-        """A model name is served: its series at 0 (once per name, whatever its versions)."""
+    def add_model(self, name: str, version: str = "") -> None:
+        """A model version is served: its series at 0 (the calls' once per version, the
+        model's once per name)."""
         with self._pending.lock:
-            if name in self._models:
+            if (name, version) in self._models:
                 return
-            self._models.append(name)
+            self._models.append((name, version))
             for front_end in self._front_ends:
-                self._start_call_series(front_end, name)
+                self._start_call_series(front_end, name, version)
             self._series(name)
+
+    # --- the control plane's observer (server/control_plane.ControlObserver)
+
+    def model_added(self, name: str, version: str) -> None:
+        self.add_model(name, version)
+        with self._pending.lock:  # its loads' and unloads' series at 0 too
+            for outcome in ("loaded", "failed"):
+                self.model_loads.labels(name, version, outcome)
+                self.model_load_duration.labels(name, outcome)
+            for outcome in ("unloaded", "failed"):
+                self.model_unloads.labels(name, version, outcome)
+                self.model_unload_duration.labels(name, outcome)
+
+    def version_loaded(self, name: str, version: str, outcome: str, duration_s: float) -> None:
+        with self._pending.lock:  # a scrape may be reading the families meanwhile
+            self.model_loads.labels(name, version, outcome).inc(1)
+            self.model_load_duration.labels(name, outcome).observe(duration_s)
+
+    def version_unloaded(self, name: str, version: str, outcome: str, duration_s: float) -> None:
+        with self._pending.lock:
+            self.model_unloads.labels(name, version, outcome).inc(1)
+            self.model_unload_duration.labels(name, outcome).observe(duration_s)
 
     def track_models(
         self, models: Callable[[], list[tuple[ModelLabels, int]]], ready: Callable[[], bool]
@@ -370,6 +434,10 @@ class Metrics:
         """What is served, read at each scrape: (labels, queued tokens) per model version,
         and whether the server is ready."""
         self.registry.register(ModelsCollector(models, ready))
+
+    def track_model_states(self, index: Callable[[], list[IndexEntry]]) -> None:
+        """Each model version's state, read at each scrape from the control plane."""
+        self.registry.register(ModelStatesCollector(index))
 
     def track_inflight(self, active_requests: Callable[[], int]) -> None:
         # Read at scrape time: no update at all on the request path.

@@ -12,6 +12,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from tokembed.server.core.control import IndexEntry
+
 
 @dataclass(frozen=True)
 class ModelLabels:
@@ -72,5 +74,28 @@ class ModelsCollector(Collector):
         ])  # fmt: skip
 
 
+class ModelStatesCollector(Collector):
+    """``tokembed_model_state``: each model version of the repository (and each served),
+    1 for the state it is in (UNAVAILABLE, LOADING, READY, UNLOADING), read from the
+    control plane's index at each scrape."""
+
+    def __init__(self, index: Callable[[], list[IndexEntry]]) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        states = GaugeMetricFamily(
+            "tokembed_model_state",
+            "A model version's state (value 1): UNAVAILABLE, LOADING, READY or UNLOADING",
+            labels=_STATE_LABELS,
+        )
+        for entry in self._index():
+            states.add_metric([entry.name, entry.version, entry.state], 1.0)
+        return iter([states])
+
+    def describe(self) -> Iterator[Metric]:
+        return iter([GaugeMetricFamily("tokembed_model_state", "", labels=_STATE_LABELS)])
+
+
+_STATE_LABELS = ["model", "version", "state"]
 _INFO_LABELS = ["name", "version", "vocab_size", "d_model", "dtype", "execution_provider",
                 "backend"]  # fmt: skip

@@ -51,6 +51,40 @@ class Settings:
         Path("models/default"),
         "where the built-in default model lives when model_dir is unset",
     )
+    # --- model repository (Triton's layout and flags)
+    model_repository: Path | None = setting(
+        None,
+        "a model repository: DIR/<model>/<version>/ each an exported model directory "
+        "(versions positive integers); not with model_dir",
+    )
+    model_control_mode: str | None = setting(
+        None,
+        "none: the models given are fixed; explicit: models are loaded and unloaded by "
+        "RepositoryModelLoad/Unload (tokembed models load|unload) and load_model at start; "
+        "poll: every model in the repository is served, and changes on disk are loaded "
+        "every repository_poll_secs (default: explicit with model_repository, else none)",
+        choices=("none", "explicit", "poll"),
+    )
+    load_model: tuple[str, ...] = setting(
+        (),
+        "a model of the repository to load at start (explicit mode); repeat the flag for "
+        "several (the variable: names separated by commas), '*' for every model",
+        many=True,
+    )
+    repository_poll_secs: float = setting(
+        15.0, "poll mode: how often the repository is read for new, changed and removed versions"
+    )
+    control_token_file: Path | None = setting(
+        None,
+        "file holding the bearer token that RepositoryIndex, RepositoryModelLoad and "
+        "RepositoryModelUnload must present (distinct from auth_token_file's); unset, they "
+        "are refused unless the server listens on loopback only",
+    )
+    max_model_memory_bytes: int = setting(
+        0,
+        "bound on the memory of every loaded model's tables (or weights) together; a load "
+        "past it is refused with the figures (0: no bound)",
+    )
     # --- network
     host: str = setting("127.0.0.1", "gRPC bind address (0.0.0.0 exposes it to the network)")
     port: int = setting(50051, "gRPC port (0 picks a free one)")
@@ -199,6 +233,13 @@ class Settings:
     )
 
     @property
+    def control_mode(self) -> str:
+        """The model control mode in force (``model_control_mode``, or its default)."""
+        if self.model_control_mode is not None:
+            return self.model_control_mode
+        return "explicit" if self.model_repository is not None else "none"
+
+    @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
 
@@ -308,6 +349,7 @@ class Settings:
             "float32_table_max_bytes",
             "max_connection_age_s",
             "memory_trim_interval_s",
+            "max_model_memory_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ServerConfigError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -319,6 +361,7 @@ class Settings:
                 raise ServerConfigError(
                     f"{name} must be a finite number, got {getattr(self, name)}"
                 )
+        self._validate_repository()
         if not 0 <= self.port <= 65535:
             raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
@@ -347,6 +390,35 @@ class Settings:
                 f"(no '..'), got {self.shared_memory_prefix!r}"
             )
         return self
+
+    def _validate_repository(self) -> None:
+        if self.model_repository is not None and self.model_dir:
+            raise ServerConfigError(
+                "model_dir and model_repository exclude each other: serve fixed model "
+                "directories, or a repository's models"
+            )
+        if self.model_repository is None:
+            if self.model_control_mode in ("explicit", "poll"):
+                raise ServerConfigError(
+                    f"--model-control-mode {self.model_control_mode} needs --model-repository"
+                )
+            if self.load_model:
+                raise ServerConfigError("--load-model needs --model-repository")
+        elif self.load_model and self.control_mode != "explicit":
+            raise ServerConfigError(
+                f"--load-model goes with --model-control-mode explicit; in mode "
+                f"{self.control_mode} every model of the repository is loaded"
+            )
+        if not (math.isfinite(self.repository_poll_secs) and self.repository_poll_secs > 0):
+            raise ServerConfigError(
+                f"repository_poll_secs must be a positive number, got {self.repository_poll_secs}"
+            )
+        if self.workers > 1 and self.control_mode == "explicit":
+            raise ServerConfigError(
+                f"--model-control-mode explicit needs one process; got --workers "
+                f"{self.workers} (a load would reach one worker of them): use poll mode "
+                "with workers, or --workers 1"
+            )
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes).validate()

@@ -29,7 +29,7 @@ def _worker_main(settings: Settings, index: int) -> None:
 
 
 def run_workers(settings: Settings) -> int:
-    if settings.model_dir is None:
+    if not settings.model_dir and settings.model_repository is None:
         # Create the default model once, here, not N times in a race.
         from tokembed.server.models.default_model import ensure_default_model
 

@@ -27,7 +27,9 @@ def test_every_call_gets_every_round_and_its_turns_are_merged() -> None:
     runs = run_interleaved(
         {"a": threaded_turns(recorder("a"), [1, 2]), "b": threaded_turns(recorder("b"), [3]),
          "c": threaded_turns(recorder("c"), [4])},
-        duration_s=0.5, max_requests=40, rounds=4, during=during,
+        # Time generous enough never to bind (a loaded machine may take a while to run ten
+        # calls): each turn ends on its count.
+        duration_s=60, max_requests=40, rounds=4, during=during,
     )  # fmt: skip
     # Each name had 4 turns, each bounded by 40 // 4 = 10 measured calls (plus warm-up).
     assert sorted(entered) == ["a"] * 4 + ["b"] * 4 + ["c"] * 4
@@ -52,7 +54,7 @@ def test_errors_are_counted_and_the_first_kept() -> None:
     runs = run_interleaved(
         # The warm-up calls (the first two requests) succeed; one measured call in 3 fails.
         {"ok": threaded_turns(lambda r: r, [1]), "bad": threaded_turns(fails_on_7, [1, 1, 7])},
-        duration_s=0.2,
+        duration_s=60,  # never binds: each turn ends on its count
         max_requests=9, rounds=3, seed=3,
     )  # fmt: skip
     assert runs["ok"].errors == 0 and runs["ok"].requests == 9

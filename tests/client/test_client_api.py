@@ -82,19 +82,25 @@ def test_the_clients_methods_are_the_documented_ones() -> None:
     # docs/client.md's API summary lists these for both clients.
     assert sorted(n for n in _public(EmbeddingClient) if not n.startswith("_")) == [
         "close",
+        "detokenize",
         "embed",
         "embed_result",
         "embed_stream",
         "embed_stream_results",
+        "embed_text",
         "embed_torch",
         "health",
         "info",
+        "load_model",
         "model_info",
         "models",
         "nearest",
+        "repository_index",
         "sglang_input_embeds",
         "shared_memory",
         "target",
+        "tokenize",
+        "unload_model",
         "vllm_prompt_embeds",
     ]
 

@@ -162,10 +162,15 @@ def test_one_batch_of_n_requests_is_one_batch_and_n_requests(
 
 
 def test_every_method_is_counted_under_its_name(
-    small_model_dir: Path, start_server: Callable[..., ServerThread]
+    small_model_dir: Path, text_model_dir: Path, start_server: Callable[..., ServerThread]
 ) -> None:
-    server = start_server(small_model_dir)
-    m = server.metric
+    # The text methods go to a model with its own tokenizer ("text"); the rest to "small".
+    server = start_server((small_model_dir, text_model_dir))
+    small = {"model": "small"}
+
+    def m(name: str, labels: dict[str, str] | None = None) -> float:
+        return server.metric(name, {**small, **(labels or {})})
+
     stream_requests = [embed_request(ids_of(8, start=k)) for k in range(3)]
     stream_requests.insert(2, embed_request([[1, 1000]]))  # invalid, answered in-stream
     with stub_for(server.target) as stub:
@@ -179,6 +184,12 @@ def test_every_method_is_counted_under_its_name(
         stub.ListModels(pb.ListModelsRequest(), timeout=10)
         with pytest.raises(grpc.RpcError):  # the small model has no head
             stub.Nearest(pb.NearestRequest(k=1), timeout=10)
+        tokenized = stub.Tokenize(pb.TokenizeRequest(texts=[b"hello world"], model_name="text"))
+        embedded = stub.EmbedText(pb.EmbedTextRequest(texts=[b"a b", b"c"], model_name="text"))
+        stub.Detokenize(pb.DetokenizeRequest(
+            input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 2], data=bytes(16)),
+            model_name="text",
+        ))  # fmt: skip
 
     assert [answer.WhichOneof("result") for answer in answers] == [
         "response", "response", "error", "response",
@@ -192,6 +203,15 @@ def test_every_method_is_counted_under_its_name(
     assert requests_by_code(server, "GetModelInfo") == {"OK": 1}
     assert requests_by_code(server, "ListModels") == {"OK": 1}
     assert requests_by_code(server, "Nearest") == {"INVALID_ARGUMENT": 1}
+    for method in ("Tokenize", "EmbedText", "Detokenize"):
+        assert requests_by_code(server, method) == {"OK": 1}, method
+    text_tokens = sum(
+        len(np.frombuffer(named.tensor.data, np.int64))
+        for answer in (tokenized, embedded)
+        for named in answer.tensors
+        if named.name == "input_ids"
+    )
+    assert server.metric("tokembed_tokens_total", {"model": "text"}) == text_tokens + 2
     counted = {
         sample.labels["method"]
         for sample in matching(scrape(server.metrics_port), "tokembed_requests_total")
@@ -384,7 +404,8 @@ def test_known_traffic_numbers_are_what_a_scrape_shows(
     found = samples(scrape(server.metrics_port))
     small = ("model", "small")
     # A call's series name its protocol and operation too (labels sorted by name).
-    embed = (("method", "Embed"), small, ("operation", "embed"), ("protocol", "tokembed.v1"))
+    embed = (("method", "Embed"), small, ("operation", "embed"), ("protocol", "tokembed.v1"),
+             ("version", "1"))  # fmt: skip
     assert found[("tokembed_requests_total", (("code", "OK"), *embed))] == 7
     assert found[("tokembed_tokens_total", (small,))] == 21
     assert found[("tokembed_batch_tokens_sum", (small,))] == 21

@@ -11,6 +11,7 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tokembed.server.core import errors
 from tokembed.server.edge.status_codes import STATUS_BY_ERROR
 from tokembed.server.edge.v1.servicer import FRONT_END
 from tokembed.server.observability.metrics import REJECTION_REASONS, Metrics
@@ -29,10 +30,13 @@ LATENCY_HISTOGRAMS = (
 )
 # {family as the text format names it: (type, label names)}
 EXPECTED = {
-    "tokembed_requests": ("counter", {"protocol", "operation", "method", "code", "model"}),
+    "tokembed_requests": (
+        "counter",
+        {"protocol", "operation", "method", "code", "model", "version"},
+    ),
     "tokembed_request_duration_seconds": (
         "histogram",
-        {"protocol", "operation", "method", "model"},
+        {"protocol", "operation", "method", "model", "version"},
     ),
     "tokembed_queue_wait_seconds": ("histogram", {"model"}),
     "tokembed_compute_seconds": ("histogram", {"model"}),
@@ -51,6 +55,11 @@ EXPECTED = {
         {"name", "version", "vocab_size", "d_model", "dtype", "execution_provider", "backend"},
     ),
     "tokembed_ready": ("gauge", set()),
+    "tokembed_model_state": ("gauge", {"model", "version", "state"}),
+    "tokembed_model_loads": ("counter", {"model", "version", "outcome"}),
+    "tokembed_model_load_duration_seconds": ("histogram", {"model", "outcome"}),
+    "tokembed_model_unloads": ("counter", {"model", "version", "outcome"}),
+    "tokembed_model_unload_duration_seconds": ("histogram", {"model", "outcome"}),
     "process_cpu_seconds": ("counter", set()),
     "process_resident_memory_bytes": ("gauge", set()),
     "process_open_fds": ("gauge", set()),
@@ -140,6 +149,9 @@ CODES_BY_METHOD = {
     "EmbedStream": _EMBED_CODES,
     "EmbedChunked": _EMBED_CODES,
     "Nearest": _EMBED_CODES,
+    "Tokenize": _EMBED_CODES,
+    "Detokenize": _EMBED_CODES,
+    "EmbedText": _EMBED_CODES,
     "GetModelInfo": {"": {"INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED"},
                      "model": {"OK"}},
     "ListModels": {"": {"OK", "INVALID_ARGUMENT", "UNAVAILABLE", "UNAUTHENTICATED"},
@@ -161,7 +173,10 @@ def test_reasons_methods_and_codes_exist_at_zero_before_any_request() -> None:
     assert set(FRONT_END.methods) == set(CODES_BY_METHOD)
     every_code = {code for codes in CODES_BY_METHOD.values() for each in codes.values()
                   for code in each}  # fmt: skip
-    assert every_code == {"OK"} | {code.name for code in STATUS_BY_ERROR.values()}
+    # The control methods' errors (load, unload: no counted call ends with them) aside.
+    control = {errors.ControlRefused, errors.LoadFailed}
+    data_codes = {code.name for error, code in STATUS_BY_ERROR.items() if error not in control}
+    assert every_code == {"OK"} | data_codes
     metrics.add_model("dec")
     want = {
         (method, code, model)
@@ -179,7 +194,7 @@ def test_reasons_methods_and_codes_exist_at_zero_before_any_request() -> None:
     assert set(got.values()) == {0}
     for method, model in {(method, model) for method, _, model in want}:
         call = {"protocol": "tokembed.v1", "operation": FRONT_END.methods[method]}
-        labels = {**call, "method": method, "model": model}
+        labels = {**call, "method": method, "model": model, "version": ""}
         assert registry.get_sample_value("tokembed_request_duration_seconds_count", labels) == 0
     for model in ("enc", "dec"):
         for family_name in (

@@ -42,10 +42,11 @@ def test_a_reading_of_the_registry_sees_every_update_made_before_it() -> None:
         return registry.get_sample_value(name, labels or {})
 
     enc = {"model": "enc"}
-    assert value("tokembed_requests_total", {**EMBED, "code": "OK", **enc}) == 1
-    assert value("tokembed_request_duration_seconds_count", {**EMBED, **enc}) == 1
-    assert value("tokembed_request_duration_seconds_bucket", {**EMBED, "le": "0.00025", **enc}) == 1
-    assert value("tokembed_request_duration_seconds_bucket", {**EMBED, "le": "0.0001", **enc}) == 0
+    call = {**EMBED, **enc, "version": ""}
+    assert value("tokembed_requests_total", {**call, "code": "OK"}) == 1
+    assert value("tokembed_request_duration_seconds_count", call) == 1
+    assert value("tokembed_request_duration_seconds_bucket", {**call, "le": "0.00025"}) == 1
+    assert value("tokembed_request_duration_seconds_bucket", {**call, "le": "0.0001"}) == 0
     assert value("tokembed_tokens_total", enc) == 8
     assert value("tokembed_output_bytes_total", enc) == 16384
     assert value("tokembed_queue_wait_seconds_count", enc) == 1
@@ -91,7 +92,7 @@ def test_updates_are_applied_once_each_when_threads_record_and_read_at_once() ->
     assert registry.get_sample_value("tokembed_output_bytes_total", m) == 2 * total
     assert registry.get_sample_value("tokembed_queue_wait_seconds_count", m) == total
     assert registry.get_sample_value("tokembed_encode_seconds_count", m) == total
-    ok = {**EMBED, "code": "OK", **m}
+    ok = {**EMBED, "code": "OK", **m, "version": ""}
     assert registry.get_sample_value("tokembed_requests_total", ok) == total
 
 

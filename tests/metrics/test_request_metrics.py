@@ -68,15 +68,15 @@ def prometheus_clients_own() -> CollectorRegistry:
     registry = CollectorRegistry()
     requests = Counter(
         "tokembed_requests",
-        "Calls finished, by protocol, operation, method, status code and model (a stream: "
-        "one per request)",
-        ["protocol", "operation", "method", "code", "model"], registry=registry,
+        "Calls finished, by protocol, operation, method, status code, model and version "
+        "(a stream: one per request)",
+        ["protocol", "operation", "method", "code", "model", "version"], registry=registry,
     )  # fmt: skip
     duration = Histogram(
         "tokembed_request_duration_seconds",
         "Server time of a call, from decoding the request to handing the answer to the "
         "transport",
-        ["protocol", "operation", "method", "model"], buckets=LATENCY_BUCKETS_S,
+        ["protocol", "operation", "method", "model", "version"], buckets=LATENCY_BUCKETS_S,
         registry=registry,
     )  # fmt: skip
     queue = Histogram(
@@ -124,16 +124,16 @@ def prometheus_clients_own() -> CollectorRegistry:
         codes = {FRONT_END.status_of(error("")) for error in outcomes.without_model}
         if not outcomes.ok_with_model:
             codes.add(FRONT_END.ok)
-        duration.labels(V1, operation, method, "")
+        duration.labels(V1, operation, method, "", "")
         for code in sorted(codes):
-            requests.labels(V1, operation, method, code, "")
+            requests.labels(V1, operation, method, code, "", "")
     for protocol, operation, method, code, model, seconds in CALLS:
-        requests.labels(protocol, operation, method, code, model).inc()
-        duration.labels(protocol, operation, method, model).observe(seconds)
+        requests.labels(protocol, operation, method, code, model, "").inc()
+        duration.labels(protocol, operation, method, model, "").observe(seconds)
     for served in SERVED:
         protocol, operation, method, code, model, seconds, count, nbytes, queue_s, encode_s = served
-        requests.labels(protocol, operation, method, code, model).inc()
-        duration.labels(protocol, operation, method, model).observe(seconds)
+        requests.labels(protocol, operation, method, code, model, "").inc()
+        duration.labels(protocol, operation, method, model, "").observe(seconds)
         tokens.labels(model=model).inc(count)
         output_bytes.labels(model=model).inc(nbytes)
         queue.labels(model=model).observe(queue_s)
@@ -197,7 +197,7 @@ def test_a_scrape_filtered_by_name_sees_the_latest_updates() -> None:
     }
     ok_enc = (
         ("code", "OK"), ("method", "Embed"), ("model", "enc"), ("operation", "embed"),
-        ("protocol", V1),
+        ("protocol", V1), ("version", ""),
     )  # fmt: skip
     assert samples[("tokembed_requests_total", ok_enc)] == 2
     assert samples[("tokembed_compute_seconds_count", (("model", "enc"),))] == 2

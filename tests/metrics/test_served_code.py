@@ -44,7 +44,7 @@ def test_a_served_call_is_counted_with_its_front_ends_ok_code(
 
     def requests(method: str, code: str) -> float | None:
         labels = {"protocol": FRONT_END.protocol, "operation": FRONT_END.methods[method],
-                  "method": method, "code": code, "model": "enc"}  # fmt: skip
+                  "method": method, "code": code, "model": "enc", "version": ""}  # fmt: skip
         return registry.get_sample_value("tokembed_requests_total", labels)
 
     assert requests("Infer", "SUCCESS") == 1

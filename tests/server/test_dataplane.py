@@ -89,15 +89,16 @@ class Observed:
     reasons: list[str] = field(default_factory=list)  # of every rejection
 
     def call_done(
-        self, protocol: str, operation: str, method: str, code: str, model: str, duration_s: float
-    ) -> None:
+        self, protocol: str, operation: str, method: str, code: str, model: str,
+        duration_s: float, version: str = "",
+    ) -> None:  # fmt: skip
         assert duration_s >= 0
         self.done.append((protocol, operation, method, code, model))
 
     def call_served(
         self, protocol: str, operation: str, method: str, code: str, model: str,
         duration_s: float, tokens: int, output_bytes: int, queue_s: float,
-        encode_s: float | None,
+        encode_s: float | None, version: str = "",
     ) -> None:  # fmt: skip
         assert duration_s >= 0 and queue_s >= 0 and encode_s is not None and encode_s >= 0
         self.served.append((protocol, operation, method, model, tokens, output_bytes))

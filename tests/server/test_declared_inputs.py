@@ -1,7 +1,7 @@
 """The read step (``embed_request.read_inputs``, the operation's ``read``): a request
-whose inputs are not read yet (``Unread``: a V2 input in its message or a shared-memory
-region) is checked against the model before a byte is read, and reads at most what its
-declared shapes need.
+whose inputs are not read yet (``Unread``: a V2 input's typed contents in its message, or
+a shared-memory region) is checked against the model before a byte is read, and reads at
+most what its declared shapes need; V2's raw contents are in hand from the start.
 
 A counting source stands in for where the bytes are (a region's read is the registry's
 and tests/e2e/test_v2_input_limits.py's, through the real server); the model is the small
@@ -21,7 +21,9 @@ from tokembed.server.core.errors import EmbedError, InvalidInput, TooLarge
 from tokembed.server.core.operations.embed import EMBED, validate
 from tokembed.server.core.operations.embed_request import EmbedInput, IdsInput, Unread
 from tokembed.server.core.served import BatchLimits, Limits, ServedModel
+from tokembed.server.edge.v2.requests import InferCall, InferParser
 from tokembed.server.models.loading import LoadedModel
+from tokembed.v2 import grpc_service_pb2 as pb
 
 MAX_TOKENS = 64
 
@@ -145,3 +147,46 @@ def test_validating_an_unread_request_is_a_bug_not_a_read(model: ServedModel) ->
     with pytest.raises(EmbedError, match="this is a bug"):
         validate(unread(ids([[1, 2]])), model)
     assert Counted.read_bytes == 0
+
+
+def test_bytes_in_hand_are_checked_before_another_input_is_read(model: ServedModel) -> None:
+    # input_ids in hand (V2's raw contents) one id short of its shape, lengths unread:
+    # refused by the ids' size before the lengths are read.
+    sent = EmbedInput("int64", (3,), np.arange(2, dtype="<i8").tobytes(),
+                      lengths_input=ids([1, 2]))  # fmt: skip
+    with pytest.raises(InvalidInput, match="input_ids data is 16 bytes, but shape"):
+        read(sent, model)
+    assert Counted.read_bytes == 0
+
+
+def v2_request(contents: str, name: str = "input_ids") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="small")
+    tensor = request.inputs.add(name=name, datatype="INT64", shape=[1, 3])
+    if contents == "raw":
+        request.raw_input_contents.append(np.array([1, 2, 3], dtype="<i8").tobytes())
+    else:
+        tensor.contents.int64_contents.extend([1, 2, 3])
+    return request
+
+
+def test_v2_raw_contents_are_in_hand_and_typed_contents_read_after_the_check(
+    model: ServedModel,
+) -> None:
+    """Raw contents are the message's bytes: the request has nothing left to read, and the
+    data plane validates it at once. Typed contents become bytes only once the request's
+    declarations fit the model."""
+    parse = InferParser(1 << 20, MAX_TOKENS)
+    raw = parse(v2_request("raw").SerializeToString())
+    assert isinstance(raw, InferCall) and not EMBED.unread(raw.body)
+    assert validate(raw.body, model).tokens == 3
+    typed = parse(v2_request("typed").SerializeToString())
+    assert isinstance(typed, InferCall) and EMBED.unread(typed.body)
+    assert validate(read(typed.body, model), model).tokens == 3
+    for contents in ("raw", "typed"):
+        unknown = parse(v2_request(contents, name="x").SerializeToString())
+        assert isinstance(unknown, InferCall)
+        with pytest.raises(InvalidInput, match="unexpected input 'x'"):
+            if EMBED.unread(unknown.body):
+                read(unknown.body, model)
+            else:
+                validate(unknown.body, model)

@@ -72,7 +72,7 @@ ROOMS = (
         "export/",
         "tokembed.export",
         may_import=(
-            *("numpy", "ml_dtypes", "onnx", "onnxruntime", "torch", "safetensors"),
+            *("numpy", "ml_dtypes", "onnx", "onnxruntime", "torch", "safetensors", "tokenizers"),
             *(VERSION, "tokembed.export"),
         ),
         also="(the exporter)",
@@ -99,7 +99,8 @@ ROOMS = (
         "server/backends/",
         "tokembed.server.backends",
         may_import=(
-            *("numpy", "ml_dtypes", "onnx", "onnxruntime", "tokembed.server.backends"),
+            *("numpy", "ml_dtypes", "onnx", "onnxruntime", "tokenizers"),
+            "tokembed.server.backends",
             *(f"tokembed.server.core.{module}" for module in ("dtypes", "types", "errors")),
         ),
     ),
@@ -117,7 +118,7 @@ ROOMS = (
         "tokembed.server.observability",
         may_import=(
             *("prometheus_client", "tokembed.server.observability"),
-            "tokembed.server.core.calls",
+            *("tokembed.server.core.calls", "tokembed.server.core.control"),
         ),
     ),
     Room(

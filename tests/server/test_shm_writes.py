@@ -1,7 +1,8 @@
 """An answer's copy into a shared-memory region: straight from its pieces, however many
-(more than one vectored write takes), on from where a short write stopped, and the object
-checked before every write call of it. The region's other defences are tried in
-test_shm_registry.py; the answers' bytes end to end in tests/e2e."""
+(more than one vectored write takes), or, for a table's rows, gathered in runs (a write
+call each); on from where a short write stopped, and the object checked before every
+write call of it. The region's other defences are tried in test_shm_registry.py; the
+answers' bytes end to end in tests/e2e."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tokembed.server.backends.base import LookUp
+from tokembed.server.backends.table import TableBackend
+from tokembed.server.core.dtypes import FLOAT32
+from tokembed.server.core.types import GatherableRows, TokenIds
+from tokembed.server.edge.v2 import shm_region
 from tokembed.server.edge.v2.shm import SHM_ROOT, SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_region import SharedMemoryError
 
@@ -164,4 +170,90 @@ def test_an_object_shrunk_between_two_write_calls_is_refused_and_not_grown(
     with pytest.raises(SharedMemoryError, match="its object is now 4096 bytes"):
         write(registry, [b"\x01" * 4] * (IOV_MAX + 10))
     assert calls == [IOV_MAX]
+    assert os.stat(path).st_size == 4096
+
+
+REAL_PWRITE = os.pwrite
+RUN_BYTES = 1000  # what the tests below set: several runs per answer, rows of 32 bytes
+
+
+def table_rows(ids: list[int]) -> tuple[np.ndarray, Any]:
+    """A [40, 8] float32 table served by the table backend, and the look-up's rows of ``ids``."""
+    table = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+    backend = TableBackend(
+        {FLOAT32: table.copy()}, casts={}, padding_id=None, execution_provider="test"
+    )
+    return table, backend.look_up(LookUp(TokenIds.of(ids), FLOAT32))
+
+
+def record_writes(
+    monkeypatch: pytest.MonkeyPatch, change: Callable[[int, Any, int], int] | None = None
+) -> list[int]:
+    """The bytes given to every ``os.pwrite`` call (``change``: the call itself); runs of
+    RUN_BYTES, and no vectored write."""
+    monkeypatch.setattr(shm_region, "RUN_BYTES", RUN_BYTES)
+    calls: list[int] = []
+
+    def pwrite(fd: int, data: Any, position: int) -> int:
+        calls.append(len(data))
+        return change(fd, data, position) if change else REAL_PWRITE(fd, data, position)
+
+    def no_pwritev(*args: Any) -> int:
+        raise AssertionError("a table's rows are written in runs, not vectored")
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwritev", no_pwritev)
+    return calls
+
+
+def test_rows_of_a_table_are_gathered_in_runs_that_land_whole_and_in_order(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, path = region
+    ids = np.random.default_rng(5).integers(0, 40, size=1500).tolist()
+    table, rows = table_rows(ids)
+    calls = record_writes(monkeypatch)
+    for start, stop in ((7, 1203), (0, 1500)):  # a slice of the answer, then all of it
+        pieces = rows.pieces(start, stop)
+        assert isinstance(pieces, GatherableRows)
+        calls.clear()
+        write(registry, pieces)
+        want = table[ids[start:stop]].tobytes()
+        assert written(path, len(want)) == want
+        per_run = RUN_BYTES // 32 * 32  # whole rows: 31 a run
+        assert calls == [per_run] * (len(want) // per_run) + [len(want) % per_run]
+
+
+def test_runs_go_on_from_the_byte_where_a_short_write_stopped(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, path = region
+    ids = np.random.default_rng(6).integers(0, 40, size=900).tolist()
+    table, rows = table_rows(ids)
+
+    def at_most_333_bytes(fd: int, data: Any, position: int) -> int:
+        return REAL_PWRITE(fd, memoryview(data)[:333], position)
+
+    calls = record_writes(monkeypatch, at_most_333_bytes)
+    write(registry, rows.pieces(0, 900))
+    want = table[ids].tobytes()
+    assert written(path, len(want)) == want
+    assert len(calls) >= len(want) // 333
+
+
+def test_an_object_shrunk_between_two_runs_is_refused_and_not_grown(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, path = region
+    _, rows = table_rows(list(range(40)) * 40)
+
+    def then_shrink(fd: int, data: Any, position: int) -> int:
+        done = REAL_PWRITE(fd, data, position)
+        os.truncate(path, 4096)
+        return done
+
+    calls = record_writes(monkeypatch, then_shrink)
+    with pytest.raises(SharedMemoryError, match="its object is now 4096 bytes"):
+        write(registry, rows.pieces(0, 1600))
+    assert len(calls) == 1
     assert os.stat(path).st_size == 4096

@@ -85,6 +85,34 @@ def pad_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
+# A model with its own tokenizer (support.text_models): the WordPiece one trained by the
+# tests, texts of at most TEXT_MAX_LENGTH tokens.
+TEXT_V, TEXT_D, TEXT_MAX_LENGTH = 1000, 32, 64
+
+
+@pytest.fixture(scope="session")
+def trained_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tokenizer.json of each kind ("bpe", "wordpiece", "unigram"), trained once."""
+    from support.text_models import train
+
+    directory = tmp_path_factory.mktemp("tokenizers")
+    return {kind: train(kind, directory / kind / "tokenizer.json")
+            for kind in ("bpe", "wordpiece", "unigram")}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def text_model_dir(tmp_path_factory: pytest.TempPathFactory, trained_tokenizers: Any) -> Path:
+    """V=1000, D=32, seed 5, named "text", with the WordPiece tokenizer and
+    --tokenizer-max-length TEXT_MAX_LENGTH, exported by the command line."""
+    from support.text_models import export_with_tokenizer
+
+    return export_with_tokenizer(
+        tmp_path_factory.mktemp("text-model") / "text", trained_tokenizers["wordpiece"],
+        vocab_size=TEXT_V, d_model=TEXT_D,
+        extra=("--tokenizer-max-length", str(TEXT_MAX_LENGTH)),
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def small_loaded(small_model_dir: Path) -> Any:
     """The small model loaded as the server loads it (its tables too), once: tests build

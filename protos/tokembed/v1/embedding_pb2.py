@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokembed/v1/embedding.proto\x12\x0btokembed.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb4\x02\n\x0c\x45mbedRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12(\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\x30\n\rragged_layout\x18\x04 \x01(\x0e\x32\x19.tokembed.v1.RaggedLayout\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12#\n\x06layout\x18\x08 \x01(\x0e\x32\x13.tokembed.v1.Layout\x12+\n\x0etoken_type_ids\x18\t \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\x7f\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x62\x61tch_requests\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x05 \x01(\x04\"\xb2\x01\n\rEmbedResponse\x12*\n\rhidden_states\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x13\x45mbedStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.tokembed.v1.ErrorH\x00\x42\x08\n\x06result\"F\n\nEmbedChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponse\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xc9\x01\n\x0eNearestRequest\x12$\n\x07vectors\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\r\x12#\n\x06metric\x18\x03 \x01(\x0e\x32\x13.tokembed.v1.Metric\x12\x0e\n\x06logits\x18\x04 \x01(\x08\x12\x12\n\napply_norm\x18\x05 \x01(\x08\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\xa2\x01\n\x0fTensorsResponse\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.tokembed.v1.NamedTensor\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokembed.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x9e\x01\n\x06Limits\x12\x1e\n\x16max_tokens_per_request\x18\x01 \x01(\x04\x12$\n\x1cmax_output_bytes_per_request\x18\x02 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_delay_seconds\x18\x05 \x01(\x01\"\xfa\x06\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x17\n\npadding_id\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cweight_dtype\x18\x07 \x01(\t\x12(\n\x0cinput_dtypes\x18\x08 \x03(\x0e\x32\x12.tokembed.v1.DType\x12)\n\routput_dtypes\x18\t \x03(\x0e\x32\x12.tokembed.v1.DType\x12\x1a\n\x12\x65xecution_provider\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.tokembed.v1.Limits\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x0c\n\x04kind\x18\x0e \x01(\t\x12(\n\x06inputs\x18\x0f \x03(\x0b\x32\x18.tokembed.v1.IdInputInfo\x12&\n\x06tables\x18\x10 \x03(\x0b\x32\x16.tokembed.v1.TableInfo\x12=\n\x0cmemory_bytes\x18\x11 \x03(\x0b\x32\'.tokembed.v1.ModelInfo.MemoryBytesEntry\x12L\n\x14serving_memory_bytes\x18\x12 \x03(\x0b\x32..tokembed.v1.ModelInfo.ServingMemoryBytesEntry\x12\x14\n\x0c\x61rchitecture\x18\x13 \x01(\t\x12\x12\n\nconvention\x18\x14 \x01(\t\x12?\n\rengine_scales\x18\x15 \x03(\x0b\x32(.tokembed.v1.ModelInfo.EngineScalesEntry\x12#\n\x04head\x18\x16 \x01(\x0b\x32\x15.tokembed.v1.HeadInfo\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17ServingMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11\x45ngineScalesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_padding_id\"6\n\x08HeadInfo\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0c\n\x04norm\x18\x02 \x01(\t\x12\r\n\x05max_k\x18\x03 \x01(\x04\"Q\n\x0bIdInputInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ound\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ound_field\x18\x03 \x01(\t\x12\x10\n\x08optional\x18\x04 \x01(\x08\"7\n\tTableInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT64\x10\x01\x12\x0f\n\x0b\x44TYPE_INT32\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05*_\n\x0cRaggedLayout\x12\x1d\n\x19RAGGED_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14RAGGED_LAYOUT_PADDED\x10\x01\x12\x16\n\x12RAGGED_LAYOUT_FLAT\x10\x02*S\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_BATCH_FIRST\x10\x01\x12\x19\n\x15LAYOUT_SEQUENCE_FIRST\x10\x02*C\n\x06Metric\x12\x16\n\x12METRIC_UNSPECIFIED\x10\x00\x12\x0e\n\nMETRIC_DOT\x10\x01\x12\x11\n\rMETRIC_COSINE\x10\x02\x32\xc7\x03\n\x10\x45mbeddingService\x12>\n\x05\x45mbed\x12\x19.tokembed.v1.EmbedRequest\x1a\x1a.tokembed.v1.EmbedResponse\x12N\n\x0b\x45mbedStream\x12\x19.tokembed.v1.EmbedRequest\x1a .tokembed.v1.EmbedStreamResponse(\x01\x30\x01\x12\x44\n\x0c\x45mbedChunked\x12\x19.tokembed.v1.EmbedRequest\x1a\x17.tokembed.v1.EmbedChunk0\x01\x12H\n\x0cGetModelInfo\x12 .tokembed.v1.GetModelInfoRequest\x1a\x16.tokembed.v1.ModelInfo\x12M\n\nListModels\x12\x1e.tokembed.v1.ListModelsRequest\x1a\x1f.tokembed.v1.ListModelsResponse\x12\x44\n\x07Nearest\x12\x1b.tokembed.v1.NearestRequest\x1a\x1c.tokembed.v1.TensorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokembed/v1/embedding.proto\x12\x0btokembed.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb4\x02\n\x0c\x45mbedRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12(\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x12.tokembed.v1.DType\x12\x30\n\rragged_layout\x18\x04 \x01(\x0e\x32\x19.tokembed.v1.RaggedLayout\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12#\n\x06layout\x18\x08 \x01(\x0e\x32\x13.tokembed.v1.Layout\x12+\n\x0etoken_type_ids\x18\t \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\x7f\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x62\x61tch_requests\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x05 \x01(\x04\"\xb2\x01\n\rEmbedResponse\x12*\n\rhidden_states\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x13\x45mbedStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.tokembed.v1.ErrorH\x00\x42\x08\n\x06result\"F\n\nEmbedChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tokembed.v1.EmbedResponse\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xc9\x01\n\x0eNearestRequest\x12$\n\x07vectors\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\r\x12#\n\x06metric\x18\x03 \x01(\x0e\x32\x13.tokembed.v1.Metric\x12\x0e\n\x06logits\x18\x04 \x01(\x08\x12\x12\n\napply_norm\x18\x05 \x01(\x08\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"\xc4\x01\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\x0c\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12+\n\ntruncation\x18\x03 \x01(\x0e\x32\x17.tokembed.v1.Truncation\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x15\n\x13_add_special_tokens\"\xef\x01\n\x10\x45mbedTextRequest\x12\r\n\x05texts\x18\x01 \x03(\x0c\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12+\n\ntruncation\x18\x03 \x01(\x0e\x32\x17.tokembed.v1.Truncation\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12(\n\x0coutput_dtype\x18\x07 \x01(\x0e\x32\x12.tokembed.v1.DTypeB\x15\n\x13_add_special_tokens\"\xa8\x01\n\x11\x44\x65tokenizeRequest\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.tokembed.v1.Tensor\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"b\n\x12\x44\x65tokenizeResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.tokembed.v1.Tensor\"\xa2\x01\n\x0fTensorsResponse\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.tokembed.v1.NamedTensor\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.tokembed.v1.Timings\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokembed.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x9e\x01\n\x06Limits\x12\x1e\n\x16max_tokens_per_request\x18\x01 \x01(\x04\x12$\n\x1cmax_output_bytes_per_request\x18\x02 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_delay_seconds\x18\x05 \x01(\x01\"\xa9\x07\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x17\n\npadding_id\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cweight_dtype\x18\x07 \x01(\t\x12(\n\x0cinput_dtypes\x18\x08 \x03(\x0e\x32\x12.tokembed.v1.DType\x12)\n\routput_dtypes\x18\t \x03(\x0e\x32\x12.tokembed.v1.DType\x12\x1a\n\x12\x65xecution_provider\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.tokembed.v1.Limits\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x0c\n\x04kind\x18\x0e \x01(\t\x12(\n\x06inputs\x18\x0f \x03(\x0b\x32\x18.tokembed.v1.IdInputInfo\x12&\n\x06tables\x18\x10 \x03(\x0b\x32\x16.tokembed.v1.TableInfo\x12=\n\x0cmemory_bytes\x18\x11 \x03(\x0b\x32\'.tokembed.v1.ModelInfo.MemoryBytesEntry\x12L\n\x14serving_memory_bytes\x18\x12 \x03(\x0b\x32..tokembed.v1.ModelInfo.ServingMemoryBytesEntry\x12\x14\n\x0c\x61rchitecture\x18\x13 \x01(\t\x12\x12\n\nconvention\x18\x14 \x01(\t\x12?\n\rengine_scales\x18\x15 \x03(\x0b\x32(.tokembed.v1.ModelInfo.EngineScalesEntry\x12#\n\x04head\x18\x16 \x01(\x0b\x32\x15.tokembed.v1.HeadInfo\x12-\n\ttokenizer\x18\x17 \x01(\x0b\x32\x1a.tokembed.v1.TokenizerInfo\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17ServingMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11\x45ngineScalesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_padding_id\"6\n\x08HeadInfo\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0c\n\x04norm\x18\x02 \x01(\t\x12\r\n\x05max_k\x18\x03 \x01(\x04\"V\n\rTokenizerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x04\x12\x12\n\nmax_length\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"Q\n\x0bIdInputInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ound\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ound_field\x18\x03 \x01(\t\x12\x10\n\x08optional\x18\x04 \x01(\x08\"7\n\tTableInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT64\x10\x01\x12\x0f\n\x0b\x44TYPE_INT32\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05*_\n\x0cRaggedLayout\x12\x1d\n\x19RAGGED_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14RAGGED_LAYOUT_PADDED\x10\x01\x12\x16\n\x12RAGGED_LAYOUT_FLAT\x10\x02*S\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_BATCH_FIRST\x10\x01\x12\x19\n\x15LAYOUT_SEQUENCE_FIRST\x10\x02*C\n\x06Metric\x12\x16\n\x12METRIC_UNSPECIFIED\x10\x00\x12\x0e\n\nMETRIC_DOT\x10\x01\x12\x11\n\rMETRIC_COSINE\x10\x02*X\n\nTruncation\x12\x1a\n\x16TRUNCATION_UNSPECIFIED\x10\x00\x12\x15\n\x11TRUNCATION_REFUSE\x10\x01\x12\x17\n\x13TRUNCATION_TRUNCATE\x10\x02\x32\xa8\x05\n\x10\x45mbeddingService\x12>\n\x05\x45mbed\x12\x19.tokembed.v1.EmbedRequest\x1a\x1a.tokembed.v1.EmbedResponse\x12N\n\x0b\x45mbedStream\x12\x19.tokembed.v1.EmbedRequest\x1a .tokembed.v1.EmbedStreamResponse(\x01\x30\x01\x12\x44\n\x0c\x45mbedChunked\x12\x19.tokembed.v1.EmbedRequest\x1a\x17.tokembed.v1.EmbedChunk0\x01\x12H\n\x0cGetModelInfo\x12 .tokembed.v1.GetModelInfoRequest\x1a\x16.tokembed.v1.ModelInfo\x12M\n\nListModels\x12\x1e.tokembed.v1.ListModelsRequest\x1a\x1f.tokembed.v1.ListModelsResponse\x12\x44\n\x07Nearest\x12\x1b.tokembed.v1.NearestRequest\x1a\x1c.tokembed.v1.TensorsResponse\x12\x46\n\x08Tokenize\x12\x1c.tokembed.v1.TokenizeRequest\x1a\x1c.tokembed.v1.TensorsResponse\x12M\n\nDetokenize\x12\x1e.tokembed.v1.DetokenizeRequest\x1a\x1f.tokembed.v1.DetokenizeResponse\x12H\n\tEmbedText\x12\x1d.tokembed.v1.EmbedTextRequest\x1a\x1c.tokembed.v1.TensorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,14 +37,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_ENGINESCALESENTRY']._loaded_options = None
   _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2842
-  _globals['_DTYPE']._serialized_end=2964
-  _globals['_RAGGEDLAYOUT']._serialized_start=2966
-  _globals['_RAGGEDLAYOUT']._serialized_end=3061
-  _globals['_LAYOUT']._serialized_start=3063
-  _globals['_LAYOUT']._serialized_end=3146
-  _globals['_METRIC']._serialized_start=3148
-  _globals['_METRIC']._serialized_end=3215
+  _globals['_DTYPE']._serialized_start=3689
+  _globals['_DTYPE']._serialized_end=3811
+  _globals['_RAGGEDLAYOUT']._serialized_start=3813
+  _globals['_RAGGEDLAYOUT']._serialized_end=3908
+  _globals['_LAYOUT']._serialized_start=3910
+  _globals['_LAYOUT']._serialized_end=3993
+  _globals['_METRIC']._serialized_start=3995
+  _globals['_METRIC']._serialized_end=4062
+  _globals['_TRUNCATION']._serialized_start=4064
+  _globals['_TRUNCATION']._serialized_end=4152
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=116
   _globals['_EMBEDREQUEST']._serialized_start=119
@@ -61,32 +63,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDCHUNK']._serialized_end=983
   _globals['_NEARESTREQUEST']._serialized_start=986
   _globals['_NEARESTREQUEST']._serialized_end=1187
-  _globals['_NAMEDTENSOR']._serialized_start=1189
-  _globals['_NAMEDTENSOR']._serialized_end=1253
-  _globals['_TENSORSRESPONSE']._serialized_start=1256
-  _globals['_TENSORSRESPONSE']._serialized_end=1418
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1420
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1484
-  _globals['_LISTMODELSREQUEST']._serialized_start=1486
-  _globals['_LISTMODELSREQUEST']._serialized_end=1505
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1507
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1590
-  _globals['_LIMITS']._serialized_start=1593
-  _globals['_LIMITS']._serialized_end=1751
-  _globals['_MODELINFO']._serialized_start=1754
-  _globals['_MODELINFO']._serialized_end=2644
-  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_start=2467
-  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_end=2517
-  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_start=2519
-  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_end=2576
-  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_start=2578
-  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_end=2629
-  _globals['_HEADINFO']._serialized_start=2646
-  _globals['_HEADINFO']._serialized_end=2700
-  _globals['_IDINPUTINFO']._serialized_start=2702
-  _globals['_IDINPUTINFO']._serialized_end=2783
-  _globals['_TABLEINFO']._serialized_start=2785
-  _globals['_TABLEINFO']._serialized_end=2840
-  _globals['_EMBEDDINGSERVICE']._serialized_start=3218
-  _globals['_EMBEDDINGSERVICE']._serialized_end=3673
+  _globals['_TOKENIZEREQUEST']._serialized_start=1190
+  _globals['_TOKENIZEREQUEST']._serialized_end=1386
+  _globals['_EMBEDTEXTREQUEST']._serialized_start=1389
+  _globals['_EMBEDTEXTREQUEST']._serialized_end=1628
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1631
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1799
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1801
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1899
+  _globals['_NAMEDTENSOR']._serialized_start=1901
+  _globals['_NAMEDTENSOR']._serialized_end=1965
+  _globals['_TENSORSRESPONSE']._serialized_start=1968
+  _globals['_TENSORSRESPONSE']._serialized_end=2130
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2132
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2196
+  _globals['_LISTMODELSREQUEST']._serialized_start=2198
+  _globals['_LISTMODELSREQUEST']._serialized_end=2217
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2219
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2302
+  _globals['_LIMITS']._serialized_start=2305
+  _globals['_LIMITS']._serialized_end=2463
+  _globals['_MODELINFO']._serialized_start=2466
+  _globals['_MODELINFO']._serialized_end=3403
+  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_start=3226
+  _globals['_MODELINFO_MEMORYBYTESENTRY']._serialized_end=3276
+  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_start=3278
+  _globals['_MODELINFO_SERVINGMEMORYBYTESENTRY']._serialized_end=3335
+  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_start=3337
+  _globals['_MODELINFO_ENGINESCALESENTRY']._serialized_end=3388
+  _globals['_HEADINFO']._serialized_start=3405
+  _globals['_HEADINFO']._serialized_end=3459
+  _globals['_TOKENIZERINFO']._serialized_start=3461
+  _globals['_TOKENIZERINFO']._serialized_end=3547
+  _globals['_IDINPUTINFO']._serialized_start=3549
+  _globals['_IDINPUTINFO']._serialized_end=3630
+  _globals['_TABLEINFO']._serialized_start=3632
+  _globals['_TABLEINFO']._serialized_end=3687
+  _globals['_EMBEDDINGSERVICE']._serialized_start=4155
+  _globals['_EMBEDDINGSERVICE']._serialized_end=4835
 # @@protoc_insertion_point(module_scope)

@@ -145,6 +145,34 @@ METRIC_COSINE: Metric.ValueType  # 2
 """h . W_v / (|h| |W_v|); a row of norm 0 scores 0; a vector of norm 0 is refused."""
 Global___Metric: _TypeAlias = Metric  # noqa: Y015
 
+class _Truncation:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TruncationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Truncation.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRUNCATION_UNSPECIFIED: _Truncation.ValueType  # 0
+    """REFUSE."""
+    TRUNCATION_REFUSE: _Truncation.ValueType  # 1
+    """The request fails (RESOURCE_EXHAUSTED), naming the text and its length."""
+    TRUNCATION_TRUNCATE: _Truncation.ValueType  # 2
+    """Its tokens are cut to the limit (the special tokens kept), as Hugging Face's
+    `truncation=True, max_length=limit` cuts them.
+    """
+
+class Truncation(_Truncation, metaclass=_TruncationEnumTypeWrapper):
+    """What a text longer than the model's limit (ModelInfo.tokenizer.max_length) gets."""
+
+TRUNCATION_UNSPECIFIED: Truncation.ValueType  # 0
+"""REFUSE."""
+TRUNCATION_REFUSE: Truncation.ValueType  # 1
+"""The request fails (RESOURCE_EXHAUSTED), naming the text and its length."""
+TRUNCATION_TRUNCATE: Truncation.ValueType  # 2
+"""Its tokens are cut to the limit (the special tokens kept), as Hugging Face's
+`truncation=True, max_length=limit` cuts them.
+"""
+Global___Truncation: _TypeAlias = Truncation  # noqa: Y015
+
 @_typing.final
 class Tensor(_message.Message):
     """A dense tensor: `data` holds prod(shape) elements of `dtype`, little-endian,
@@ -467,8 +495,164 @@ class NearestRequest(_message.Message):
 Global___NearestRequest: _TypeAlias = NearestRequest  # noqa: Y015
 
 @_typing.final
+class TokenizeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXTS_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    add_special_tokens: _builtins.bool
+    """Whether the tokenizer adds its special tokens ([CLS] ... [SEP], <s>, </s>); unset:
+    true, as Hugging Face's tokenizers do.
+    """
+    truncation: Global___Truncation.ValueType
+    model_name: _builtins.str
+    model_version: _builtins.str
+    request_id: _builtins.str
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """UTF-8 texts (bytes: a text that is not UTF-8 is refused by its index). Empty texts
+        are texts.
+        """
+
+    def __init__(
+        self,
+        *,
+        texts: _abc.Iterable[_builtins.bytes] | None = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        truncation: Global___Truncation.ValueType = ...,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "model_name", b"model_name", "model_version", b"model_version", "request_id", b"request_id", "texts", b"texts", "truncation", b"truncation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+
+Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
+
+@_typing.final
+class EmbedTextRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXTS_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_DTYPE_FIELD_NUMBER: _builtins.int
+    add_special_tokens: _builtins.bool
+    truncation: Global___Truncation.ValueType
+    model_name: _builtins.str
+    model_version: _builtins.str
+    request_id: _builtins.str
+    output_dtype: Global___DType.ValueType
+    """As EmbedRequest's."""
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """As TokenizeRequest's."""
+
+    def __init__(
+        self,
+        *,
+        texts: _abc.Iterable[_builtins.bytes] | None = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        truncation: Global___Truncation.ValueType = ...,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        output_dtype: Global___DType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "model_name", b"model_name", "model_version", b"model_version", "output_dtype", b"output_dtype", "request_id", b"request_id", "texts", b"texts", "truncation", b"truncation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+
+Global___EmbedTextRequest: _TypeAlias = EmbedTextRequest  # noqa: Y015
+
+@_typing.final
+class DetokenizeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_IDS_FIELD_NUMBER: _builtins.int
+    LENGTHS_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    skip_special_tokens: _builtins.bool
+    model_name: _builtins.str
+    model_version: _builtins.str
+    request_id: _builtins.str
+    @_builtins.property
+    def input_ids(self) -> Global___Tensor:
+        """int64 or int32: [B, S], or [N] with `lengths` [B] (sum(lengths) == N)."""
+
+    @_builtins.property
+    def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        input_ids: Global___Tensor | None = ...,
+        lengths: _abc.Iterable[_builtins.int] | None = ...,
+        skip_special_tokens: _builtins.bool = ...,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "lengths", b"lengths", "model_name", b"model_name", "model_version", b"model_version", "request_id", b"request_id", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeRequest: _TypeAlias = DetokenizeRequest  # noqa: Y015
+
+@_typing.final
+class DetokenizeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXTS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    model_version: _builtins.str
+    request_id: _builtins.str
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One per sequence."""
+
+    def __init__(
+        self,
+        *,
+        texts: _abc.Iterable[_builtins.str] | None = ...,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "model_version", b"model_version", "request_id", b"request_id", "texts", b"texts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015
+
+@_typing.final
 class NamedTensor(_message.Message):
-    """A tensor with its name: what an answer of several tensors is made of."""
+    """One tensor of an answer made of several."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -493,14 +677,14 @@ Global___NamedTensor: _TypeAlias = NamedTensor  # noqa: Y015
 
 @_typing.final
 class TensorsResponse(_message.Message):
-    """An answer of several named tensors (Nearest's: "ids" int64 [..., k], "scores" float32
-    [..., k] largest first, equal scores by the lower id, and "logits" float32 [..., V]
-    when asked), in the order the operation documents.
+    """An answer of several named tensors, in the order the RPC documents. Nearest's: "ids"
+    int64 [..., k], "scores" float32 [..., k] largest first, equal scores by the lower id,
+    and "logits" float32 [..., V] when asked; Tokenize's and EmbedText's: as those RPCs say.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    OUTPUTS_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
@@ -509,13 +693,13 @@ class TensorsResponse(_message.Message):
     model_version: _builtins.str
     request_id: _builtins.str
     @_builtins.property
-    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedTensor]: ...
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedTensor]: ...
     @_builtins.property
     def timings(self) -> Global___Timings: ...
     def __init__(
         self,
         *,
-        outputs: _abc.Iterable[Global___NamedTensor] | None = ...,
+        tensors: _abc.Iterable[Global___NamedTensor] | None = ...,
         timings: Global___Timings | None = ...,
         model_name: _builtins.str = ...,
         model_version: _builtins.str = ...,
@@ -523,7 +707,7 @@ class TensorsResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "request_id", b"request_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "model_version", b"model_version", "request_id", b"request_id", "tensors", b"tensors", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -712,6 +896,7 @@ class ModelInfo(_message.Message):
     CONVENTION_FIELD_NUMBER: _builtins.int
     ENGINE_SCALES_FIELD_NUMBER: _builtins.int
     HEAD_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.str
     vocab_size: _builtins.int
@@ -782,6 +967,12 @@ class ModelInfo(_message.Message):
     def head(self) -> Global___HeadInfo:
         """The way back (Nearest); unset: the model has no head and refuses it."""
 
+    @_builtins.property
+    def tokenizer(self) -> Global___TokenizerInfo:
+        """The model's own tokenizer; unset when it has none (then Tokenize, Detokenize and
+        EmbedText are INVALID_ARGUMENT).
+        """
+
     def __init__(
         self,
         *,
@@ -807,10 +998,11 @@ class ModelInfo(_message.Message):
         convention: _builtins.str = ...,
         engine_scales: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         head: Global___HeadInfo | None = ...,
+        tokenizer: Global___TokenizerInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "head", b"head", "limits", b"limits", "padding_id", b"padding_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "head", b"head", "limits", b"limits", "padding_id", b"padding_id", "tokenizer", b"tokenizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "architecture", b"architecture", "backend", b"backend", "convention", b"convention", "d_model", b"d_model", "engine_scales", b"engine_scales", "execution_provider", b"execution_provider", "head", b"head", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id", "architecture", b"architecture", "backend", b"backend", "convention", b"convention", "d_model", b"d_model", "engine_scales", b"engine_scales", "execution_provider", b"execution_provider", "head", b"head", "input_dtypes", b"input_dtypes", "inputs", b"inputs", "kind", b"kind", "limits", b"limits", "memory_bytes", b"memory_bytes", "model_sha256", b"model_sha256", "name", b"name", "output_dtypes", b"output_dtypes", "padding_id", b"padding_id", "scale", b"scale", "serving_memory_bytes", b"serving_memory_bytes", "tables", b"tables", "tokenizer", b"tokenizer", "version", b"version", "vocab_size", b"vocab_size", "weight_dtype", b"weight_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__padding_id: _TypeAlias = _typing.Literal["padding_id"]  # noqa: Y015
     _WhichOneofArgType__padding_id: _TypeAlias = _typing.Literal["_padding_id", b"_padding_id"]  # noqa: Y015
@@ -845,6 +1037,38 @@ class HeadInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeadInfo: _TypeAlias = HeadInfo  # noqa: Y015
+
+@_typing.final
+class TokenizerInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_LENGTH_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The tokenizers library's model: "BPE", "WordPiece", "Unigram", ..."""
+    vocab_size: _builtins.int
+    """Ids it gives (added tokens included), all below vocab_size."""
+    max_length: _builtins.int
+    """The longest text in tokens: longer ones are refused or truncated, as a request asks."""
+    sha256: _builtins.str
+    """sha256 of tokenizer.json, as in the model directory's manifest."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
+        max_length: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_length", b"max_length", "model", b"model", "sha256", b"sha256", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenizerInfo: _TypeAlias = TokenizerInfo  # noqa: Y015
 
 @_typing.final
 class IdInputInfo(_message.Message):

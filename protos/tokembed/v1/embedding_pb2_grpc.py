@@ -64,6 +64,21 @@ class EmbeddingServiceStub(object):
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
                 response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tokembed.v1.EmbeddingService/Tokenize',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tokembed.v1.EmbeddingService/Detokenize',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.EmbedText = channel.unary_unary(
+                '/tokembed.v1.EmbeddingService/EmbedText',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer(object):
@@ -117,6 +132,34 @@ class EmbeddingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
+        it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
+        Answers the tensors input_ids [N] (int64: every text's ids one after another),
+        lengths [B] (int64), offsets [N, 2] (int64: each token's start and end, in
+        characters of its text) and special_tokens_mask [N] (int32: 1 for a token the
+        tokenizer added).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to texts, one per sequence, with the model's own tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedText(self, request, context):
+        """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
+        input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
+        another, in output_dtype).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +191,21 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
             'Nearest': grpc.unary_unary_rpc_method_handler(
                     servicer.Nearest,
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.TokenizeRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'EmbedText': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedText,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.FromString,
                     response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
             ),
     }
@@ -312,6 +370,87 @@ class EmbeddingService(object):
             target,
             '/tokembed.v1.EmbeddingService/Nearest',
             tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/Tokenize',
+            tokembed_dot_v1_dot_embedding__pb2.TokenizeRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/Detokenize',
+            tokembed_dot_v1_dot_embedding__pb2.DetokenizeRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedText(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/EmbedText',
+            tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
             tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
             options,
             channel_credentials,

@@ -61,6 +61,21 @@ class EmbeddingServiceStub:
     (the tied embedding table, or the exported output projection; a model with neither
     is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
     """
+    Tokenize: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.TokenizeRequest, _embedding_pb2.TensorsResponse]
+    """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
+    it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
+    Answers the tensors input_ids [N] (int64: every text's ids one after another),
+    lengths [B] (int64), offsets [N, 2] (int64: each token's start and end, in
+    characters of its text) and special_tokens_mask [N] (int32: 1 for a token the
+    tokenizer added).
+    """
+    Detokenize: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.DetokenizeRequest, _embedding_pb2.DetokenizeResponse]
+    """Token ids back to texts, one per sequence, with the model's own tokenizer."""
+    EmbedText: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.EmbedTextRequest, _embedding_pb2.TensorsResponse]
+    """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
+    input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
+    another, in output_dtype).
+    """
 
 @_typing.type_check_only
 class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
@@ -85,6 +100,21 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     """The way back: vectors to the ids of the model's output table that score highest
     (the tied embedding table, or the exported output projection; a model with neither
     is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+    """
+    Tokenize: _aio.UnaryUnaryMultiCallable[_embedding_pb2.TokenizeRequest, _embedding_pb2.TensorsResponse]  # type: ignore[assignment]
+    """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
+    it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
+    Answers the tensors input_ids [N] (int64: every text's ids one after another),
+    lengths [B] (int64), offsets [N, 2] (int64: each token's start and end, in
+    characters of its text) and special_tokens_mask [N] (int32: 1 for a token the
+    tokenizer added).
+    """
+    Detokenize: _aio.UnaryUnaryMultiCallable[_embedding_pb2.DetokenizeRequest, _embedding_pb2.DetokenizeResponse]  # type: ignore[assignment]
+    """Token ids back to texts, one per sequence, with the model's own tokenizer."""
+    EmbedText: _aio.UnaryUnaryMultiCallable[_embedding_pb2.EmbedTextRequest, _embedding_pb2.TensorsResponse]  # type: ignore[assignment]
+    """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
+    input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
+    another, in output_dtype).
     """
 
 class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -143,6 +173,39 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         """The way back: vectors to the ids of the model's output table that score highest
         (the tied embedding table, or the exported output projection; a model with neither
         is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+        """
+
+    @_abc_1.abstractmethod
+    def Tokenize(
+        self,
+        request: _embedding_pb2.TokenizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_embedding_pb2.TensorsResponse, _abc.Awaitable[_embedding_pb2.TensorsResponse]]:
+        """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
+        it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
+        Answers the tensors input_ids [N] (int64: every text's ids one after another),
+        lengths [B] (int64), offsets [N, 2] (int64: each token's start and end, in
+        characters of its text) and special_tokens_mask [N] (int32: 1 for a token the
+        tokenizer added).
+        """
+
+    @_abc_1.abstractmethod
+    def Detokenize(
+        self,
+        request: _embedding_pb2.DetokenizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_embedding_pb2.DetokenizeResponse, _abc.Awaitable[_embedding_pb2.DetokenizeResponse]]:
+        """Token ids back to texts, one per sequence, with the model's own tokenizer."""
+
+    @_abc_1.abstractmethod
+    def EmbedText(
+        self,
+        request: _embedding_pb2.EmbedTextRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_embedding_pb2.TensorsResponse, _abc.Awaitable[_embedding_pb2.TensorsResponse]]:
+        """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
+        input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
+        another, in output_dtype).
         """
 
 def add_EmbeddingServiceServicer_to_server(servicer: EmbeddingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

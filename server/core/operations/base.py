@@ -50,6 +50,10 @@ class Operation(ABC, Generic[RequestT, JobT, ResultT]):
     # A compute that multiplies over a whole table (nearest): it gains from company on
     # any backend, so its jobs always batch, and never compute on the event loop.
     heavy: bool = False
+    # Its compute never runs on the event loop, whatever its size (a tokenizer's, whose
+    # cost the request's size does not tell before it runs): each request on a worker
+    # thread of its own, never batched with others.
+    off_loop = False
 
     @abstractmethod
     def validate(self, request: RequestT, model: ServedModel) -> JobT:

@@ -1,12 +1,13 @@
 """An embed request as a front end hands it over, and what is checked of it before its
 inputs are read.
 
-A front end may hand over inputs whose bytes it has not read (``Unread``: a V2 input in
-its message or in a shared-memory region). Reading them is a step of its own
-(``read_inputs``, the operation's ``read``), after what the request declares (its
-inputs' names, datatypes, shapes and sizes) is checked against the model: a refused
-request has read nothing, and an accepted one reads at most what its declared shapes
-need. Validation (``embed.validate``) then checks the bytes.
+A front end may hand over inputs whose bytes it has not read (``Unread``: a V2 input's
+typed contents in its message, or a shared-memory region). Reading them is a step of its
+own (``read_inputs``, the operation's ``read``), after what the request declares (its
+inputs' names, datatypes, shapes and sizes, and the size of any bytes already in hand)
+is checked against the model: a refused request has read nothing, and an accepted one
+reads at most what its declared shapes need. Validation (``embed.validate``) then checks
+the bytes. A request whose inputs are all in hand skips the step.
 """
 
 from __future__ import annotations
@@ -189,15 +190,18 @@ def check_tokens(tokens: int, model: ServedModel) -> None:
 def _check_declared_size(
     name: str, data: bytes | Unread, shape: tuple[int, ...], dtype: DType, count: int
 ) -> None:
-    """An input whose size is known before it is read (a region's window, bytes in the
-    message): that size is what its shape needs. Bytes in hand are checked by
-    validation."""
-    if not isinstance(data, Unread) or data.nbytes is None:
-        return
-    if data.nbytes != count * dtype.itemsize:
-        size = "is declared as" if data.declared else "data is"
+    """An input whose size is known before it is read (a region's window, values in the
+    message, bytes in hand): that size is what its shape needs."""
+    if isinstance(data, bytes):
+        nbytes: int | None = len(data)
+        declared = False
+    else:
+        nbytes = data.nbytes
+        declared = data.declared
+    if nbytes is not None and nbytes != count * dtype.itemsize:
+        size = "is declared as" if declared else "data is"
         raise InvalidInput(
-            f"{name} {size} {data.nbytes} bytes, but shape {list(shape)} of "
+            f"{name} {size} {nbytes} bytes, but shape {list(shape)} of "
             f"{dtype.name} needs {count * dtype.itemsize}"
         )
 

@@ -83,11 +83,7 @@ class Nearest(Operation[NearestInput, NearestJob, Found]):
             tensors.append(
                 _tensor(LOGITS, result.logits, (*job.leading, model.vocab_size), FLOAT32)
             )
-        first = tensors[0]
-        return Answer(
-            first.shape, first.dtype, first.pieces, None, timings, job.tokens,
-            sum(t.nbytes for t in tensors), model.name, model.version, tensors,
-        )  # fmt: skip
+        return Answer.of_tensors(tensors, timings, job.tokens, model.name, model.version)
 
 
 NEAREST = Nearest()
@@ -95,7 +91,9 @@ NEAREST = Nearest()
 
 def _tensor(name: str, array: np.ndarray, shape: tuple[int, ...], dtype: DType) -> NamedTensor:
     data = np.ascontiguousarray(array, dtype=dtype.numpy)
-    return NamedTensor(name, shape, dtype, [data.data.cast("B")] if data.size else [b""])
+    return NamedTensor(
+        name, shape, dtype, [data.data.cast("B")] if data.size else [b""], data.nbytes
+    )
 
 
 def head_of(model: ServedModel) -> NearestHead:

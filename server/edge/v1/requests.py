@@ -65,6 +65,15 @@ class EmbedParser:
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
 
+    @property
+    def max_bytes(self) -> int:
+        """The largest valid request (the text RPCs' parsers share it)."""
+        return self._max_bytes
+
+    @property
+    def max_tokens(self) -> int:
+        return self._max_tokens
+
     def __call__(self, data: bytes) -> EmbedCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))

@@ -18,7 +18,7 @@ import functools
 import struct
 from collections.abc import Iterator, Sequence
 
-from tokembed.server.core.dtypes import OUTPUT_DTYPES, DType
+from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer, Timings
 from tokembed.server.edge.v1.requests import WIRE_ID_DTYPES, WIRE_OUTPUT_DTYPES
@@ -60,21 +60,24 @@ def answer_metadata(
     if lengths:
         packed = b"".join([varint(length) for length in lengths])
         parts += [_LENGTHS_KEY, varint(len(packed)), packed]
-    timing_fields = b"".join([
+    parts += [
+        _timings_field(_TIMINGS_KEY, timings, server_s),
+        _model_fields(model_name, model_version),
+        string_field(_REQUEST_ID_KEY, request_id),
+    ]
+    return b"".join(parts)
+
+
+def _timings_field(key: bytes, timings: Timings, server_s: float) -> bytes:
+    """A ``timings`` field: always present (even empty), as protobuf writes a set message."""
+    fields = b"".join([
         _double_field(_QUEUE_SECONDS_KEY, timings.queue_s),
         _double_field(_COMPUTE_SECONDS_KEY, timings.compute_s),
         _double_field(_SERVER_SECONDS_KEY, server_s),
         _varint_field(_BATCH_REQUESTS_KEY, timings.batch_requests),
         _varint_field(_BATCH_TOKENS_KEY, timings.batch_tokens),
     ])  # fmt: skip
-    parts += [
-        _TIMINGS_KEY,
-        varint(len(timing_fields)),
-        timing_fields,  # always set, even if empty
-        _model_fields(model_name, model_version),
-        string_field(_REQUEST_ID_KEY, request_id),
-    ]
-    return b"".join(parts)
+    return key + varint(len(fields)) + fields
 
 
 # --- EmbedStream and EmbedChunked
@@ -188,6 +191,12 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         # A head that cannot read the look-up's table maps its own, in its stored dtype.
         answer.memory_bytes[f"{head.stored_dtype} head table (mapped)"] = head.memory_bytes
     answer.serving_memory_bytes.update(backend.serving_memory)
+    tokenizer = manifest.tokenizer
+    if tokenizer is not None and served.tokenizer is not None:
+        answer.tokenizer.model = tokenizer.model
+        answer.tokenizer.vocab_size = served.tokenizer.vocab_size
+        answer.tokenizer.max_length = served.tokenizer.max_length
+        answer.tokenizer.sha256 = manifest.files[tokenizer.file].sha256
     if manifest.pretrained is not None:
         answer.architecture = manifest.pretrained.architecture
         answer.convention = manifest.pretrained.convention
@@ -196,30 +205,45 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
 
 
 def tensors_response(answer: Answer, request_id: str, server_s: float) -> bytes:
-    """A TensorsResponse: every named tensor of an answer of several (``Answer.tensors``),
-    whatever the operation; each tensor's pieces are joined once, into its message."""
-    timings = answer.timings
-    response = pb.TensorsResponse(
-        outputs=[
-            pb.NamedTensor(name=tensor.name, tensor=pb.Tensor(
-                dtype=WIRE_DTYPES[tensor.dtype.name], shape=tensor.shape,
-                data=b"".join(tensor.pieces),
-            ))
-            for tensor in answer.tensors
-        ],
-        timings=pb.Timings(
-            queue_seconds=timings.queue_s, compute_seconds=timings.compute_s,
-            server_seconds=server_s, batch_requests=timings.batch_requests,
-            batch_tokens=timings.batch_tokens,
-        ),
-        model_name=answer.model_name, model_version=answer.model_version, request_id=request_id,
-    )  # fmt: skip
-    return response.SerializeToString()
+    """``TensorsResponse`` wire bytes for any answer of several named tensors
+    (``Answer.tensors``: nearest's, a tokenizer's), written by hand as Embed's answer is:
+    each tensor's pieces copied once, into the response; then the timings and the names."""
+    parts: list[Buffer] = []
+    for tensor in answer.tensors:
+        packed = b"".join([varint(int(dim)) for dim in tensor.shape])
+        head = field_key(1, VARINT) + varint(_TENSOR_DTYPES[tensor.dtype])
+        if packed:
+            head += field_key(2, LEN) + varint(len(packed)) + packed
+        nbytes = tensor.nbytes
+        data_head = field_key(3, LEN) + varint(nbytes) if nbytes else b""
+        tensor_size = len(head) + len(data_head) + nbytes
+        name = string_field(_NAME_KEY, tensor.name)
+        named_size = len(name) + len(_TENSOR_KEY) + len(varint(tensor_size)) + tensor_size
+        parts += [_TENSORS_KEY, varint(named_size), name, _TENSOR_KEY, varint(tensor_size), head]
+        if nbytes:
+            parts += [data_head, *tensor.pieces]
+    parts += [
+        _timings_field(_TENSORS_TIMINGS_KEY, answer.timings, server_s),
+        string_field(_TENSORS_MODEL_NAME_KEY, answer.model_name),
+        string_field(_TENSORS_MODEL_VERSION_KEY, answer.model_version),
+        string_field(_TENSORS_REQUEST_ID_KEY, request_id),
+    ]
+    return b"".join(parts)
 
 
-# Every dtype a named tensor may be in, by name (ids are int64).
-WIRE_DTYPES = {name: value for value, name in (*WIRE_ID_DTYPES.items(),
-                                               *WIRE_OUTPUT_DTYPES.items())}  # fmt: skip
+# Every dtype a named tensor may be in (ids and answers), to its wire enum value.
+_TENSOR_DTYPES = {
+    **{ID_DTYPES[name]: code for code, name in WIRE_ID_DTYPES.items()},
+    **_WIRE_DTYPES,
+}
+# TensorsResponse fields 1..5, NamedTensor fields 1..2 (embedding.proto).
+_TENSORS_KEY = field_key(1, LEN)
+_TENSORS_TIMINGS_KEY = field_key(2, LEN)
+_TENSORS_MODEL_NAME_KEY = field_key(3, LEN)
+_TENSORS_MODEL_VERSION_KEY = field_key(4, LEN)
+_TENSORS_REQUEST_ID_KEY = field_key(5, LEN)
+_NAME_KEY = field_key(1, LEN)
+_TENSOR_KEY = field_key(2, LEN)
 
 
 def list_models(

@@ -19,15 +19,21 @@ from typing import Any
 import grpc
 
 from tokembed.server.core.calls import Call, FrontEnd
-from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Sink
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Request, Sink
 from tokembed.server.core.errors import EmbedError
+from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.operations.detokenize import DETOKENIZE
 from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.operations.embed_text import EMBED_TEXT
 from tokembed.server.core.operations.nearest import NEAREST
+from tokembed.server.core.operations.text_request import DetokenizeInput, TextInput
+from tokembed.server.core.operations.tokenize import TOKENIZE
+from tokembed.server.core.texts_answer import TextsAnswer
 from tokembed.server.core.types import Answer, Buffer
 from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.status_codes import refuse, status_name, status_of
-from tokembed.server.edge.v1 import responses
+from tokembed.server.edge.v1 import responses, text
 from tokembed.server.edge.v1.requests import (
     EmbedCall,
     EmbedParser,
@@ -48,6 +54,9 @@ FRONT_END = FrontEnd(
         "GetModelInfo": "model_info",
         "ListModels": "list_models",
         "Nearest": "nearest",
+        "Tokenize": "tokenize",
+        "Detokenize": "detokenize",
+        "EmbedText": "embed_text",
     },
     status_of=status_name,
 )
@@ -67,6 +76,14 @@ class EmbeddingServicer:
         message limit GetModelInfo reports; ``parse``: the Embed methods' deserializer."""
         self.parse = parse
         self.parse_nearest = parse_nearest or NearestParser(max_message_bytes)
+        self.parse_text = {
+            method: text.TextParser(parser, parse.max_bytes, parse.max_tokens)
+            for method, parser in (
+                ("Tokenize", text.parse_tokenize),
+                ("Detokenize", text.parse_detokenize),
+                ("EmbedText", text.parse_embed_text),
+            )
+        }
         self._dataplane = dataplane
         self._chunk_bytes = chunk_bytes
         self._max_message_bytes = max_message_bytes
@@ -98,12 +115,28 @@ class EmbeddingServicer:
         self, request: NearestCall | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
         sink = _TensorsSink(context)
-        try:
-            await self._dataplane.serve(
-                FRONT_END, "Nearest", NEAREST, request, deadline_of(context), sink
-            )
-        except EmbedError as error:
-            refuse(context, status_of(error), error)
+        await self._serve("Nearest", request, context, sink, NEAREST)
+        return sink.payload
+
+    async def Tokenize(
+        self, request: Request[TextInput] | Refused, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        sink = _TensorsSink(context)
+        await self._serve("Tokenize", request, context, sink, TOKENIZE)
+        return sink.payload
+
+    async def EmbedText(
+        self, request: Request[TextInput] | Refused, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        sink = _TensorsSink(context)
+        await self._serve("EmbedText", request, context, sink, EMBED_TEXT)
+        return sink.payload
+
+    async def Detokenize(
+        self, request: Request[DetokenizeInput] | Refused, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        sink = _TextsSink(context)
+        await self._serve("Detokenize", request, context, sink, DETOKENIZE)
         return sink.payload
 
     async def GetModelInfo(
@@ -137,13 +170,14 @@ class EmbeddingServicer:
     async def _serve(
         self,
         method: str,
-        request: EmbedCall | Refused,
+        request: Request[Any] | Refused,
         context: grpc.aio.ServicerContext,
         sink: Sink[Any],
+        operation: Operation[Any, Any, Any] = EMBED,
     ) -> None:
         try:
             await self._dataplane.serve(
-                FRONT_END, method, EMBED, request, deadline_of(context), sink
+                FRONT_END, method, operation, request, deadline_of(context), sink
             )
         except EmbedError as error:
             refuse(context, status_of(error), error)
@@ -165,10 +199,19 @@ class _UnarySink(GrpcUnarySink):
 
 
 class _TensorsSink(GrpcUnarySink):
-    """An answer of several named tensors (Nearest): one TensorsResponse."""
+    """An answer of several named tensors (Nearest, Tokenize, EmbedText): one
+    TensorsResponse."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
         return responses.tensors_response(answer, call.request_id, _server_s(call))
+
+
+class _TextsSink(GrpcUnarySink):
+    """Detokenize: one DetokenizeResponse."""
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        assert isinstance(answer, TextsAnswer), "This is a bug: an answer of texts."
+        return text.detokenize_response(answer, call.request_id)
 
 
 class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
@@ -220,6 +263,16 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
         ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, parse_list_models, pb.ListModelsResponse.SerializeToString
+        ),
+        # Their answers are bytes already, as Embed's.
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, servicer.parse_text["Tokenize"]
+        ),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Detokenize, servicer.parse_text["Detokenize"]
+        ),
+        "EmbedText": grpc.unary_unary_rpc_method_handler(
+            servicer.EmbedText, servicer.parse_text["EmbedText"]
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

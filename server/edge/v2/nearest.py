@@ -18,8 +18,6 @@ now (INVALID_ARGUMENT); tokembed.v1's Nearest has neither.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
 from tokembed.server.core.dataplane import Request
@@ -34,6 +32,7 @@ from tokembed.server.core.operations.nearest import (
 )
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
+from tokembed.server.edge.v2.parameters import bool_parameter, string_parameter
 from tokembed.v2 import grpc_service_pb2 as pb
 from tokembed.v2 import model_config_pb2 as config_pb
 
@@ -91,8 +90,8 @@ def nearest_call(request: pb.ModelInferRequest, model_name: str) -> Request[Near
         request.model_version,
         NearestInput(
             data=data, dtype=dtype, shape=tuple(vectors.shape), k=_k(found.get(K)),
-            metric=_string(request.parameters, METRIC_PARAMETER) or "dot", logits=logits,
-            norm=_bool(request.parameters, NORM_PARAMETER),
+            metric=string_parameter(request.parameters, METRIC_PARAMETER) or "dot", logits=logits,
+            norm=bool_parameter(request.parameters, NORM_PARAMETER),
         ),
         request.id,
     )  # fmt: skip
@@ -125,24 +124,6 @@ def _k(sent: tuple[pb.ModelInferRequest.InferInputTensor, bytes] | None) -> int:
     if value < 0:
         raise InvalidInput(f"k = {value} is negative")
     return value
-
-
-def _string(parameters: Mapping[str, pb.InferParameter], name: str) -> str:
-    if name not in parameters:
-        return ""
-    parameter = parameters[name]
-    if parameter.WhichOneof("parameter_choice") != "string_param":
-        raise InvalidInput(f"parameter {name} must be a string")
-    return str(parameter.string_param)
-
-
-def _bool(parameters: Mapping[str, pb.InferParameter], name: str) -> bool:
-    if name not in parameters:
-        return False
-    parameter = parameters[name]
-    if parameter.WhichOneof("parameter_choice") != "bool_param":
-        raise InvalidInput(f"parameter {name} must be a bool")
-    return bool(parameter.bool_param)
 
 
 # --- the answer: several named outputs

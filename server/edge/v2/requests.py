@@ -7,10 +7,14 @@ input of the model's kind by its name (``token_type_ids``), and the answer's dat
 named by a ``datatype`` parameter on the requested output or on the request (FP32 unless
 asked). The ids' bytes are ``raw_input_contents`` (what tritonclient sends) or the typed
 ``contents`` field, or a shared-memory region (``shm_service.SharedMemoryInputs``): where
-they come from is one step (``InputSource``), and none is read while parsing. Which
-regions a request may read depends on who sent it, which only the RPC's handler knows:
-such an input (``CallersInput``) is told its caller there (``InferCall.sent_by``), before
-the data plane reads it.
+they come from is one step (``InputSource``). Raw contents are the message's own bytes,
+in hand as tokembed.v1's ids are (taking them costs at most what the message did); typed
+contents (converted to bytes) and regions are read only once the request's declarations
+fit the model (``Unread``): so a request whose inputs are all raw contents has nothing
+left to read, and the data plane validates it at once. Which regions a request may read
+depends on who sent it, which only the RPC's handler knows: such an input
+(``CallersInput``) is told its caller there (``InferCall.sent_by``), before the data plane
+reads it.
 
 As for tokembed.v1, a deserializer that raises makes gRPC answer UNKNOWN past our status
 table and metrics, so these never raise: bytes that do not parse, a request this protocol
@@ -42,6 +46,8 @@ from tokembed.server.core.operations.embed_request import (
 )
 from tokembed.server.core.operations.nearest import NearestInput
 from tokembed.server.edge.v2 import nearest
+from tokembed.server.edge.v2.parameters import string_parameter
+from tokembed.server.edge.v2.text import TextCall, is_text, text_call
 from tokembed.v2 import grpc_service_pb2 as pb
 
 # The V2 datatype names, by the rows of the server's dtype table (``core.dtypes``): a row
@@ -87,9 +93,10 @@ class CallersInput(Unread):
 
 
 # Where an input's bytes are: the request, its index among the inputs; returns them
-# unread (``Unread``). Raises ``EmbedError`` for what it can tell from the request alone.
+# in hand (the message's raw contents) or unread (``Unread``). Raises ``EmbedError`` for
+# what it can tell from the request alone.
 NearestCall = Request[NearestInput]  # a ModelInferRequest for NAME.nearest (``v2.nearest``)
-InputSource = Callable[["pb.ModelInferRequest", int], Unread]
+InputSource = Callable[["pb.ModelInferRequest", int], bytes | Unread]
 SHARED_MEMORY_REGION = "shared_memory_region"  # an input's parameter naming its region
 
 
@@ -109,7 +116,7 @@ class InferParser:
         self._max_tokens = max_tokens
         self._source = source or in_request
 
-    def __call__(self, data: bytes) -> InferCall | NearestCall | Refused:
+    def __call__(self, data: bytes) -> InferCall | NearestCall | TextCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
@@ -122,18 +129,24 @@ class InferParser:
                 return nearest.nearest_call(request, base)
             except EmbedError as error:
                 return Refused(error, request.id)
+        if is_text(request):  # texts, not ids (``edge.v2.text``)
+            try:
+                return text_call(request, V2_OUTPUT_DTYPES)
+            except EmbedError as error:
+                return Refused(error, request.id)
         try:
             body = self.embed_input(request)
         except EmbedError as error:
             return Refused(error, request.id)
+        outputs = request.outputs
         return InferCall(
             request.model_name, request.model_version, body, request.id,
-            tuple(request.outputs) if request.outputs else (), _callers_inputs(body),
+            tuple(outputs) if outputs else (), _callers_inputs(body),
         )  # fmt: skip
 
     def embed_input(self, request: pb.ModelInferRequest) -> EmbedInput:
-        """The embed request a ModelInferRequest asks for, its inputs unread; raises
-        ``EmbedError``."""
+        """The embed request a ModelInferRequest asks for, its inputs in hand or unread
+        (``InputSource``); raises ``EmbedError``."""
         if len(request.inputs) > MAX_INPUTS:
             raise InvalidInput(
                 f"the request has {len(request.inputs)} inputs; an embed request takes at "
@@ -180,59 +193,52 @@ class InferParser:
         )
 
 
-class InRequest(Unread):
-    """An input's bytes in the request's own message: its raw content, or its typed
-    ``contents`` (int64_contents for INT64, int_contents for INT32), little-endian."""
+class InContents(Unread):
+    """An input's typed ``contents`` in the request's message (int64_contents for INT64,
+    int_contents for INT32): made bytes (little-endian) only when the data plane reads it,
+    once the request's declarations fit the model."""
 
-    __slots__ = ("_index", "_request")
+    __slots__ = ("_dtype", "_values")
 
-    def __init__(self, request: pb.ModelInferRequest, index: int) -> None:
-        self._request = request
-        self._index = index
+    def __init__(self, tensor: pb.ModelInferRequest.InferInputTensor) -> None:
+        self._dtype = ID_DTYPES[V2_ID_DTYPES[tensor.datatype]]  # the parser took only these
+        contents = tensor.contents
+        self._values = (
+            contents.int64_contents if self._dtype.itemsize == 8 else contents.int_contents
+        )
 
-    declared = False  # their size is that of the bytes the message carries
+    declared = False  # their size is that of the values the message carries
 
     @property
     def nbytes(self) -> int:
-        request, index = self._request, self._index
-        if request.raw_input_contents:
-            return len(request.raw_input_contents[index])
-        tensor = request.inputs[index]
-        contents = tensor.contents
-        if ID_DTYPES[V2_ID_DTYPES[tensor.datatype]].itemsize == 8:
-            return 8 * len(contents.int64_contents)
-        return 4 * len(contents.int_contents)
+        return self._dtype.itemsize * len(self._values)
 
     async def read(self) -> bytes:
-        return self.take()
-
-    def take(self) -> bytes:
-        request, index = self._request, self._index
-        if request.raw_input_contents:
-            return request.raw_input_contents[index]
-        tensor = request.inputs[index]
-        dtype = ID_DTYPES[V2_ID_DTYPES[tensor.datatype]]  # the parser took only these
-        contents = tensor.contents
-        values = contents.int64_contents if dtype.itemsize == 8 else contents.int_contents
-        return np.asarray(values, dtype=dtype.numpy).tobytes()
+        return np.asarray(self._values, dtype=self._dtype.numpy).tobytes()
 
 
-def in_request(request: pb.ModelInferRequest, index: int) -> InRequest:
-    """The default ``InputSource``: inputs in the request only."""
+def in_request(request: pb.ModelInferRequest, index: int) -> bytes | InContents:
+    """The default ``InputSource``: inputs in the request only. Raw contents are taken as
+    they are (the message's bytes); typed contents stay in the message until read."""
     tensor = request.inputs[index]
     if SHARED_MEMORY_REGION in tensor.parameters:
         raise InvalidInput(
             f"input {tensor.name!r} names a shared-memory region, and this server reads "
             "inputs from the request only"
         )
-    if request.raw_input_contents and tensor.HasField("contents"):
-        raise InvalidInput(
-            f"input {tensor.name!r} has both contents and raw_input_contents; send one"
-        )
-    return InRequest(request, index)
+    raw = request.raw_input_contents
+    if raw:
+        if tensor.HasField("contents"):
+            raise InvalidInput(
+                f"input {tensor.name!r} has both contents and raw_input_contents; send one"
+            )
+        return raw[index]
+    return InContents(tensor)
 
 
 def _callers_inputs(body: EmbedInput) -> tuple[CallersInput, ...]:
+    if body.more_ids is None and body.lengths_input is None:  # the ids alone: most requests
+        return (body.data,) if isinstance(body.data, CallersInput) else ()
     sent = [body.data, *(more.data for more in (body.more_ids or {}).values())]
     if body.lengths_input is not None:
         sent.append(body.lengths_input.data)
@@ -248,8 +254,8 @@ def _output_dtype(request: pb.ModelInferRequest) -> str:
             raise InvalidInput(
                 f"unexpected inference output {output.name!r}; the model's output is {OUTPUT_NAME}"
             )
-        asked = _string_parameter(output.parameters, DATATYPE_PARAMETER) or asked
-    asked = asked or _string_parameter(request.parameters, DATATYPE_PARAMETER)
+        asked = string_parameter(output.parameters, DATATYPE_PARAMETER) or asked
+    asked = asked or string_parameter(request.parameters, DATATYPE_PARAMETER)
     if not asked:
         return DEFAULT_OUTPUT_DTYPE
     dtype = V2_OUTPUT_DTYPES.get(asked)
@@ -262,7 +268,7 @@ def _output_dtype(request: pb.ModelInferRequest) -> str:
 
 
 def _layout(parameters: Mapping[str, pb.InferParameter]) -> str:
-    asked = _string_parameter(parameters, LAYOUT_PARAMETER)
+    asked = string_parameter(parameters, LAYOUT_PARAMETER)
     if not asked:
         return PADDED
     layout = _LAYOUTS.get(asked.lower())
@@ -271,15 +277,6 @@ def _layout(parameters: Mapping[str, pb.InferParameter]) -> str:
             f"parameter {LAYOUT_PARAMETER} = {asked!r} is not supported; use padded or flat"
         )
     return layout
-
-
-def _string_parameter(parameters: Mapping[str, pb.InferParameter], name: str) -> str:
-    if name not in parameters:
-        return ""
-    parameter = parameters[name]
-    if parameter.WhichOneof("parameter_choice") != "string_param":
-        raise InvalidInput(f"parameter {name} must be a string")
-    return str(parameter.string_param)
 
 
 def parse_message(message: Any) -> Callable[[bytes], Any]:

@@ -17,6 +17,13 @@ import functools
 from collections.abc import Iterable, Sequence
 
 from tokembed.server.core.dtypes import ID_DTYPES, OUTPUT_DTYPES, DType
+from tokembed.server.core.operations.text_request import (
+    INPUT_IDS,
+    LENGTHS,
+    OFFSETS,
+    SPECIAL_TOKENS_MASK,
+    TEXT,
+)
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer
 from tokembed.server.edge.wire import LEN, field_key, string_field, varint
@@ -44,7 +51,7 @@ def infer_response_parts(answer: Answer, output_name: str, request_id: str) -> l
     version, the request's id, the output's description, then ``raw_output_contents``
     (its key and length, and the answer's pieces)."""
     return [
-        _model_fields(answer.model_name, answer.model_version),
+        model_fields(answer.model_name, answer.model_version),
         string_field(_ID_KEY, request_id),
         _output_prefix(output_name, answer.shape, answer.dtype, answer.nbytes),
         *answer.pieces,
@@ -69,10 +76,31 @@ def stream_error(message: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=64)
-def _model_fields(model_name: str, model_version: str) -> bytes:
+def model_fields(model_name: str, model_version: str) -> bytes:
     return string_field(_MODEL_NAME_KEY, model_name) + string_field(
         _MODEL_VERSION_KEY, model_version
     )
+
+
+def tensors_infer_response(answer: Answer, request_id: str) -> bytes:
+    """A ``ModelInferResponse`` of any answer of several named tensors (``Answer.tensors``:
+    NAME.nearest's, a tokenizer's): each described in ``outputs``, their bytes in
+    ``raw_output_contents`` in the same order, each piece copied once."""
+    parts: list[Buffer] = [
+        model_fields(answer.model_name, answer.model_version),
+        string_field(_ID_KEY, request_id),
+    ]
+    for tensor in answer.tensors:
+        packed = b"".join([varint(int(dim)) for dim in tensor.shape])
+        described = b"".join([
+            string_field(_TENSOR_NAME_KEY, tensor.name),
+            string_field(_TENSOR_DATATYPE_KEY, tensor.dtype.v2),
+            _TENSOR_SHAPE_KEY + varint(len(packed)) + packed if packed else b"",
+        ])  # fmt: skip
+        parts += [_OUTPUTS_KEY, varint(len(described)), described]
+    for tensor in answer.tensors:
+        parts += [_RAW_OUTPUT_KEY, varint(tensor.nbytes), *tensor.pieces]
+    return b"".join(parts)
 
 
 def _output_prefix(name: str, shape: tuple[int, ...], dtype: DType, nbytes: int) -> bytes:
@@ -121,15 +149,33 @@ def model_metadata(served: ServedModel, versions: Sequence[str]) -> pb.ModelMeta
     other datatype gets."""
     manifest = served.model.manifest
     tensor = pb.ModelMetadataResponse.TensorMetadata
+    inputs = [tensor(name=spec.name, datatype=_IDS.v2, shape=[-1, -1]) for spec in served.inputs]
+    outputs = [
+        tensor(name=manifest.output.name, datatype=_ANSWER.v2, shape=[-1, -1, served.d_model])
+    ]
+    if served.tokenizer is not None:  # texts in (edge.v2.text): the tokenizer's outputs
+        inputs.append(tensor(name=TEXT, datatype="BYTES", shape=[-1]))
+        outputs += [
+            tensor(name=name, datatype=dtype.v2, shape=shape)
+            for name, dtype, shape in _TOKENIZER_OUTPUTS
+        ]
     return pb.ModelMetadataResponse(
         name=served.name,
         versions=list(versions),
         platform=platform(served),
-        inputs=[tensor(name=spec.name, datatype=_IDS.v2, shape=[-1, -1]) for spec in served.inputs],
-        outputs=[
-            tensor(name=manifest.output.name, datatype=_ANSWER.v2, shape=[-1, -1, served.d_model])
-        ],
+        inputs=inputs,
+        outputs=outputs,
     )
+
+
+# A model with a tokenizer answers texts with these too (``edge.v2.text``): [N] and [B]
+# (every text's tokens one after another, and each text's count), [N, 2].
+_TOKENIZER_OUTPUTS = (
+    (INPUT_IDS, ID_DTYPES["int64"], [-1]),
+    (LENGTHS, ID_DTYPES["int64"], [-1]),
+    (OFFSETS, ID_DTYPES["int64"], [-1, 2]),
+    (SPECIAL_TOKENS_MASK, ID_DTYPES["int32"], [-1]),
+)
 
 
 def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigResponse:
@@ -160,6 +206,19 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
             )
         ],
     )
+    if served.tokenizer is not None:
+        config.input.append(
+            config_pb.ModelInput(
+                name=TEXT,
+                data_type=config_pb.DataType.Value("TYPE_STRING"),
+                dims=[-1],
+                optional=True,
+            )
+        )
+        config.output.extend(
+            config_pb.ModelOutput(name=name, data_type=_config_type(dtype), dims=shape)
+            for name, dtype, shape in _TOKENIZER_OUTPUTS
+        )
     if backend.batches:
         config.dynamic_batching.max_queue_delay_microseconds = int(served.batch.max_delay_s * 1e6)
     facts: dict[str, object] = {
@@ -178,6 +237,10 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
     }
     if manifest.padding_idx is not None:
         facts["padding_id"] = manifest.padding_idx
+    if served.tokenizer is not None and manifest.tokenizer is not None:
+        facts["tokenizer"] = manifest.tokenizer.model
+        facts["tokenizer_max_length"] = served.tokenizer.max_length
+        facts["tokenizer_sha256"] = manifest.files[manifest.tokenizer.file].sha256
     if manifest.pretrained is not None:
         # As tokembed.v1's GetModelInfo reports them (architecture, convention,
         # engine_scales), one parameter each: "engine_scale_vllm", ...

@@ -27,10 +27,19 @@ import grpc
 
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
+from tokembed.server.core.control import ModelControl
 from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
-from tokembed.server.core.errors import EmbedError, InvalidInput, Unavailable
+from tokembed.server.core.errors import (
+    EmbedError,
+    InvalidInput,
+    ModelNotFound,
+    ModelUnloaded,
+    Unavailable,
+)
 from tokembed.server.core.operations.embed import EMBED
+from tokembed.server.core.operations.embed_text import EMBED_TEXT
 from tokembed.server.core.operations.nearest import NEAREST
+from tokembed.server.core.operations.tokenize import TOKENIZE
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
@@ -38,6 +47,7 @@ from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.status_codes import refuse
 from tokembed.server.edge.v2 import nearest, responses
+from tokembed.server.edge.v2.repository_service import RepositoryService
 from tokembed.server.edge.v2.requests import (
     InferCall,
     InferParser,
@@ -53,6 +63,7 @@ from tokembed.server.edge.v2.shm_service import (
     output_window,
 )
 from tokembed.server.edge.v2.status import V2, status_name, status_of
+from tokembed.server.edge.v2.text import TextCall, stream_refusal
 from tokembed.v2 import grpc_service_pb2 as pb
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -85,12 +96,16 @@ class InferenceServicer:
         identities: Identities,
         extensions: Sequence[str] = EXTENSIONS,
         shared_memory: SharedMemoryRegistry | None = None,
+        control: ModelControl | None = None,
     ) -> None:
         """``parse``: ModelInfer's deserializer; ``max_message_bytes``: the message limit
         ModelConfig reports; ``version``: tokembed's (ServerMetadata); ``statistics``: a
         model name's totals (None: none yet); ``identities``: who a call comes from (whose
         shared-memory regions it may use); ``shared_memory``: the system shared-memory
-        regions (None: the extension's methods are not served)."""
+        regions (None: the extension's methods are not served); ``control``: the control
+        plane the repository methods drive (None: RepositoryIndex lists what is served,
+        and models are neither loaded nor unloaded)."""
+        self.repository = None if control is None else RepositoryService(control)
         self.parse = parse
         self.shared_memory = (
             None
@@ -108,8 +123,12 @@ class InferenceServicer:
     # --- inference
 
     async def ModelInfer(
-        self, request: InferCall | NearestCall | Refused, context: grpc.aio.ServicerContext
+        self,
+        request: InferCall | NearestCall | TextCall | Refused,
+        context: grpc.aio.ServicerContext,
     ) -> bytes:
+        if isinstance(request, TextCall):
+            return await self._text(request, context)
         if not isinstance(request, (InferCall, Refused)):  # NAME.nearest: v2.nearest
             tensors = TensorsSink(context)
             try:
@@ -126,6 +145,18 @@ class InferenceServicer:
             )
         except EmbedError as error:
             refuse(context, status_of(error), error)  # not an abort: see refuse
+        return sink.payload
+
+    async def _text(self, request: TextCall, context: grpc.aio.ServicerContext) -> bytes:
+        """Texts: tokenized, or embedded, as the requested outputs say (``edge.v2.text``)."""
+        sink = TensorsSink(context)
+        operation = TOKENIZE if request.tokenize else EMBED_TEXT
+        try:
+            await self._dataplane.serve(
+                FRONT_END, "ModelInfer", operation, request, deadline_of(context), sink
+            )
+        except EmbedError as error:
+            refuse(context, status_of(error), error)
         return sink.payload
 
     def unary_sink(
@@ -173,7 +204,9 @@ class InferenceServicer:
         memory is refused (a stream's answers are its messages; ModelInfer writes answers
         into regions), and so is one for a ``.nearest`` name (ModelInfer serves it)."""
         async for request in requests:
-            if not isinstance(request, (InferCall, Refused)):
+            if isinstance(request, TextCall):
+                yield Refused(stream_refusal(), request.request_id)
+            elif not isinstance(request, (InferCall, Refused)):
                 yield Refused(
                     InvalidInput(
                         f"model {request.model_name + nearest.SUFFIX!r} is served by "
@@ -227,8 +260,16 @@ class InferenceServicer:
             )
             if base is not None and routed.served.backend.head is None:
                 return pb.ModelReadyResponse(ready=False)
-        except Unavailable:
+        except (Unavailable, ModelUnloaded):
             return pb.ModelReadyResponse(ready=False)
+        except ModelNotFound as error:
+            # A version not served of a model served: not ready (it may be loaded).
+            assert not isinstance(request, Refused)
+            if request.model_version and self._versions(
+                request.model_name or self._dataplane.repository.default_name
+            ):
+                return pb.ModelReadyResponse(ready=False)
+            await _abort(context, error)
         except EmbedError as error:
             await _abort(context, error)
         return pb.ModelReadyResponse(ready=True)
@@ -339,11 +380,11 @@ class UnarySink(GrpcUnarySink):
 
 
 class TensorsSink(GrpcUnarySink):
-    """ModelInfer of an answer of several named tensors (NAME.nearest): one
+    """ModelInfer of an answer of several named tensors (NAME.nearest's, a tokenizer's): one
     ModelInferResponse with an output each."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
-        return nearest.infer_response(answer, call.request_id)
+        return responses.tensors_infer_response(answer, call.request_id)
 
 
 class StreamItemSink(GrpcStreamItemSink):
@@ -410,4 +451,6 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     }
     if servicer.shared_memory is not None:
         handlers.update(servicer.shared_memory.handlers(parse_message))
+    if servicer.repository is not None:
+        handlers.update(servicer.repository.handlers(parse_message))
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

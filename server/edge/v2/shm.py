@@ -32,13 +32,14 @@ What this module does about each:
 - Memory is never mapped. Reading a page of a mapping whose file was truncated under it
   raises SIGBUS, which kills the process, and checking the size before touching the
   mapping leaves a window in which the client can truncate it anyway. So every copy is a
-  ``pread`` or ``pwritev`` on the object's descriptor: the kernel does the copy, a read
-  past the end is short (reported as an error), and no signal can come of it. What is
+  ``pread``, ``pwrite`` or ``pwritev`` on the object's descriptor: the kernel does the
+  copy, a read past the end is short (reported as an error), and no signal can come of
+  it. What is
   left of the race: a client that shrinks its object after the size check and before the
   write sees the write grow it back, up to the end of the window it registered (checked
   against the object's size at registration, and at most the request's answer); the
   memory is the client's own object's, and the server goes on.
-- Nothing is read while a request is parsed. An input is read only after the request's
+- No region is read while a request is parsed. An input is read only after the request's
   inputs (at most 16) are checked against the model it is routed to, and the size it
   declares is exactly what its shape needs (within the request's token limit): a refused
   request reads nothing, an accepted one at most what its shapes need, one input at a

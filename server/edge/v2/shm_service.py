@@ -108,7 +108,7 @@ class SharedMemoryInputs:
         self._max_bytes = max_bytes
         self._request = request
 
-    def __call__(self, request: pb.ModelInferRequest, index: int) -> Unread:
+    def __call__(self, request: pb.ModelInferRequest, index: int) -> bytes | Unread:
         tensor = request.inputs[index]
         if not names_region(tensor.parameters):
             return self._request(request, index)

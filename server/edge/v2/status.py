@@ -22,10 +22,12 @@ import grpc
 
 from tokembed.server.core.errors import (
     Cancelled,
+    ControlRefused,
     DeadlineExceeded,
     EmbedError,
     Internal,
     InvalidInput,
+    LoadFailed,
     ModelNotFound,
     Overloaded,
     TooLarge,
@@ -45,6 +47,8 @@ STATUS_BY_ERROR: dict[type[EmbedError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cancelled: grpc.StatusCode.CANCELLED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    ControlRefused: grpc.StatusCode.PERMISSION_DENIED,
+    LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,
     Internal: grpc.StatusCode.INTERNAL,
 }
 V2 = StatusTable(STATUS_BY_ERROR)
