@@ -153,13 +153,15 @@ class HookedHead(NearestHead):
 
     def __init__(self, inner: NearestHead, backend: HookedBackend) -> None:
         super().__init__(inner.table, inner.norm, inner.table_role, shared=inner.shared)
-        self._backend = backend
+        # What it shares with its backend, not the backend itself: no reference cycle.
+        self._searches = backend.searches
+        self._entered = backend.entered
+        self._gate = backend.gate
 
     def search(self, queries: Sequence[Query]) -> list[Found]:
-        backend = self._backend
-        backend.searches.append([len(query.vectors) for query in queries])
-        backend.entered.set()
-        backend.gate.pass_through()
+        self._searches.append([len(query.vectors) for query in queries])
+        self._entered.set()
+        self._gate.pass_through()
         return super().search(queries)
 
 
