@@ -12,7 +12,8 @@ Llama-3's 128,256 x 4,096) with a tied head is written once into the cache and s
   server, against that floor (target: <= 1.5x);
 - **16 callers x 8 vectors**: vectors/s of 16 concurrent asyncio callers, against the
   vectors/s of one in-process multiply of the same 128 rows with the same library (numpy,
-  float32, the table widened as the server holds it; target: >= 0.7x).
+  float32, the table widened to float32 whole: numpy's fastest multiply, though the server
+  holds no widened copy; target: >= 0.7x).
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ def _measure(
 
 
 def _multiply_s(stored: np.ndarray, rows: np.ndarray) -> float:
-    """One multiply of ``rows`` by the table widened to float32, as the server holds it
-    (numpy's matmul, the server's library): the fastest of three."""
+    """One multiply of ``rows`` by the table widened to float32 whole (numpy's matmul, the
+    server's library; the server itself reads the stored dtype): the fastest of three."""
     widened = stored.astype(np.float32)
     return min(_timed(lambda: rows @ widened.T) for _ in range(3))
 

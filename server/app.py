@@ -209,6 +209,7 @@ class TokembedServer:
                 max_concurrent_batches=settings.max_concurrent_batches,
                 max_queued_tokens=settings.max_queued_tokens,
                 nearest_max_batch_rows=settings.nearest_max_batch_rows,
+                max_queued_nearest_flops=settings.max_queued_nearest_flops,
             ),
             tokenizer=loaded.tokenizer,
         )

@@ -123,5 +123,11 @@ class Backend(ABC):
         """What the backend holds in memory, by what it is (GetModelInfo, the load log)."""
         return {}
 
+    def held_table(self, dtype_name: str) -> np.ndarray | None:
+        """The ``[V, D]`` rows the backend holds in dtype ``dtype_name``, if any:
+        the head reads them instead of a table of its own when their bytes are the
+        head's (``models.loading``)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to let go of
         """Let go of what the backend holds (the model is unloaded)."""

@@ -1,13 +1,17 @@
 """The way back: vectors to the ids of their nearest rows of the model's output table.
 
-``logits = norm?(h) @ W.T`` in float32 (``W`` widened to float32 once, at load; float32
-accumulation for every request dtype), then per vector the ``k`` largest by ``dot``
-(the logits themselves) or ``cosine`` (the logits divided by ``|h| |W_v|``; a row of
-``W`` with norm 0 scores 0). The scores answered are those products accumulated in
-float64 and rounded once to float32 (``_exact_top_k``: the float32 multiply finds the
-candidates, which are scored again), so that a vector's answer is the same alone or in
-any batch; equal scores are ordered by the lower id. The logits, when asked, are the
-float32 multiply's (within ``D 2**-24 |h| |W_v|`` of the exact products).
+``logits = norm?(h) @ W.T`` with float32 accumulation, reading ``W`` as the server holds it
+in its stored dtype (never a widened copy of the whole table): a float32 table is
+multiplied as it is; a bfloat16 or float16 one a block of rows at a time, each block
+widened to float32 (exactly) into a buffer small enough to stay in the cache and
+multiplied there, so that the memory traffic is the stored bytes (``_Blocks``). Then per
+vector the ``k`` largest by ``dot`` (the logits themselves) or ``cosine`` (the logits
+divided by ``|h| |W_v|``; a row of ``W`` with norm 0 scores 0). The scores answered are
+those products accumulated in float64 and rounded once to float32 (``_exact_top_k``: the
+float32 multiply finds the candidates, which are scored again), so that a vector's answer
+is the same alone or in any batch; equal scores are ordered by the lower id. The logits,
+when asked, are the float32 multiply's (within ``D 2**-24 |h| |W_v|`` of the exact
+products).
 
 The rows of every request in a batch go into one multiply (the table is read once per
 batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
@@ -24,6 +28,9 @@ import numpy as np
 
 # Logits are computed this many bytes ([rows, V] float32) at a time.
 _LOGITS_CHUNK_BYTES = 64 * 1024 * 1024
+# A narrow table is widened this many float32 bytes of rows at a time: small enough that
+# the widened block is still in the cache when the multiply reads it.
+_BLOCK_BYTES = 2 * 1024 * 1024
 
 DOT = "dot"
 COSINE = "cosine"
@@ -80,25 +87,42 @@ class NearestHead:
     """A model's output table and final norm, and the search over them (thread-safe:
     nothing changes after load but the row norms, computed once on first cosine use)."""
 
-    def __init__(self, table: np.ndarray, norm: FinalNorm | None, table_role: str) -> None:
-        """``table``: ``W [V, D]`` in its stored dtype (widened to float32 here, once)."""
-        self.table = np.ascontiguousarray(table, dtype=np.float32)
-        self.vocab_size, self.d_model = self.table.shape
+    def __init__(
+        self, table: np.ndarray, norm: FinalNorm | None, table_role: str, *, shared: bool
+    ) -> None:
+        """``table``: ``W [V, D]`` C-contiguous in its stored dtype (float32, float16, or
+        bfloat16 as ``ml_dtypes`` holds it), read as it is, never copied. ``shared``: the
+        array is one the server already counts (the look-up's own table); otherwise the
+        head's bytes are its own (``memory_bytes``)."""
+        if table.ndim != 2 or not table.flags.c_contiguous:
+            raise ValueError("this is a bug: a head table is a C-contiguous [V, D] array")
+        self.table = table
+        self.vocab_size, self.d_model = table.shape
         self.norm = norm
         self.table_role = table_role  # "embedding" (tied) or "output"
-        self._row_norms64 = _row_norms(self.table)
+        self.shared = shared
+        self._blocks = _Blocks(table)
+        self._row_norms64 = _row_norms(self._blocks)
         self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
-        self._row_norms: np.ndarray | None = None
+        self._inverse_norms: np.ndarray | None = None
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.table.nbytes)
+        """The bytes the head holds beside what the look-up holds: 0 when it reads the
+        look-up's table."""
+        return 0 if self.shared else int(self.table.nbytes)
 
-    def row_norms(self) -> np.ndarray:
-        """float32 row norms, for the first pass of cosine."""
-        if self._row_norms is None:
-            self._row_norms = self._row_norms64.astype(np.float32)
-        return self._row_norms
+    @property
+    def stored_dtype(self) -> str:
+        return str(self.table.dtype)
+
+    def inverse_norms(self) -> np.ndarray:
+        """float32 ``1 / |W_v|`` (0 for a row of norm 0), for the first pass of cosine."""
+        if self._inverse_norms is None:
+            norms = self._row_norms64
+            inverse = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+            self._inverse_norms = inverse.astype(np.float32)
+        return self._inverse_norms
 
     def search(self, queries: Sequence[Query]) -> list[Found]:
         """Each query's top-k (and logits), from one multiply over all their rows."""
@@ -109,7 +133,7 @@ class NearestHead:
         query_index, start_in_query = 0, 0
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         for start in range(0, len(stacked), step):
-            logits = stacked[start : start + step] @ self.table.T
+            logits = self._blocks.multiply(stacked[start : start + step])
             offset = 0
             while offset < len(logits):
                 query = queries[query_index]
@@ -137,24 +161,29 @@ class NearestHead:
         A float32 dot product over D terms differs from the exact one by at most
         ``D 2**-24 sum|h_i w_i|`` whatever the order of its sums (which BLAS chooses by
         the batch's shape), and ``sum|h_i w_i| <= |h| |w|``: ``bound`` is that, for the
-        widest row of the table (cosine: divided by ``|h| |w_v|``, at most ``D 2**-24``).
+        widest row of the table (cosine, ranked by ``cosine |h|``: divided by ``|w_v|``,
+        at most ``D 2**-24 |h|``, plus the roundings of the division).
         So the answer is the same whatever the batch a vector was in, and whatever BLAS.
         """
         h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
         gamma = (self.d_model + 4) * 2.0**-24 * 1.01
         if metric == COSINE:
-            scores = _cosine(logits, h, self.row_norms())
-            bound = np.full(len(h), gamma * 1.01)
+            # The first pass ranks by ``cosine |h|`` (``|h|`` is the same along a row, so
+            # the order is cosine's): one multiply of the logits by ``1 / |W_v|``, whose
+            # error is the logits' divided by ``|W_v|``, at most ``gamma |h|``, plus the
+            # roundings of ``1 / |W_v|`` and of the product (each ``2**-24`` of a score of
+            # at most ``|h|``): inside ``2**-21 |h|``.
+            scores = np.multiply(logits, self.inverse_norms())
+            bound = (gamma + 2.0**-21) * h_norms
         else:
             scores = logits
             bound = gamma * h_norms * self._widest
         ids = np.empty((len(h), k), dtype=np.int64)
         top = np.empty((len(h), k), dtype=np.float32)
         kth = _kth_largest(scores, k)
-        table = self.table
         for row in range(len(h)):
             candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
-            exact = table[candidates].astype(np.float64) @ h[row].astype(np.float64)
+            exact = self._blocks.rows64(candidates) @ h[row].astype(np.float64)
             if metric == COSINE:
                 norms = h_norms[row] * self._row_norms64[candidates]
                 exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
@@ -170,28 +199,86 @@ class NearestHead:
         return self.norm.apply(vectors)
 
 
-def _row_norms(table: np.ndarray) -> np.ndarray:
+class _Blocks:
+    """A ``[V, D]`` table read in its stored dtype, widened to float32 a block at a time.
+
+    bfloat16 is the upper half of a float32: the table's bytes seen as ``uint32`` pairs
+    ``(w[2j+1] << 16) | w[2j]`` give ``w[2j]`` exactly by a shift left by 16 and
+    ``w[2j+1]`` exactly by masking off the low half, two word-wide passes over a block in
+    the cache (where a cast from 16-bit to 32-bit words measured an order slower). So a
+    bfloat16 block's product is that of the even columns plus that of the odd columns:
+    still float32 sums of the same ``D`` products, inside ``_exact_top_k``'s bound. float16
+    is widened by numpy's cast; float32 is multiplied as it is.
+    """
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+        d_model = table.shape[1]
+        self._kind = "float32"
+        if table.dtype != np.float32:
+            self._kind = "float16" if table.dtype == np.float16 else "bfloat16"
+            if self._kind == "bfloat16" and (table.dtype.itemsize != 2 or d_model % 2):
+                self._kind = "cast"  # an odd D: no word pairs; numpy's (slower) cast
+        self.rows_per_block = max(1, _BLOCK_BYTES // (4 * max(1, d_model)))
+        self._words = table.view(np.uint32) if self._kind == "bfloat16" else None
+
+    def multiply(self, h: np.ndarray) -> np.ndarray:
+        """``h [n, D] float32 @ W.T``: float32 ``[n, V]``."""
+        if self._kind == "float32":
+            return np.asarray(h @ self.table.T, dtype=np.float32)
+        vocab = len(self.table)
+        out = np.empty((len(h), vocab), dtype=np.float32)
+        step = self.rows_per_block
+        if self._kind == "bfloat16":
+            words = self._words
+            assert words is not None
+            even_h = np.ascontiguousarray(h[:, 0::2])
+            odd_h = np.ascontiguousarray(h[:, 1::2])
+            low = np.empty((step, words.shape[1]), dtype=np.uint32)
+            high = np.empty((step, words.shape[1]), dtype=np.uint32)
+            odd = np.empty((len(h), step), dtype=np.float32)
+            shift, mask = np.uint32(16), np.uint32(0xFFFF0000)
+            for start in range(0, vocab, step):
+                block = words[start : start + step]
+                n = len(block)
+                np.left_shift(block, shift, out=low[:n])
+                np.bitwise_and(block, mask, out=high[:n])
+                part = out[:, start : start + n]
+                np.matmul(even_h, low[:n].view(np.float32).T, out=part)
+                np.matmul(odd_h, high[:n].view(np.float32).T, out=odd[:, :n])
+                part += odd[:, :n]
+            return out
+        widened = np.empty((step, self.table.shape[1]), dtype=np.float32)
+        for start in range(0, vocab, step):
+            block = self.table[start : start + step]
+            n = len(block)
+            np.copyto(widened[:n], block, casting="unsafe")
+            np.matmul(h, widened[:n].T, out=out[:, start : start + n])
+        return out
+
+    def rows64(self, ids: np.ndarray) -> np.ndarray:
+        """The rows ``ids`` in float64 (exact for every stored dtype)."""
+        return np.asarray(self.table[ids], dtype=np.float64)
+
+
+def _row_norms(blocks: _Blocks) -> np.ndarray:
     """Each row's norm in float64, a slice of rows at a time (no float64 copy of the table)."""
+    table = blocks.table
     norms = np.empty(len(table), dtype=np.float64)
     step = max(1, _LOGITS_CHUNK_BYTES // (8 * max(1, table.shape[1])))
     for start in range(0, len(table), step):
-        rows = table[start : start + step].astype(np.float64)
+        rows = np.asarray(table[start : start + step], dtype=np.float64)
         norms[start : start + step] = np.sqrt(np.einsum("vd,vd->v", rows, rows))
     return norms
 
 
 def _kth_largest(scores: np.ndarray, k: int) -> np.ndarray:
     vocab = scores.shape[1]
+    if k == 1:  # a reduction, far cheaper than a partition
+        return np.asarray(scores.max(axis=1))
     if k >= vocab:
         return np.asarray(scores.min(axis=1))
     return np.asarray(np.partition(scores, vocab - k, axis=1)[:, vocab - k])
-
-
-def _cosine(logits: np.ndarray, h: np.ndarray, row_norms: np.ndarray) -> np.ndarray:
-    norms = np.sqrt(np.einsum("nd,nd->n", h, h))[:, None] * row_norms[None, :]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scores = np.where(norms > 0, logits / norms, np.float32(0.0))
-    return scores.astype(np.float32, copy=False)
 
 
 def _joined(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> Found:

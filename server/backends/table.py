@@ -169,6 +169,12 @@ class TableBackend(Backend):
             held["weights mapped by onnxruntime"] = self._mapped_bytes
         return held
 
+    def held_table(self, dtype_name: str) -> np.ndarray | None:
+        for dtype, table in self._tables.items():
+            if dtype.name == dtype_name:
+                return table
+        return None
+
     def look_up(self, request: LookUp) -> Rows:
         ids, dtype = request.ids, request.dtype
         views = self._views.get(dtype)

@@ -1,8 +1,11 @@
 """Admission control: refuse at once what the server cannot hold, rather than queue it.
 
-Two bounds, both checked before a request can join a batch:
-- tokens waiting in one model's batcher (queueing more only adds latency for everyone
+Three bounds, checked before a request can join a batch:
+- tokens waiting in one model's batchers (queueing more only adds latency for everyone
   asking that model): per model;
+- the work waiting in one model's batchers of an operation that multiplies over the whole
+  table (nearest: ``2 N D V`` flops for N vectors, so that a vector counts for what it
+  costs, millions of times a token's look-up): per model, instead of the token bound;
 - output bytes of all admitted, unfinished requests of every model. An id costs 8 bytes
   in and D x 4 bytes out (256x at D=512), so this is what bounds the process's memory
   under a flood: one budget for the process (``OutputBudget``), shared by the models.
@@ -28,11 +31,21 @@ class Admission:
     """One model's admission: its queue bound, and the process's output budget."""
 
     def __init__(
-        self, budget: OutputBudget, *, max_queued_tokens: int, queued_tokens: Callable[[], int]
+        self,
+        budget: OutputBudget,
+        *,
+        max_queued_tokens: int,
+        queued_tokens: Callable[[], int],
+        max_queued_work: int | None = None,
+        queued_work: Callable[[], int] | None = None,
     ) -> None:
+        """``queued_tokens``: the tokens of the light operations waiting; ``queued_work``:
+        the flops of the heavy ones waiting (``max_queued_work`` bounds them)."""
         self._budget = budget
         self._max_queued_tokens = max_queued_tokens
         self._queued_tokens = queued_tokens
+        self._max_queued_work = max_queued_work
+        self._queued_work = queued_work
 
     @property
     def inflight_output_bytes(self) -> int:
@@ -40,10 +53,20 @@ class Admission:
         return self._budget.inflight_bytes
 
     def admit(
-        self, tokens: int, output_bytes: int, on_release: Callable[[], None] | None = None
+        self,
+        tokens: int,
+        output_bytes: int,
+        on_release: Callable[[], None] | None = None,
+        *,
+        work: int | None = None,
     ) -> Ticket:
         """Reserve room for one request or raise ``Overloaded``; release the ticket after.
-        ``on_release``: called once, when the ticket is released (a model's lease)."""
+        ``on_release``: called once, when the ticket is released (a model's lease).
+        ``work``: a heavy request's flops, which the work bound counts instead of its
+        tokens."""
+        if work is not None:
+            self._admit_work(work)
+            return self._reserve(output_bytes, on_release)
         queued = self._queued_tokens()
         # A request alone in an empty queue is always admitted; otherwise one larger
         # than max_queued_tokens (but within max_tokens_per_request) would get
@@ -53,6 +76,20 @@ class Admission:
                 f"server overloaded: {queued} tokens queued, {tokens} more would pass the "
                 f"limit of {self._max_queued_tokens}; retry with backoff"
             )
+        return self._reserve(output_bytes, on_release)
+
+    def _admit_work(self, work: int) -> None:
+        if self._queued_work is None or self._max_queued_work is None:
+            raise ValueError("this is a bug: a heavy request, and no bound on queued work")
+        queued = self._queued_work()
+        # As for tokens: a request alone in an empty queue is always admitted.
+        if queued and queued + work > self._max_queued_work:
+            raise Overloaded(
+                f"server overloaded: {queued} flops of work queued, {work} more (2 x vectors "
+                f"x D x V) would pass the limit of {self._max_queued_work}; retry with backoff"
+            )
+
+    def _reserve(self, output_bytes: int, on_release: Callable[[], None] | None) -> Ticket:
         budget = self._budget
         # Likewise one request alone is always admitted (per-request limits already bound
         # it), so a budget below one request's size cannot starve everybody.

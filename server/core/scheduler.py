@@ -28,7 +28,7 @@ from tokembed.server.core import deadlines
 from tokembed.server.core.admission import Admission, OutputBudget, Ticket
 from tokembed.server.core.batcher import Batcher
 from tokembed.server.core.errors import DeadlineExceeded, EmbedError, Internal, Unavailable
-from tokembed.server.core.operations.base import Job, Operation
+from tokembed.server.core.operations.base import Costed, Job, Operation
 from tokembed.server.core.policy import Placement, Policy
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Timings
@@ -45,6 +45,20 @@ _Item = tuple[Operation[Any, Any, Any], Job]
 def _queued_in(batchers: dict[Hashable, Batcher[_Item, Any]]) -> int:
     # A snapshot: the metrics thread asks while the loop may add a batcher.
     return sum(batcher.queued_tokens for batcher in list(batchers.values()))
+
+
+def _queued_light(batchers: dict[Hashable, Batcher[_Item, Any]], heavy: set[Hashable]) -> int:
+    """Tokens waiting in the batchers of the operations that are not heavy."""
+    return sum(batcher.queued_tokens for key, batcher in list(batchers.items())
+               if key not in heavy)  # fmt: skip
+
+
+def _queued_work(
+    batchers: dict[Hashable, Batcher[_Item, Any]], heavy: set[Hashable], row_flops: int
+) -> int:
+    """The flops waiting in the heavy batchers: each queued vector is one row of a multiply
+    over the whole table, ``row_flops`` (``2 D V``)."""
+    return row_flops * sum(batchers[key].queued_tokens for key in list(heavy))
 
 
 class SchedulerObserver(Protocol):
@@ -79,21 +93,33 @@ class Scheduler:
         # own: a large batch of texts never holds a worker that a look-up or a frame needs.
         self._text_threads: ThreadPoolExecutor | None = None
         self._closed = False
+        self._heavy_keys: set[Hashable] = set()  # the batchers of heavy operations
         # Over the batchers, not a method of this scheduler: no cycle keeps an unloaded
         # version (its tables) until the cyclic collector runs.
         self._admission = Admission(
             budget, max_queued_tokens=served.batch.max_queued_tokens,
-            queued_tokens=functools.partial(_queued_in, self._batchers),
+            queued_tokens=functools.partial(_queued_light, self._batchers, self._heavy_keys),
+            max_queued_work=served.batch.max_queued_nearest_flops,
+            queued_work=functools.partial(
+                _queued_work, self._batchers, self._heavy_keys,
+                2 * served.d_model * served.vocab_size,
+            ),
         )  # fmt: skip
 
     def queued_tokens(self) -> int:
-        """Tokens waiting in this model version's batchers."""
+        """Tokens (a heavy operation's: vectors) waiting in this model version's batchers."""
         return _queued_in(self._batchers)
+
+    def queued_work(self) -> int:
+        """The flops waiting in this version's heavy batchers (``_queued_work``)."""
+        return _queued_work(self._batchers, self._heavy_keys,
+                            2 * self.served.d_model * self.served.vocab_size)  # fmt: skip
 
     def admit(self, job: Job, on_release: Callable[[], None] | None = None) -> Ticket:
         """Room for ``job``, or ``Overloaded``; release the ticket once its answer is sent
-        (``on_release`` is called then)."""
-        return self._admission.admit(job.tokens, job.output_bytes, on_release)
+        (``on_release`` is called then). A heavy job (``Costed``) is bounded by its work."""
+        work = job.work if isinstance(job, Costed) else None
+        return self._admission.admit(job.tokens, job.output_bytes, on_release, work=work)
 
     async def run(
         self,
@@ -170,6 +196,8 @@ class Scheduler:
         batcher = self._batchers.get(key)
         if batcher is None:
             batcher = self._batchers[key] = self._new_batcher(operation.heavy)
+            if operation.heavy:
+                self._heavy_keys.add(key)
         batched = await batcher.submit((operation, job), job.tokens, deadline)
         timings = Timings(
             batched.queue_s, batched.compute_s, batched.batch_requests, batched.batch_tokens

@@ -29,8 +29,10 @@ class BatchLimits:
     max_delay_s: float
     max_concurrent_batches: int
     max_queued_tokens: int
-    # nearest's batches: the vectors of one multiply.
+    # nearest's batches: the vectors of one multiply; its queue: the work (2 N D V flops)
+    # waiting, which admission bounds instead of its vectors.
     nearest_max_batch_rows: int = 256
+    max_queued_nearest_flops: int = 2**42
 
 
 @dataclass(frozen=True)

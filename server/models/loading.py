@@ -140,14 +140,15 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
         raise ServerConfigError(f"no backend serves {model.kind.name} models yet")
     backend = build(model, settings)
     if model.manifest.head is not None:
-        backend.head = _head(model)
+        backend.head = _head(model, backend)
     return backend
 
 
-def _head(model: ModelDir) -> NearestHead:
-    """The model's head (``nearest``): its output table read from the file its head graph
-    names (for a tied model, the exported table's own bytes), widened to float32 once,
-    and its final norm. The multiply runs in numpy on the CPU; the head graph is what an
+def _head(model: ModelDir, backend: Backend) -> NearestHead:
+    """The model's head (``nearest``): its output table in its stored dtype, and its final
+    norm. The table is the look-up's own when the backend holds one of the same bytes (a
+    tied model of scale 1: one copy serves both ways), else the file its head graph names,
+    memory-mapped. The multiply runs in numpy on the CPU; the head graph is what an
     accelerator would run."""
     from tokembed.export.head import head_table, norm_arrays
 
@@ -159,7 +160,24 @@ def _head(model: ModelDir) -> NearestHead:
         bias = None if arrays.bias is None else np.asarray(arrays.bias, dtype=np.float32)
         norm = FinalNorm(arrays.record.kind, arrays.record.eps,
                          np.asarray(arrays.weight, dtype=np.float32), bias)  # fmt: skip
-    return NearestHead(head_table(model.path, manifest), norm, manifest.head.table)
+    stored = head_table(model.path, manifest)
+    held = backend.held_table(manifest.head.weight_dtype)
+    if held is not None and _same_bytes(held, stored):
+        return NearestHead(held.view(stored.dtype), norm, manifest.head.table, shared=True)
+    return NearestHead(stored, norm, manifest.head.table, shared=False)
+
+
+def _same_bytes(held: np.ndarray, stored: np.ndarray) -> bool:
+    """Whether two ``[V, D]`` tables hold the same bytes (compared a slice at a time)."""
+    if held.shape != stored.shape or held.itemsize != stored.itemsize:
+        return False
+    step = max(1, _CHUNK_BYTES // max(1, stored.shape[1] * stored.itemsize))
+    for start in range(0, len(stored), step):
+        a = held[start : start + step].view(np.uint8)
+        b = np.asarray(stored[start : start + step]).view(np.uint8)
+        if not np.array_equal(a, b):
+            return False
+    return True
 
 
 def _token_backend(model: ModelDir, settings: Settings) -> Backend:

@@ -132,6 +132,11 @@ class Settings:
     max_nearest_flops_per_request: int = setting(
         2**40, "nearest: the work one request may cost, 2 x vectors x D x V flops"
     )
+    max_queued_nearest_flops: int = setting(
+        2**42,
+        "nearest: the work (2 x vectors x D x V flops) waiting for a batch; past it new nearest "
+        "requests get RESOURCE_EXHAUSTED at once",
+    )
     max_tokens_per_request: int = setting(65536, "tokens one request may carry")
     max_output_bytes_per_request: int = setting(
         128 * MiB, "output bytes one request may ask for (sets the gRPC message limit too)"
@@ -328,6 +333,7 @@ class Settings:
             "nearest_max_batch_rows",
             "max_nearest_k",
             "max_nearest_flops_per_request",
+            "max_queued_nearest_flops",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -107,3 +107,26 @@ def test_models_share_the_process_s_output_budget_but_not_their_queues() -> None
     decoder.admit(5, 1).release()
     held.release()
     assert budget.inflight_bytes == 0
+
+
+def test_heavy_requests_are_bounded_by_their_work_not_their_tokens() -> None:
+    """nearest's queue bound counts flops (2 N D V): a request of few vectors but much
+    work is refused where tokens would have let it in, and the token bound is not asked."""
+    queue = Queue()
+    work = {"queued": 0}
+    gate = Admission(
+        OutputBudget(1000), max_queued_tokens=100, queued_tokens=lambda: queue.tokens,
+        max_queued_work=10_000, queued_work=lambda: work["queued"],
+    )  # fmt: skip
+    queue.tokens = 100  # the token queue is full: a heavy request does not count it
+    gate.admit(1, 1, work=10_000).release()  # alone in an empty work queue: admitted
+    work["queued"] = 6_000
+    gate.admit(1, 1, work=4_000).release()  # exactly at the limit is fine
+    with pytest.raises(Overloaded) as error:
+        gate.admit(1, 1, work=4_001)  # one vector, but its work is past the bound
+    message = str(error.value)
+    assert "6000 flops of work queued" in message and "4001 more" in message
+    assert "limit of 10000" in message and "retry" in message
+    assert gate.inflight_output_bytes == 0
+    with pytest.raises(Overloaded, match="100 tokens queued"):
+        gate.admit(1, 1)  # a light request still meets the token bound

@@ -17,7 +17,7 @@ def test_equal_scores_are_ordered_by_the_lower_id():
     table = rng.standard_normal((6, 8)).astype(np.float32)
     table[2] = table[4] = table[1]
     h = table[1:2] * 3  # rows 1, 2, 4 score highest
-    head = NearestHead(table, None, "embedding")
+    head = NearestHead(table, None, "embedding", shared=False)
     for metric in ("dot", "cosine"):
         (two,) = head.search([Query(h, 2, metric, False, False)])
         assert two.ids.tolist() == [[1, 2]]  # three equal scores, two places: lowest ids
@@ -31,7 +31,7 @@ def test_ties_everywhere_match_a_stable_sort_of_the_float64_scores():
     # Small integers: many rows score alike, at the k-th place too.
     table = rng.integers(-2, 3, size=(50, 4)).astype(np.float32)
     h = rng.integers(-2, 3, size=(100, 4)).astype(np.float32)
-    head = NearestHead(table, None, "embedding")
+    head = NearestHead(table, None, "embedding", shared=False)
     scores = h.astype(np.float64) @ table.astype(np.float64).T
     for k in (1, 3, 7, 50):
         (found,) = head.search([Query(h, k, "dot", False, False)])
@@ -41,7 +41,7 @@ def test_ties_everywhere_match_a_stable_sort_of_the_float64_scores():
 
 def _head(norm: FinalNorm | None = None, vocab: int = 300, width: int = 16) -> NearestHead:
     table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
-    return NearestHead(table, norm, "embedding")
+    return NearestHead(table, norm, "embedding", shared=False)
 
 
 def test_a_batch_answers_each_request_as_it_would_alone():
@@ -108,3 +108,71 @@ def test_final_norm_matches_torch(kind):
     with torch.no_grad():
         want = module(torch.from_numpy(h)).numpy()
     np.testing.assert_allclose(norm.apply(h), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_narrow_table_is_read_as_stored_in_blocks_and_answers_exactly(dtype, monkeypatch):
+    """The head multiplies the table it is given, in its stored dtype (no widened copy),
+    a block of rows at a time: top-k equal to a stable sort of the exact (float64) scores
+    of the stored values, alone and in a batch, whatever the block size (one row, a block
+    that does not divide V, the whole table)."""
+    import ml_dtypes
+
+    import tokembed.server.backends.head as module
+
+    numpy_dtype = {"float32": np.float32, "float16": np.float16,
+                   "bfloat16": ml_dtypes.bfloat16}[dtype]  # fmt: skip
+    rng = np.random.default_rng(5)
+    vocab, width = 301, 24
+    table = rng.standard_normal((vocab, width)).astype(numpy_dtype)
+    table[7] = table[100]  # equal scores: ordered by the lower id
+    h = rng.standard_normal((40, width)).astype(np.float32)
+    h[0] = table[100].astype(np.float32)
+    exact = h.astype(np.float64) @ table.astype(np.float64).T
+    cosine = exact / (np.linalg.norm(h.astype(np.float64), axis=1)[:, None]
+                      * np.linalg.norm(table.astype(np.float64), axis=1)[None, :])  # fmt: skip
+    answers = {}
+    for block_rows in (1, 37, vocab):
+        monkeypatch.setattr(module, "_BLOCK_BYTES", 4 * width * block_rows)
+        head = NearestHead(table, None, "embedding", shared=False)
+        assert np.shares_memory(head.table, table)  # read where it is, not copied
+        assert head.memory_bytes == table.nbytes
+        for metric, scores in (("dot", exact), ("cosine", cosine)):
+            want = np.argsort(-scores.astype(np.float32), axis=1, kind="stable")[:, :5]
+            alone = [head.search([Query(h[i : i + 1], 5, metric, True, False)])[0]
+                     for i in range(len(h))]  # fmt: skip
+            (together,) = head.search([Query(h, 5, metric, True, False)])
+            ids = np.concatenate([found.ids for found in alone])
+            np.testing.assert_array_equal(ids, want)
+            np.testing.assert_array_equal(together.ids, want)
+            np.testing.assert_array_equal(
+                together.scores, np.concatenate([found.scores for found in alone])
+            )
+            np.testing.assert_array_equal(
+                together.scores, np.take_along_axis(scores, want, axis=1).astype(np.float32)
+            )
+            assert together.logits is not None
+            widest = float(np.abs(table.astype(np.float64)).max())
+            bound = (width + 4) * 2.0**-24 * 2 * np.abs(h).sum() * widest
+            np.testing.assert_allclose(together.logits, exact, rtol=0, atol=bound)
+            answers.setdefault(metric, together.ids)
+            np.testing.assert_array_equal(answers[metric], together.ids)
+    assert NearestHead(table, None, "embedding", shared=True).memory_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_narrow_table_of_odd_width(dtype):
+    """An odd D has no pairs of bfloat16 words: the block is widened by numpy's cast;
+    the answer is still the exact one."""
+    import ml_dtypes
+
+    numpy_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((50, 7)).astype(numpy_dtype)
+    h = rng.standard_normal((9, 7)).astype(np.float32)
+    (found,) = NearestHead(table, None, "embedding", shared=False).search(
+        [Query(h, 3, "dot", False, False)]
+    )
+    exact = h.astype(np.float64) @ table.astype(np.float64).T
+    want = np.argsort(-exact.astype(np.float32), axis=1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(found.ids, want)

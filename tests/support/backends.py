@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from tokembed.server.backends.base import Backend, LookUp, Rows
+from tokembed.server.backends.head import Found, NearestHead, Query
 from tokembed.server.core.dtypes import INT64, DType
 from tokembed.server.core.types import TokenIds
 from tokembed.server.models.loading import LoadedModel, load_model
@@ -101,6 +102,10 @@ class HookedBackend(Backend):
         self.execution_provider = inner.execution_provider
         self.d_model = inner.d_model
         self.batches = inner.batches
+        # nearest's searches: recorded (each query's vectors, per search) and held at the
+        # same gate as the look-ups.
+        self.searches: list[list[int]] = []
+        self.head = None if inner.head is None else HookedHead(inner.head, self)
 
     @property
     def memory_bytes(self) -> dict[str, int]:
@@ -140,6 +145,24 @@ class HookedBackend(Backend):
             return request
         kept = request.ids.array()[:-1]
         return LookUp(TokenIds(kept.astype("<i8").tobytes(), INT64, len(kept)), request.dtype)
+
+
+class HookedHead(NearestHead):
+    """The real head ``inner`` (its table, read where it is), each search recorded and
+    held at its backend's gate."""
+
+    def __init__(self, inner: NearestHead, backend: HookedBackend) -> None:
+        super().__init__(inner.table, inner.norm, inner.table_role, shared=inner.shared)
+        # What it shares with its backend, not the backend itself: no reference cycle.
+        self._searches = backend.searches
+        self._entered = backend.entered
+        self._gate = backend.gate
+
+    def search(self, queries: Sequence[Query]) -> list[Found]:
+        self._searches.append([len(query.vectors) for query in queries])
+        self._entered.set()
+        self._gate.pass_through()
+        return super().search(queries)
 
 
 async def entered(backend: HookedBackend, timeout_s: float = 30) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from tokembed.server.backends.base import Backend
 from tokembed.server.core.served import ServedModel
@@ -29,6 +29,15 @@ class Job(Protocol):
     @property
     def output_bytes(self) -> int:
         """The bytes of its answer: what the process's output budget counts."""
+
+
+@runtime_checkable
+class Costed(Protocol):
+    """A job of a heavy operation: admission bounds the queue by its work, not its tokens."""
+
+    @property
+    def work(self) -> int:
+        """Its flops (nearest: ``2 N D V``)."""
 
 
 RequestT = TypeVar("RequestT", contravariant=True)

@@ -11,8 +11,9 @@ metric. Equal scores are ordered by the lower id (``backends.head.top_k``).
 Its compute multiplies over the whole table (``2 N D V`` flops, the table read once per
 batch), so its jobs always batch (``heavy``): the rows of concurrent requests go into one
 multiply, up to ``BatchLimits.nearest_max_batch_rows`` rows or ``max_delay_s``. A job's
-``tokens`` are its vectors, what the row budget and the queue bound count; its work
-(``2 N D V``) is bounded per request by ``Limits.max_nearest_flops_per_request``.
+``tokens`` are its vectors, what the row budget counts; its ``work`` (``2 N D V`` flops)
+is what admission's queue bound counts (``BatchLimits.max_queued_nearest_flops``), and
+is bounded per request by ``Limits.max_nearest_flops_per_request``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class NearestInput:
 class NearestJob:
     query: Query
     leading: tuple[int, ...]  # the vectors' shape without D
-    tokens: int  # vectors: what the row budget and the queue bound count
+    tokens: int  # vectors: what the row budget counts
     output_bytes: int
+    work: int  # 2 N D V flops: what the queue bound counts (``operations.base.Costed``)
 
 
 class Nearest(Operation[NearestInput, NearestJob, Found]):
@@ -180,4 +182,4 @@ def validate(request: NearestInput, model: ServedModel) -> NearestJob:
             where = ",".join(str(int(i)) for i in np.unravel_index(int(zero[0]), leading))
             raise InvalidInput(f"vectors[{where}] is all zeros: its cosine is undefined")
     query = Query(vectors, request.k, request.metric, request.logits, request.norm)
-    return NearestJob(query, leading, count, output_bytes)
+    return NearestJob(query, leading, count, output_bytes, work)

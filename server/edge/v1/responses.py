@@ -187,6 +187,9 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
         max_k = min(served.limits.max_nearest_k, head.vocab_size)
         answer.head.CopyFrom(pb.HeadInfo(table=head.table_role, norm=norm, max_k=max_k))
     answer.memory_bytes.update(backend.memory_bytes)
+    if head is not None and head.memory_bytes:
+        # A head that cannot read the look-up's table maps its own, in its stored dtype.
+        answer.memory_bytes[f"{head.stored_dtype} head table (mapped)"] = head.memory_bytes
     answer.serving_memory_bytes.update(backend.serving_memory)
     tokenizer = manifest.tokenizer
     if tokenizer is not None and served.tokenizer is not None:
