@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +51,7 @@ from tokembed.server.edge.v1.servicer import (
 )
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
-from tokembed.server.models.control_plane import ControlPlane
+from tokembed.server.models.control_plane import ControlPlane, loads_under_way
 from tokembed.server.models.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.observability.metrics import Metrics
 from tokembed.server.observability.metrics_http import start_metrics_server
@@ -313,6 +315,24 @@ def _labels(served: ServedModel) -> ModelLabels:
         d_model=manifest.d_model, dtype=manifest.weight_dtype,
         execution_provider=served.backend.execution_provider, backend=served.backend.kind,
     )  # fmt: skip
+
+
+def run(settings: Settings) -> int:
+    """``tokembed serve`` in this process (``serve`` on a new event loop): its exit code.
+
+    A load abandoned at the stop may still be running in its thread. Waiting for it would
+    hold the process past its grace, and the interpreter's teardown cannot run beside it:
+    the load's native code (onnxruntime) meets its runtime being torn down and aborts the
+    process. A load writes nothing, so the process then ends at once, its logs flushed,
+    without the teardown.
+    """
+    code = asyncio.run(serve(settings))
+    if loads_under_way():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 async def serve(settings: Settings) -> int:

@@ -25,8 +25,10 @@ signature) is not loaded again unless forced: loading an unchanged model is a no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -148,7 +150,7 @@ class ControlPlane:
             directories = self.settings.model_dir
             if not directories:
                 loop = asyncio.get_running_loop()
-                built = await loop.run_in_executor(
+                built = await loop.run_in_executor(  # it writes files: exit waits for it
                     None, ensure_default_model, self.settings.default_model_dir
                 )
                 directories = (built,)
@@ -175,9 +177,8 @@ class ControlPlane:
         new version of one (requests naming no version go to it from now on). Raises
         ``ServerConfigError`` for a directory that cannot be served."""
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
         try:
-            loaded = await loop.run_in_executor(None, self._loader, directory, self.settings)
+            loaded = await _in_load_thread(self._loader, directory, self.settings)
         except ServerConfigError:
             self._observer.version_loaded("", "", "failed", time.monotonic() - started)
             raise
@@ -391,10 +392,9 @@ class ControlPlane:
         started = time.monotonic()
         try:
             self._check_memory(name, version)
-            loop = asyncio.get_running_loop()
             try:
                 loaded = await self._unless_stopping(
-                    loop.run_in_executor(None, self._loader, version.path, self.settings),
+                    _in_load_thread(self._loader, version.path, self.settings),
                     f"the load of model {name!r} version {version.number}",
                 )
             except ServerConfigError as exc:
@@ -552,6 +552,51 @@ class ControlPlane:
         if not changed:
             return
         await self._load_versions(disk, name, policy, force=False, wait_for_copies=True)
+
+
+# The threads of the loads under way (``loads_under_way``).
+_LOAD_THREADS: set[threading.Thread] = set()
+
+
+def loads_under_way() -> bool:
+    """Whether a load's thread is still running (one abandoned at a stop, say)."""
+    return any(thread.is_alive() for thread in list(_LOAD_THREADS))
+
+
+def _in_load_thread(work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``work(*args)`` in a daemon thread of its own, as a future of the running loop:
+    neither asyncio.run's end nor the interpreter's exit waits for it, as they wait for
+    the default executor's threads (``app.run`` ends the process past one still
+    running)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = work(*args)
+        except BaseException as exc:
+            error = exc
+        finally:
+            _LOAD_THREADS.discard(threading.current_thread())
+        # RuntimeError: the loop is closed (the server stopped while this was under way).
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, result, error)
+
+    name = getattr(work, "__name__", type(work).__name__)
+    thread = threading.Thread(target=run, name=f"tokembed-load-{name}", daemon=True)
+    _LOAD_THREADS.add(thread)
+    thread.start()
+    return future
 
 
 def _drop(work: asyncio.Future[Any]) -> None:

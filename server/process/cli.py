@@ -24,8 +24,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from tokembed.server.observability.logs import configure_logging
     from tokembed.server.process.settings import Settings
 
@@ -35,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
         from tokembed.server.process.workers import run_workers
 
         return run_workers(settings)
-    from tokembed.server.app import serve
+    from tokembed.server.app import run as run_server
 
-    return asyncio.run(serve(settings))
+    return run_server(settings)

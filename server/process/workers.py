@@ -8,7 +8,6 @@ clients, or a client pool). Each worker exposes its own metrics on metrics_port 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import signal
@@ -20,12 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 def _worker_main(settings: Settings, index: int) -> None:
-    from tokembed.server.app import serve
+    from tokembed.server.app import run
     from tokembed.server.observability.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
     logging.getLogger(__name__).info("worker %d starting", index)
-    asyncio.run(serve(settings))
+    run(settings)
 
 
 def run_workers(settings: Settings) -> int:
