@@ -4,9 +4,9 @@ records.
 ``apply`` turns the directory into the flags a manual export would give (``--weights``,
 ``--key``, ``--output-projection``; the head's ``--output-key``, and ``--norm-*`` where the
 head can apply the model's norm as the model does), so that the export itself is the
-checkpoint export ``--weights`` runs (the scale and padding id from config.json, ``architecture.py``; the
-tie checked against the values, ``weights.find_tie``). ``record`` adds what was found to
-the manifest once the export succeeded.
+checkpoint export ``--weights`` runs (the scale and padding id from config.json,
+``architecture.py``; the tie checked against the values, ``weights.find_tie``). ``record``
+adds what was found to the manifest once the export succeeded.
 """
 
 from __future__ import annotations
