@@ -82,6 +82,8 @@ SHARDED = ("llama", "gemma2")
 # 5.x writes safetensors only): GPT-2's tied keys are then one stored tensor.
 TORCH_FILE = ("gpt2",)
 GENERATING = ("llama", "gpt2", "gemma", "gemma2", "gemma3_text")
+# Saved tied too (Llama's config unties by default): its head is then the table itself.
+TIED = ("llama",)
 
 
 class _Exported:
@@ -116,6 +118,14 @@ class _Exported:
                 (as_bin / "config.json").write_bytes((saved / "config.json").read_bytes())
                 torch.save(model.state_dict(), as_bin / "pytorch_model.bin")
                 self._export(f"{arch}-bin", as_bin, capsys)
+            if arch in TIED:
+                config = model.config.to_dict() | {"tie_word_embeddings": True}
+                tied = type(model)(type(model.config).from_dict(config)).eval()
+                with torch.no_grad():
+                    tied.get_input_embeddings().weight.normal_()
+                self.models[f"{arch}-tied"] = tied
+                tied.save_pretrained(self.root / "saved" / f"{arch}-tied")
+                self._export(f"{arch}-tied", self.root / "saved" / f"{arch}-tied", capsys)
 
     def _export(self, name: str, saved: Path, capsys: Any) -> None:
         out = self.root / "models" / name
@@ -317,6 +327,77 @@ def test_the_export_prints_what_it_found(exported: _Exported) -> None:
     assert "segment table bert.embeddings.token_type_embeddings.weight" in exported.printed["bert"]
 
 
+# --- the head: `nearest` through the model's own output table and final norm
+
+# Per exported model: its final norm's module and the table its head reads.
+HEADS = {"llama": ("model.norm", "output"), "llama-tied": ("model.norm", "embedding"),
+         "gpt2": ("transformer.ln_f", "embedding")}  # fmt: skip
+
+
+def _pre_norm_hidden(model: Any, norm: str, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body's last hidden state as the final norm takes it (caught at its input), and
+    the model's own logits for the same ids."""
+    caught: list[torch.Tensor] = []
+    hook = model.get_submodule(norm).register_forward_hook(
+        lambda _module, inputs, _output: caught.append(inputs[0].detach().clone())
+    )
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(ids)).logits
+    finally:
+        hook.remove()
+    assert len(caught) == 1
+    return caught[0], logits
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_nearest_with_the_norm_is_the_models_lm_head_of_its_norm(
+    name: str, exported: _Exported, client: EmbeddingClient
+) -> None:
+    """``nearest(h, apply_norm=True)`` top-1 on the last pre-norm hidden state is
+    transformers' ``lm_head(norm(h)).argmax()``, through the table the model's head reads
+    (Llama untied: lm_head.weight; tied Llama and GPT-2: the embedding table)."""
+    norm, table = HEADS[name]
+    model = exported.models[name]
+    manifest = json.loads((exported.dirs[name] / "manifest.json").read_text())
+    assert (manifest["head"]["table"], manifest["head"]["norm"]["kind"]) == (
+        table, "layernorm" if name == "gpt2" else "rmsnorm",
+    )  # fmt: skip
+    ids = np.random.default_rng(7).integers(0, V, size=(4, 12), dtype=np.int64)
+    h, logits = _pre_norm_hidden(model, norm, ids)
+    with torch.no_grad():
+        want = model.lm_head(model.get_submodule(norm)(h))
+    assert torch.allclose(want, logits, rtol=1e-5, atol=1e-5)  # the hook caught the right state
+    answer = client.nearest(h.numpy(), k=1, apply_norm=True, model=name)
+    assert answer.ids.shape == (4, 12, 1)
+    assert np.array_equal(answer.ids[..., 0], want.argmax(-1).numpy()), name
+    np.testing.assert_allclose(answer.scores[..., 0], want.amax(-1).numpy(), rtol=1e-4, atol=1e-4)
+    # Without the norm the answer differs: the norm really was applied.
+    bare = client.nearest(h.numpy(), k=1, model=name)
+    assert not np.array_equal(bare.scores, answer.scores)
+
+
+def test_a_norm_the_head_cannot_express_is_left_out_and_said(
+    exported: _Exported, client: EmbeddingClient
+) -> None:
+    """Gemma's RMSNorm multiplies by (1 + weight) and tied T5 scales its output before the
+    head: their heads are written without the norm, the export says so, and a request for
+    the norm is refused rather than answered with the wrong one."""
+    from tokembed.client.errors import InvalidInputError
+
+    for name, why in (("gemma2", "multiplies by (1 + weight)"), ("t5", "d_model**-0.5")):
+        manifest = json.loads((exported.dirs[name] / "manifest.json").read_text())
+        assert manifest["head"]["table"] == "embedding" and manifest["head"].get("norm") is None
+        note = [line for line in exported.printed[name].splitlines() if line.startswith("note:")]
+        assert len(note) == 1 and why in note[0] and "without the final norm" in note[0], note
+        h = np.random.default_rng(3).standard_normal((5, D)).astype(np.float32)
+        with pytest.raises(InvalidInputError, match="no final norm"):
+            client.nearest(h, apply_norm=True, model=name)
+        table = exported.models[name].get_input_embeddings().weight.detach().numpy()
+        answer = client.nearest(h, k=1, model=name)
+        assert np.array_equal(answer.ids[:, 0], (h @ table.T).argmax(-1)), name
+
+
 # --- bad input: one line each, and no model directory left behind
 
 
@@ -352,6 +433,8 @@ def test_an_unknown_architecture_names_its_embedding_like_keys_and_the_manual_fl
         (["--key", "model.embed_tokens.weight"], "--from-pretrained finds what --key would say"),
         (["--weights", "{saved}"], "--from-pretrained finds what --weights would say"),
         (["--segment-key", "x"], "--from-pretrained finds what --segment-key would say"),
+        (["--output-key", "x"], "--from-pretrained finds what --output-key would say"),
+        (["--norm-eps", "1e-5"], "--from-pretrained finds what --norm-eps would say"),
     ],
 )
 def test_flags_it_finds_itself_are_refused(

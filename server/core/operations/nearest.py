@@ -19,7 +19,7 @@ is bounded per request by ``Limits.max_nearest_flops_per_request``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from tokembed.server.backends.head import METRICS, Found, NearestHead, Query
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT16, FLOAT32, INT64, DType
 from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
 from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.operations.embed_request import Unread
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, NamedTensor, Timings
 
@@ -40,7 +41,9 @@ IDS, SCORES, LOGITS = "ids", "scores", "logits"
 class NearestInput:
     """A nearest request as a front end hands it over."""
 
-    data: bytes
+    # The vectors' bytes, or where the request left them (a V2 shared-memory region):
+    # read only once what the request declares fits the model (``Nearest.read``).
+    data: bytes | Unread
     dtype: str  # "float32", "float16" or "bfloat16" ("" when the request named none)
     shape: tuple[int, ...]
     k: int
@@ -64,6 +67,16 @@ class Nearest(Operation[NearestInput, NearestJob, Found]):
 
     def validate(self, request: NearestInput, model: ServedModel) -> NearestJob:
         return validate(request, model)
+
+    def unread(self, request: NearestInput) -> bool:
+        return not isinstance(request.data, bytes)
+
+    async def read(self, request: NearestInput, model: ServedModel) -> NearestInput:
+        """The vectors read from where the request left them, once everything it declares
+        (their size included) fits ``model``: a refused request reads nothing."""
+        check_declared(request, model)
+        data = request.data
+        return request if isinstance(data, bytes) else replace(request, data=await data.read())
 
     def compute(self, backend: Backend, jobs: Sequence[NearestJob]) -> list[Found]:
         head = backend.head
@@ -108,7 +121,21 @@ def head_of(model: ServedModel) -> NearestHead:
     return head
 
 
-def validate(request: NearestInput, model: ServedModel) -> NearestJob:
+@dataclass(frozen=True, slots=True)
+class _Declared:
+    """What a request declares, checked against the model before its vectors are read."""
+
+    dtype: DType
+    leading: tuple[int, ...]
+    count: int
+    output_bytes: int
+    work: int
+
+
+def check_declared(request: NearestInput, model: ServedModel) -> _Declared:
+    """Everything but the vectors' values: the head, dtype, metric, norm, shape, k, the
+    vectors' size (the bytes in hand, or the size a region's window declares) and the
+    request's costs; raises ``InvalidInput`` or ``TooLarge``."""
     head = head_of(model)
     dtype = VECTOR_DTYPES.get(request.dtype)
     if dtype is None:
@@ -149,10 +176,13 @@ def validate(request: NearestInput, model: ServedModel) -> NearestJob:
             f"{limits.max_nearest_k}, V {vocab_size}))"
         )
     expected = count * d_model * dtype.itemsize
-    if len(request.data) != expected:
+    data = request.data
+    nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+    if nbytes is not None and nbytes != expected:
+        told = "data is" if isinstance(data, bytes) or not data.declared else "is declared as"
         raise InvalidInput(
-            f"vectors data is {len(request.data)} bytes, but shape {list(shape)} of "
-            f"{dtype.name} needs {expected}"
+            f"vectors {told} {nbytes} bytes, but shape {list(shape)} of {dtype.name} needs "
+            f"{expected}"
         )
     work = 2 * count * d_model * vocab_size
     if work > limits.max_nearest_flops_per_request:
@@ -169,7 +199,22 @@ def validate(request: NearestInput, model: ServedModel) -> NearestJob:
             f"{limits.max_output_bytes_per_request} bytes per request"
             + ("; the logits are [N, V] float32: leave them out or split" if request.logits else "")
         )
-    vectors = np.frombuffer(request.data, dtype=dtype.numpy).reshape(count, d_model)
+    return _Declared(dtype, leading, count, output_bytes, work)
+
+
+def validate(request: NearestInput, model: ServedModel) -> NearestJob:
+    declared = check_declared(request, model)
+    data = request.data
+    if not isinstance(data, bytes):
+        raise Internal("this is a bug: nearest's vectors were validated before they were read")
+    expected = declared.count * model.d_model * declared.dtype.itemsize
+    if len(data) != expected:  # a region's read gave other than its declared size
+        raise InvalidInput(
+            f"vectors data is {len(data)} bytes, but shape {list(request.shape)} of "
+            f"{declared.dtype.name} needs {expected}"
+        )
+    shape, leading, count, d_model = request.shape, declared.leading, declared.count, model.d_model
+    vectors = np.frombuffer(data, dtype=declared.dtype.numpy).reshape(count, d_model)
     vectors = vectors.astype(np.float32)  # exact for every dtype here
     finite = np.isfinite(vectors)
     if not finite.all():
@@ -182,4 +227,4 @@ def validate(request: NearestInput, model: ServedModel) -> NearestJob:
             where = ",".join(str(int(i)) for i in np.unravel_index(int(zero[0]), leading))
             raise InvalidInput(f"vectors[{where}] is all zeros: its cosine is undefined")
     query = Query(vectors, request.k, request.metric, request.logits, request.norm)
-    return NearestJob(query, leading, count, output_bytes, work)
+    return NearestJob(query, leading, count, declared.output_bytes, declared.work)

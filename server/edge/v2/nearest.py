@@ -11,17 +11,27 @@ an output. A separate name, not a per-model input, because a Triton model has on
 inputs and outputs, which ModelMetadata and ModelConfig describe.
 
 Names ending in ``.nearest`` are therefore this protocol's: a served model's own name
-never does (``core.repository`` would serve it, but V2 reads it as this). Inputs and
-outputs in shared memory, and nearest requests inside ModelStreamInfer, are refused for
-now (INVALID_ARGUMENT); tokembed.v1's Nearest has neither.
+never does (``core.repository`` would serve it, but V2 reads it as this). Nearest
+requests inside ModelStreamInfer are refused (INVALID_ARGUMENT; ModelInfer serves them).
+
+System shared memory (``shm``) as for the look-up: ``vectors`` may name a region of the
+caller's (described here, read by ``Nearest.read`` only once everything the request
+declares, the window's size included, fits the model), and each requested output may
+name a region of its own, into which its tensor is written (``shm_service.
+TensorsSharedMemorySink``). ``k`` is 8 bytes and says what the request costs, so it comes
+in the request itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from tokembed.server.core.dataplane import Request
 from tokembed.server.core.errors import InvalidInput
+from tokembed.server.core.operations.embed_request import Unread
 from tokembed.server.core.operations.nearest import (
     IDS,
     LOGITS,
@@ -50,25 +60,50 @@ def base_name(model_name: str) -> str | None:
     return model_name[: -len(SUFFIX)] if model_name.endswith(SUFFIX) else None
 
 
-def nearest_call(request: pb.ModelInferRequest, model_name: str) -> Request[NearestInput]:
+@dataclass(slots=True)
+class NearestCall(Request[NearestInput]):
+    """A nearest request, with its requested outputs (those naming a shared-memory region
+    are written there: the servicer takes their windows)."""
+
+    outputs: tuple[pb.ModelInferRequest.InferRequestedOutputTensor, ...] = ()
+
+
+def nearest_call(
+    request: pb.ModelInferRequest,
+    model_name: str,
+    source: Callable[[pb.ModelInferRequest, int], bytes | Unread],
+) -> NearestCall:
     """A ModelInferRequest for ``NAME.nearest`` (``model_name``: ``NAME``) as a nearest
-    request; raises ``InvalidInput`` naming what this protocol cannot express."""
+    request; raises ``InvalidInput`` naming what this protocol cannot express.
+    ``source``: where an input naming a shared-memory region is (``requests.InputSource``:
+    unread; refused when the server has no shared memory)."""
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+    # The raw contents are those of the inputs not in a region, in their order (Triton's
+    # rule: tritonclient sends none for an input in shared memory).
+    in_message = [t for t in request.inputs if SHARED_MEMORY_REGION not in t.parameters]
+    if raw and len(raw) != len(in_message):
         raise InvalidInput(
-            f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents"
+            f"the request has {len(in_message)} inputs outside shared memory but {len(raw)} "
+            "raw_input_contents"
         )
-    found: dict[str, tuple[pb.ModelInferRequest.InferInputTensor, bytes]] = {}
-    for index, tensor in enumerate(request.inputs):
+    found: dict[str, tuple[pb.ModelInferRequest.InferInputTensor, bytes | Unread]] = {}
+    raw_index = 0
+    for tensor in request.inputs:
         if tensor.name not in (VECTORS, K):
             raise InvalidInput(f"unexpected input {tensor.name!r}; {model_name}{SUFFIX} takes "
                                f"{VECTORS} and {K}")  # fmt: skip
         if tensor.name in found:
             raise InvalidInput(f"input {tensor.name!r} is given twice")
         if SHARED_MEMORY_REGION in tensor.parameters:
-            raise InvalidInput(f"input {tensor.name!r} names a shared-memory region: nearest "
-                               "reads its inputs from the request only, for now")  # fmt: skip
-        found[tensor.name] = (tensor, raw[index] if raw else _typed(tensor))
+            if tensor.name == K:
+                raise InvalidInput(f"input {K!r} names a shared-memory region; send k (one "
+                                   "INT64) in the request itself")  # fmt: skip
+            # The source sees this input alone: its bytes are the region's, not a raw
+            # content's.
+            found[tensor.name] = (tensor, source(pb.ModelInferRequest(inputs=[tensor]), 0))
+            continue
+        found[tensor.name] = (tensor, raw[raw_index] if raw else _typed(tensor))
+        raw_index += 1
     if VECTORS not in found:
         raise InvalidInput(f"input {VECTORS!r} is missing")
     vectors, data = found[VECTORS]
@@ -81,11 +116,10 @@ def nearest_call(request: pb.ModelInferRequest, model_name: str) -> Request[Near
         if output.name not in OUTPUTS:
             raise InvalidInput(f"unexpected output {output.name!r}; {model_name}{SUFFIX} "
                                f"answers {', '.join(OUTPUTS)}")  # fmt: skip
-        if SHARED_MEMORY_REGION in output.parameters:
-            raise InvalidInput(f"output {output.name!r} names a shared-memory region: nearest "
-                               "answers in the response only, for now")  # fmt: skip
+        if any(other.name == output.name for other in request.outputs if other is not output):
+            raise InvalidInput(f"output {output.name!r} is requested twice")
         logits = logits or output.name == LOGITS
-    return Request(
+    return NearestCall(
         model_name,
         request.model_version,
         NearestInput(
@@ -94,6 +128,7 @@ def nearest_call(request: pb.ModelInferRequest, model_name: str) -> Request[Near
             norm=bool_parameter(request.parameters, NORM_PARAMETER),
         ),
         request.id,
+        tuple(request.outputs),
     )  # fmt: skip
 
 
@@ -110,10 +145,11 @@ def _typed(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes:
     return np.asarray(contents.fp32_contents, dtype="<f4").tobytes()
 
 
-def _k(sent: tuple[pb.ModelInferRequest.InferInputTensor, bytes] | None) -> int:
+def _k(sent: tuple[pb.ModelInferRequest.InferInputTensor, bytes | Unread] | None) -> int:
     if sent is None:
         return 1
     tensor, data = sent
+    assert isinstance(data, bytes), "This is a bug: k in a region is refused above."
     if tensor.datatype not in ("INT64", "INT32") or list(tensor.shape) != [1]:
         raise InvalidInput(f"input {K!r} must be INT64 (or INT32) of shape [1], got "
                            f"{tensor.datatype} {list(tensor.shape)}")  # fmt: skip

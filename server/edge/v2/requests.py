@@ -44,8 +44,8 @@ from tokembed.server.core.operations.embed_request import (
     IdsInput,
     Unread,
 )
-from tokembed.server.core.operations.nearest import NearestInput
 from tokembed.server.edge.v2 import nearest
+from tokembed.server.edge.v2.nearest import NearestCall
 from tokembed.server.edge.v2.parameters import string_parameter
 from tokembed.server.edge.v2.text import TextCall, is_text, text_call
 from tokembed.v2 import grpc_service_pb2 as pb
@@ -95,7 +95,6 @@ class CallersInput(Unread):
 # Where an input's bytes are: the request, its index among the inputs; returns them
 # in hand (the message's raw contents) or unread (``Unread``). Raises ``EmbedError`` for
 # what it can tell from the request alone.
-NearestCall = Request[NearestInput]  # a ModelInferRequest for NAME.nearest (``v2.nearest``)
 InputSource = Callable[["pb.ModelInferRequest", int], bytes | Unread]
 SHARED_MEMORY_REGION = "shared_memory_region"  # an input's parameter naming its region
 
@@ -126,7 +125,7 @@ class InferParser:
         base = nearest.base_name(request.model_name)
         if base is not None:  # NAME.nearest: the nearest operation of NAME
             try:
-                return nearest.nearest_call(request, base)
+                return nearest.nearest_call(request, base, self._source)
             except EmbedError as error:
                 return Refused(error, request.id)
         if is_text(request):  # texts, not ids (``edge.v2.text``)

@@ -47,11 +47,12 @@ from tokembed.server.edge.deadlines import deadline_of
 from tokembed.server.edge.grpc_sinks import GrpcStreamItemSink, GrpcUnarySink
 from tokembed.server.edge.status_codes import refuse
 from tokembed.server.edge.v2 import nearest, responses
+from tokembed.server.edge.v2.nearest import NearestCall
 from tokembed.server.edge.v2.repository_service import RepositoryService
 from tokembed.server.edge.v2.requests import (
+    CallersInput,
     InferCall,
     InferParser,
-    NearestCall,
     parse_message,
     parse_model_query,
 )
@@ -59,8 +60,10 @@ from tokembed.server.edge.v2.shm import SharedMemoryRegistry
 from tokembed.server.edge.v2.shm_service import (
     SharedMemoryService,
     SharedMemorySink,
+    TensorsSharedMemorySink,
     names_region,
     output_window,
+    output_windows,
 )
 from tokembed.server.edge.v2.status import V2, status_name, status_of
 from tokembed.server.edge.v2.text import TextCall, stream_refusal
@@ -130,10 +133,10 @@ class InferenceServicer:
         if isinstance(request, TextCall):
             return await self._text(request, context)
         if not isinstance(request, (InferCall, Refused)):  # NAME.nearest: v2.nearest
-            tensors = TensorsSink(context)
+            nearest_call, tensors = self._nearest_sink(request, context)
             try:
                 await self._dataplane.serve(
-                    FRONT_END, "ModelInfer", NEAREST, request, deadline_of(context), tensors
+                    FRONT_END, "ModelInfer", NEAREST, nearest_call, deadline_of(context), tensors
                 )
             except EmbedError as error:
                 refuse(context, status_of(error), error)
@@ -175,6 +178,26 @@ class InferenceServicer:
             if window is not None:
                 return request, SharedMemorySink(context, window)
         return request, UnarySink(context)
+
+    def _nearest_sink(
+        self, request: NearestCall, context: grpc.aio.ServicerContext
+    ) -> tuple[NearestCall | Refused, TensorsSink | TensorsSharedMemorySink]:
+        """A nearest request told its caller (whose region its vectors may be read from),
+        and where its answer goes: the response, or a region per requested output that
+        names one (their windows held until the RPC ends). A window that cannot be had
+        refuses the request, through the data plane."""
+        vectors = request.body.data
+        if isinstance(vectors, CallersInput):
+            vectors.caller = self._identities.of(context)
+        if self._regions is None or not any(names_region(o.parameters) for o in request.outputs):
+            return request, TensorsSink(context)
+        try:
+            windows = output_windows(
+                self._regions, request.outputs, partial(self._identities.of, context)
+            )
+        except EmbedError as error:
+            return Refused(error, request.request_id), TensorsSink(context)
+        return request, TensorsSharedMemorySink(context, windows)
 
     async def ModelStreamInfer(
         self,

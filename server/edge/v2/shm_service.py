@@ -37,7 +37,7 @@ from tokembed.server.core.types import Answer
 from tokembed.server.edge.auth import Identities
 from tokembed.server.edge.v2.requests import CallersInput, InputSource, in_request
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
-from tokembed.server.edge.v2.shm_region import Window
+from tokembed.server.edge.v2.shm_region import SharedMemoryError, Window
 from tokembed.v2 import grpc_service_pb2 as pb
 
 REGION = "shared_memory_region"
@@ -164,6 +164,27 @@ def output_window(
     return None
 
 
+def output_windows(
+    registry: SharedMemoryRegistry,
+    outputs: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor],
+    owner: Callable[[], str],
+) -> dict[str, Window]:
+    """Per requested output that names a region of the caller's, its window (held; on a
+    refusal, those taken already are let go): an answer of several named tensors."""
+    windows: dict[str, Window] = {}
+    try:
+        for output in outputs:
+            if names_region(output.parameters):
+                windows[output.name] = window_of(
+                    registry, f"output {output.name}", output.parameters, owner()
+                )
+    except BaseException:
+        for window in windows.values():
+            window.release()
+        raise
+    return windows
+
+
 class SharedMemorySink(Sink[bytes]):
     """ModelInfer with its output in a region: the answer written there, the response
     without tensor bytes. ``window`` is released when the RPC ends."""
@@ -189,6 +210,60 @@ class SharedMemorySink(Sink[bytes]):
     async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
         self.payload = framed
         sent()  # the answer is in the region already; the response is a few bytes
+
+
+class TensorsSharedMemorySink(Sink[bytes]):
+    """ModelInfer of an answer of several named tensors (NAME.nearest's) with some of its
+    outputs in regions: each of those written into its own window (every size checked
+    before any is written), the others in the response; the response lists every output,
+    with an empty raw content for one in a region (the contents are by output index).
+    The windows are released when the RPC ends."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, windows: dict[str, Window]) -> None:
+        self._windows = windows
+        self.payload = b""
+
+        def release(_context: Any) -> None:
+            for window in windows.values():
+                window.release()
+
+        context.add_done_callback(release)
+
+    def frame(self, answer: Answer, call: Call) -> bytes:
+        windows = self._windows
+        for tensor in answer.tensors:
+            window = windows.get(tensor.name)
+            if window is not None and tensor.nbytes > window.byte_size:
+                raise SharedMemoryError(
+                    f"output {tensor.name} is {tensor.nbytes} bytes, over the "
+                    f"shared_memory_byte_size {window.byte_size} given for it in region "
+                    f"{window.name!r}"
+                )
+        for tensor in answer.tensors:
+            window = windows.get(tensor.name)
+            if window is not None:
+                window.write(tensor.pieces, tensor.nbytes)
+        in_response = [t for t in answer.tensors if t.name not in windows]
+        return pb.ModelInferResponse(
+            model_name=answer.model_name,
+            model_version=answer.model_version,
+            id=call.request_id,
+            outputs=[
+                pb.ModelInferResponse.InferOutputTensor(
+                    name=t.name, datatype=t.dtype.v2, shape=list(t.shape)
+                )
+                for t in answer.tensors
+            ],
+            raw_output_contents=(
+                [b"" if t.name in windows else b"".join(t.pieces) for t in answer.tensors]
+                if in_response
+                else []
+            ),
+        ).SerializeToString()
+
+    async def send(self, framed: bytes, sent: Callable[[], None]) -> None:
+        self.payload = framed
+        sent()  # the region's outputs are written already; the rest is the response
 
 
 # --- the RPCs
