@@ -58,7 +58,32 @@ class TextFormatter(logging.Formatter):
         return escape_controls(super().formatMessage(record))
 
 
+class CallEndedFirst(logging.Filter):
+    """gRPC's asyncio server logs an ERROR with a traceback when it cannot send a unary
+    answer because the call ended first: its client cancelled, or its deadline passed
+    while the handler finished (grpc/grpc#32551 made it a log line rather than a lost
+    task). That is a client leaving, not a fault of the server: said in one INFO line,
+    without the traceback, so that an operator's error count means errors."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(self.PREFIX):
+            method = record.getMessage().removeprefix(self.PREFIX).strip(" []")
+            record.msg, record.args = "%s: the call ended before its answer was sent", (method,)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+# Where gRPC's asyncio server logs (its Cython module's logger).
+GRPC_SERVER_LOGGER = "grpc._cython.cygrpc"
+
+
 def configure_logging(level: str, fmt: str) -> None:
+    grpc_server = logging.getLogger(GRPC_SERVER_LOGGER)
+    if not any(isinstance(known, CallEndedFirst) for known in grpc_server.filters):
+        grpc_server.addFilter(CallEndedFirst())
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
