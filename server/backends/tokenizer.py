@@ -6,6 +6,9 @@ changed after load (a ``Tokenizer``'s truncation and padding are settings of the
 so a request that set them would change them under every other request); padding is
 switched off in both, since answers are ragged (ids with their lengths). A batch of texts
 is one ``encode_batch`` (the library encodes it on its own threads, without the GIL).
+Those threads are one fewer than the cores (``RAYON_NUM_THREADS``, the library's own knob,
+unless the operator set it): with every core encoding, the event loop waited for a core
+and tiny requests for tens of milliseconds (tests/e2e/test_text_off_loop.py).
 
 Blocking and thread-safe: the scheduler calls it on worker threads, several at once.
 """
@@ -13,6 +16,7 @@ Blocking and thread-safe: the scheduler calls it on worker threads, several at o
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,8 @@ class Encoded:
 class TextTokenizer:
     def __init__(self, path: Path, max_length: int) -> None:
         """``max_length``: the longest text in tokens the model takes (truncation's)."""
+        # Before the library's first batch, which builds its thread pool.
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
         # Imported here: a server none of whose models has a tokenizer never loads it.
         from tokenizers import Tokenizer
 
