@@ -20,6 +20,14 @@ from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 
 
+def presented_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes:
+    """The ``authorization`` metadata a call presented, as bytes (b"" when none)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value.encode("utf-8") if isinstance(value, str) else value
+    return b""
+
+
 def read_token(path: Path, setting: str = "auth_token_file") -> bytes:
     try:
         token = path.read_text(encoding="utf-8").strip()
@@ -69,12 +77,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         if details.method in self._skipped:
             return await continuation(details)
-        presented = b""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value.encode("utf-8") if isinstance(value, str) else value
-                break
-        if hmac.compare_digest(presented, self._expected):
+        if hmac.compare_digest(presented_token(details.invocation_metadata), self._expected):
             return await continuation(details)
         if details.method in self._open:
             return self._open[details.method]
@@ -108,8 +111,7 @@ class Identities:
             if certificate:
                 return "certificate:" + hashlib.sha256(certificate[0]).hexdigest()
         if self._token:
-            for key, value in context.invocation_metadata() or ():
-                if key == "authorization":  # the interceptor let only the token's through
-                    presented = value.encode("utf-8") if isinstance(value, str) else value
-                    return "token:" + hashlib.sha256(presented).hexdigest()
+            presented = presented_token(context.invocation_metadata())
+            if presented:  # the interceptor let only the token's through
+                return "token:" + hashlib.sha256(presented).hexdigest()
         return ANYONE

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
+from tokembed.server.edge.auth import presented_token
 from tokembed.server.edge.status_codes import REASON_METADATA_KEY
 
 
@@ -77,12 +78,7 @@ class ControlAccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
             if self._loopback_only:
                 return await continuation(details)
             return self._refuse(details.method, self._no_control)
-        presented = b""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value.encode("utf-8") if isinstance(value, str) else value
-                break
-        if hmac.compare_digest(presented, self._expected):
+        if hmac.compare_digest(presented_token(details.invocation_metadata), self._expected):
             return await continuation(details)
         return self._refuse(details.method, self._wrong_token)
 
