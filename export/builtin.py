@@ -9,11 +9,13 @@ reference bit for bit (the exporter checks against torch; here numpy made the ta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +32,9 @@ from tokembed.export.manifest import (
 )
 from tokembed.export.parity import parity_ids
 from tokembed.export.staging import file_entries, make_staging_dir, producer_versions, publish_new
+
+if TYPE_CHECKING:
+    from tokembed.export.pipeline import Addition
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +86,12 @@ def seeded_table(vocab_size: int, d_model: int, seed: int) -> np.ndarray:
     return table
 
 
-def build_builtin_model(out_dir: Path, spec: BuiltinSpec = DEFAULT) -> bool:
-    """Build the model into ``out_dir`` if it is missing or empty.
+def build_builtin_model(
+    out_dir: Path, spec: BuiltinSpec = DEFAULT, additions: tuple[Addition, ...] = ()
+) -> bool:
+    """Build the model into ``out_dir`` if it is missing or empty; ``additions`` (the
+    exporter's, ``pipeline.Addition``: ``--builtin --tied-head``'s head) are staged with
+    it, before its one manifest.
 
     Returns True when this call put it there, False when another process did first (two
     servers starting at once on an empty directory): the model is built in a directory
@@ -93,7 +102,7 @@ def build_builtin_model(out_dir: Path, spec: BuiltinSpec = DEFAULT) -> bool:
         raise ExportError(f"{out_dir} exists and is not empty, but holds no {MANIFEST_NAME}")
     staging = make_staging_dir(out_dir, label=str(out_dir))
     try:
-        manifest = _build(staging, spec)
+        manifest = _build(staging, spec, additions)
         if publish_new(staging, out_dir):
             logger.info(
                 "built %s v%s (V=%d D=%d seed %d) in %s",
@@ -116,7 +125,7 @@ def _holds_other_files(out_dir: Path) -> bool:
     return any(out_dir.iterdir())
 
 
-def _build(staging: Path, spec: BuiltinSpec) -> Manifest:
+def _build(staging: Path, spec: BuiltinSpec, additions: tuple[Addition, ...]) -> Manifest:
     table = seeded_table(spec.vocab_size, spec.d_model, spec.seed)
     opset = write_table_graph(table, spec.scale, staging)
     parity = _check_parity(staging / MODEL_NAME, table, spec)
@@ -131,11 +140,14 @@ def _build(staging: Path, spec: BuiltinSpec) -> Manifest:
         input=TensorSpec(INPUT_NAME, "int64", ["batch", "sequence"]),
         output=TensorSpec(OUTPUT_NAME, "float32", ["batch", "sequence", spec.d_model]),
         opset=opset,
-        files=file_entries(staging),
+        files={},
         producer=producer_versions(("numpy", "onnx", "onnxruntime")),
         parity=parity,
         source={"kind": "builtin", "seed": spec.seed, "init": INIT, "parity_reference": "numpy"},
     )
+    for addition in additions:
+        manifest = addition(staging, manifest)
+    manifest = dataclasses.replace(manifest, files=file_entries(staging))
     manifest.write(staging)
     return manifest
 

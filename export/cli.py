@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 from pathlib import Path
 
 from tokembed.export import head_cli, pretrained_cli
@@ -214,22 +213,14 @@ def run(args: argparse.Namespace) -> int:
         beside = args.from_pretrained / TOKENIZER_NAME
         if beside.is_file():  # a Hugging Face model directory's own tokenizer comes with it
             args.tokenizer = beside
-    tokenizer = None
+    args.tokenizer_spec = None
     if args.tokenizer is not None:
         from tokembed.export.tokenizer_file import read_tokenizer
 
-        tokenizer = read_tokenizer(args.tokenizer, args.tokenizer_max_length)
+        args.tokenizer_spec = read_tokenizer(args.tokenizer, args.tokenizer_max_length)
     elif args.tokenizer_max_length is not None:
         raise ExportError("--tokenizer-max-length needs --tokenizer")
-    code = _export(args)
-    if tokenizer is not None:
-        from tokembed.export.tokenizer_file import attach_tokenizer
-
-        attach_tokenizer(args.out, args.tokenizer, tokenizer)
-        limit = "" if tokenizer.max_length is None else f", max_length {tokenizer.max_length}"
-        print(f"tokenizer {tokenizer.model}, {tokenizer.vocab_size} ids{limit} -> "
-              f"{args.out / tokenizer.file}")  # fmt: skip
-    return code
+    return _export(args)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -272,6 +263,18 @@ def _export(args: argparse.Namespace) -> int:
     logging.getLogger("tokembed").setLevel(logging.INFO)
     if kind != TOKEN and head_cli.wants_head(args):
         raise ExportError(f"a {kind} model has no head yet: the head is a token model's")
+    # What the export adds beside the model, staged with it before its one manifest.
+    additions = []
+    head = head_cli.head_addition(args)
+    if head is not None:
+        additions.append(head)
+    if findings is not None:
+        additions.append(pretrained_cli.pretrained_addition(findings))
+    tokenizer = args.tokenizer_spec
+    if tokenizer is not None:
+        from tokembed.export.tokenizer_file import tokenizer_addition
+
+        additions.append(tokenizer_addition(args.tokenizer, tokenizer))
     options = ExportOptions(
         out_dir=args.out,
         name=name,
@@ -279,27 +282,24 @@ def _export(args: argparse.Namespace) -> int:
         weight_dtype=args.dtype,
         force=args.force,
         seed=args.seed,
+        additions=tuple(additions),
     )
     if args.weights is None:
         manifest = sources.export_random(args, kind, vocab_size, d_model, options)
     else:
         manifest = sources.export_checkpoint(args, kind, options)
-        if findings is not None:
-            manifest = pretrained_cli.record(args.out, manifest, findings)
-    try:
-        head = head_cli.write_head(args, manifest.tie)
-    except BaseException:
-        # The model was written for a head that cannot be: no directory that half-answers
-        # the export asked for is left behind.
-        shutil.rmtree(args.out, ignore_errors=True)
-        raise
     _print_exported(manifest, args.out)
-    if head is not None:
-        print(f"head: {head.graph} over the {head.table} table"
-              + (f", after its {head.norm.kind}" if head.norm is not None else "")
-              + f", max_abs_error={head.parity.max_abs_error:g}")  # fmt: skip
+    if manifest.head is not None:
+        head_record = manifest.head
+        print(f"head: {head_record.graph} over the {head_record.table} table"
+              + (f", after its {head_record.norm.kind}" if head_record.norm is not None else "")
+              + f", max_abs_error={head_record.parity.max_abs_error:g}")  # fmt: skip
     if findings is not None:
         print("\n".join(pretrained_cli.describe(manifest, findings)))
+    if tokenizer is not None:
+        limit = "" if tokenizer.max_length is None else f", max_length {tokenizer.max_length}"
+        print(f"tokenizer {tokenizer.model}, {tokenizer.vocab_size} ids{limit} -> "
+              f"{args.out / tokenizer.file}")  # fmt: skip
     print_notes(args.notes)
     return 0
 
@@ -388,10 +388,10 @@ def _builtin(args: argparse.Namespace) -> int:
         raise ExportError(f"--builtin takes no {', '.join(others)}: its model is fixed")
 
     check_out_dir(args.out, args.force)
-    build_builtin_model(args.out)
+    head = head_cli.head_addition(args)
+    build_builtin_model(args.out, additions=() if head is None else (head,))
     print(f"built the built-in default model -> {args.out}")
-    if args.tied_head:
-        head_cli.write_head(args, None)
+    if head is not None:
         print("head: head.onnx over the embedding table")
     return 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,23 +83,25 @@ def apply_norm(vectors: np.ndarray, norm: NormArrays | None) -> np.ndarray:
     return np.asarray(out)
 
 
-def add_head(
+def write_head(
     directory: Path,
+    manifest: Manifest,
     *,
     output_table: np.ndarray | None,
     output_key: str | None,
     norm: NormArrays | None,
     seed: int = 0,
-) -> Head:
-    """Write the head graph into the model ``directory`` (already exported), check it,
-    and record it in the manifest (its files too); return the record.
+) -> Manifest:
+    """Write the head graph into ``directory`` (an export's staging directory, where the
+    look-up graph of ``manifest`` is), check it, and return ``manifest`` with the head
+    recorded (the exporter's ``pipeline.Addition``: the pipeline lists the files and
+    writes the manifest once).
 
     ``output_table``: an untied output projection ``[V, D]`` (any float dtype; stored in
     the model's weight dtype); None: the model is tied, and the head reads the exported
     table. ``ExportError`` when the table does not fit the model; ``ParityError`` when
     onnxruntime disagrees with the reference.
     """
-    manifest = Manifest.read(directory)
     vocab_size, d_model = manifest.vocab_size, manifest.d_model
     stored = WEIGHT_DTYPES[manifest.weight_dtype]
     if norm is not None:
@@ -108,7 +111,6 @@ def add_head(
                     f"the final norm's {name} is {list(array.shape)}, the model's width is "
                     f"[{d_model}]"
                 )
-    files = dict(manifest.files)
     if output_table is None:
         table_entry = _tied_table_entry(directory, vocab_size, d_model)
         table_file = _external_location(table_entry)
@@ -126,10 +128,8 @@ def add_head(
         table_entry = _external_tensor(
             HEAD_DATA_NAME, 0, weight.nbytes, stored.onnx, vocab_size, d_model
         )
-        files[HEAD_DATA_NAME] = _entry(directory / HEAD_DATA_NAME)
     _write_graph(directory, table_entry, stored.name, d_model, vocab_size, norm, manifest.opset)
     parity = check_head(directory / HEAD_NAME, weight, norm, seed)
-    files[HEAD_NAME] = _entry(directory / HEAD_NAME)
     head = Head(
         table="embedding" if output_table is None else "output",
         output_key=output_key,
@@ -138,11 +138,39 @@ def add_head(
         parity=parity,
         norm=None if norm is None else norm.record,
     )
-    updated = dataclasses.replace(manifest, files=files, head=head)
+    return dataclasses.replace(manifest, head=head)
+
+
+def add_head(
+    directory: Path,
+    *,
+    output_table: np.ndarray | None,
+    output_key: str | None,
+    norm: NormArrays | None,
+    seed: int = 0,
+) -> Head:
+    """``write_head`` into a model directory already published, its manifest rewritten
+    in one rename: for the tests' and the bench's fixtures, which make a directory first
+    and add its head after. The exporter never does this: it stages the head with the
+    rest of the directory (``pipeline.ExportOptions.additions``), so that a reader never
+    sees the model without it."""
+    manifest = Manifest.read(directory)
+    updated = write_head(
+        directory, manifest, output_table=output_table, output_key=output_key, norm=norm,
+        seed=seed,
+    )  # fmt: skip
+    files = dict(manifest.files)
+    for name in (HEAD_NAME, HEAD_DATA_NAME):
+        if (directory / name).is_file():
+            files[name] = _entry(directory / name)
+    updated = dataclasses.replace(updated, files=files)
     # Checked through the reader before it replaces the manifest: what is written reads back.
     Manifest.from_dict(json.loads(updated.to_json()), where=str(directory / MANIFEST_NAME))
-    updated.write(directory)
-    return head
+    staged = directory / f".{MANIFEST_NAME}.head"
+    staged.write_text(updated.to_json(), encoding="utf-8")
+    os.replace(staged, directory / MANIFEST_NAME)
+    assert updated.head is not None
+    return updated.head
 
 
 def check_head(path: Path, weight: np.ndarray, norm: NormArrays | None, seed: int) -> Parity:

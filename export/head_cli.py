@@ -14,14 +14,15 @@ final norm before it. A model exported with none of these has no head and refuse
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokembed.export.errors import ExportError
-from tokembed.export.manifest import NORM_KINDS, Head
+from tokembed.export.manifest import NORM_KINDS, Manifest
 
 if TYPE_CHECKING:
     from tokembed.export.head import NormArrays
-    from tokembed.export.manifest import Tie
+    from tokembed.export.pipeline import Addition
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,29 +83,38 @@ def wants_head(args: argparse.Namespace) -> bool:
     return bool(args.tied_head or args.output_key is not None or args.norm_key is not None)
 
 
-def write_head(args: argparse.Namespace, tie: Tie | None) -> Head | None:
-    """The head of the model just exported to ``args.out``: tied when ``tie`` says the
-    output projection is the table, else the checkpoint's ``--output-key``."""
-    from tokembed.export.head import add_head
-
-    if not wants_head(args) and not (tie is not None and tie.tied):
+def head_addition(args: argparse.Namespace) -> Addition | None:
+    """The head of the model being exported, as the pipeline's ``Addition`` (written in
+    the staging directory before the one manifest): tied when the manifest's tie says the
+    output projection is the table, else the checkpoint's ``--output-key``. None when the
+    flags ask for no head (a tie found without ``--output-key`` still writes one)."""
+    if not wants_head(args) and args.output_projection is None:
         return None
-    norm = _norm(args) if args.norm_key is not None else None
-    if args.tied_head or (tie is not None and tie.tied):
-        key = tie.output_projection if tie is not None else None
-        return add_head(args.out, output_table=None, output_key=key, norm=norm, seed=args.seed)
-    if args.output_key is None:  # a tie was recorded, and it is not one
-        assert tie is not None
-        raise ExportError(
-            f"{tie.output_projection!r} is not tied to {args.key!r} ({tie.evidence}): give "
-            "it as --output-key to write the head over it"
-        )
-    from tokembed.export.weights import load_matrix
 
-    table = load_matrix(args.weights, args.output_key).numpy()
-    return add_head(
-        args.out, output_table=table, output_key=args.output_key, norm=norm, seed=args.seed
-    )
+    def add(directory: Path, manifest: Manifest) -> Manifest:
+        from tokembed.export.head import write_head
+
+        tie = manifest.tie
+        if not wants_head(args) and not (tie is not None and tie.tied):
+            return manifest
+        norm = _norm(args) if args.norm_key is not None else None
+        if args.tied_head or (tie is not None and tie.tied):
+            key = tie.output_projection if tie is not None else None
+            return write_head(directory, manifest, output_table=None, output_key=key,
+                              norm=norm, seed=args.seed)  # fmt: skip
+        if args.output_key is None:  # a tie was recorded, and it is not one
+            assert tie is not None
+            raise ExportError(
+                f"{tie.output_projection!r} is not tied to {args.key!r} ({tie.evidence}): "
+                "give it as --output-key to write the head over it"
+            )
+        from tokembed.export.weights import load_matrix
+
+        table = load_matrix(args.weights, args.output_key).numpy()
+        return write_head(directory, manifest, output_table=table,
+                          output_key=args.output_key, norm=norm, seed=args.seed)  # fmt: skip
+
+    return add
 
 
 def _norm(args: argparse.Namespace) -> NormArrays:

@@ -8,15 +8,23 @@ staged, and only then moves the files into place: a failed export never leaves a
 half-written model directory where the server could find it. ``export_model`` does the
 same for a kind's torch module (``modules``).
 
-One more file in the model directory (a tokenizer, a second graph) is written into the
-staging directory before the manifest: ``staging.file_entries`` lists and hashes every
-file there, and ``staging.move_into_place`` replaces those of the model it overwrites.
+One more file in the model directory (a tokenizer, a second graph) or one more field of
+the manifest (the head, ``--from-pretrained``'s record) is an ``Addition``
+(``ExportOptions.additions``): run on the staging directory once the graph is proven and
+before the manifest, it writes its files there and returns the manifest with its field.
+``staging.file_entries`` then lists and hashes every file there, the manifest is written
+once, and ``staging.move_into_place`` moves the whole into place: a reader (a server
+polling its model repository) never sees the model without what the export added, and an
+export that fails in an addition leaves nothing (or the model it would have replaced).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,7 @@ from tokembed.export.errors import ExportError
 from tokembed.export.hashing import phase
 from tokembed.export.manifest import (
     INPUT_NAME,
+    MANIFEST_NAME,
     MODEL_NAME,
     OUTPUT_NAME,
     Manifest,
@@ -54,6 +63,11 @@ _PRODUCERS = ("torch", "onnx", "onnxruntime")
 # again in float64 to be compared, so a slice costs about six times this.
 PARITY_SLICE_BYTES = 8 * 1024 * 1024
 
+# What an export adds beside the kind's graph: given the staging directory (the proven
+# graph is there) and the manifest so far (its ``files`` not yet listed), it writes its
+# files into the directory and returns the manifest with its field.
+Addition = Callable[[Path, Manifest], Manifest]
+
 
 @dataclass(frozen=True)
 class ExportOptions:
@@ -71,6 +85,8 @@ class ExportOptions:
     source: dict[str, Any] | None = None
     # Whether the table is also the model's output projection, when asked.
     tie: Tie | None = None
+    # Run in order before the manifest is written (``Addition``).
+    additions: tuple[Addition, ...] = ()
 
 
 def export_model(
@@ -110,7 +126,7 @@ def export(part: Part, options: ExportOptions) -> Manifest:
             input=TensorSpec(INPUT_NAME, "int64", ["batch", "sequence"]),
             output=TensorSpec(OUTPUT_NAME, "float32", ["batch", "sequence", part.d_model]),
             opset=opset,
-            files=file_entries(staging),
+            files={},
             producer=producer_versions(_PRODUCERS),
             parity=parity,
             source=options.source or {},
@@ -118,6 +134,11 @@ def export(part: Part, options: ExportOptions) -> Manifest:
             tie=options.tie,
             **sizes,
         )
+        for addition in options.additions:
+            manifest = addition(staging, manifest)
+        manifest = dataclasses.replace(manifest, files=file_entries(staging))
+        # Checked through the reader first: what is written reads back.
+        Manifest.from_dict(json.loads(manifest.to_json()), where=str(out_dir / MANIFEST_NAME))
         manifest.write(staging)
         move_into_place(staging, out_dir)
     finally:

@@ -5,19 +5,19 @@ records.
 ``--key``, ``--output-projection``; the head's ``--output-key``, and ``--norm-*`` where the
 head can apply the model's norm as the model does), so that the export itself is the
 checkpoint export ``--weights`` runs (the scale and padding id from config.json,
-``architecture.py``; the tie checked against the values, ``weights.find_tie``). ``record``
-adds what was found to the manifest once the export succeeded.
+``architecture.py``; the tie checked against the values, ``weights.find_tie``).
+``pretrained_addition`` records what was found in the manifest, staged with the rest.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokembed.export.errors import ExportError
-from tokembed.export.manifest import MANIFEST_NAME, Manifest, Pretrained
+from tokembed.export.manifest import Manifest, Pretrained
 from tokembed.export.pretrained import (
     FLAG,
     Findings,
@@ -25,6 +25,9 @@ from tokembed.export.pretrained import (
     engine_scales,
     find_pretrained,
 )
+
+if TYPE_CHECKING:
+    from tokembed.export.pipeline import Addition
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -94,25 +97,25 @@ def head_norm_left_out(findings: Findings) -> str | None:
     return None
 
 
-def record(out: Path, manifest: Manifest, findings: Findings) -> Manifest:
-    """The manifest in ``out`` with what ``findings`` say, written in place of the one the
-    export wrote (whole, by a rename: a reader sees the one or the other)."""
-    pretrained = Pretrained(
-        architecture=findings.architecture,
-        convention=convention(findings, manifest.scale),
-        engine_scales=engine_scales(findings, manifest.scale),
-        keys=findings.manifest_record(),
-    )
-    updated = replace(manifest, pretrained=pretrained)
-    staged = out / f".{MANIFEST_NAME}.pretrained"
-    staged.write_text(updated.to_json(), encoding="utf-8")
-    os.replace(staged, out / MANIFEST_NAME)
-    return updated
+def pretrained_addition(findings: Findings) -> Addition:
+    """What ``findings`` say, recorded in the manifest as the pipeline's ``Addition``
+    (before its one write: a reader never sees the model without it)."""
+
+    def add(directory: Path, manifest: Manifest) -> Manifest:
+        pretrained = Pretrained(
+            architecture=findings.architecture,
+            convention=convention(findings, manifest.scale),
+            engine_scales=engine_scales(findings, manifest.scale),
+            keys=findings.manifest_record(),
+        )
+        return replace(manifest, pretrained=pretrained)
+
+    return add
 
 
 def describe(manifest: Manifest, findings: Findings) -> list[str]:
     """What the command prints about the findings, a line each."""
-    assert manifest.pretrained is not None, "This is a bug: describe() after record()."
+    assert manifest.pretrained is not None, "This is a bug: describe() of another export."
     lines = [manifest.pretrained.convention]
     if findings.norm is not None:
         norm = findings.norm

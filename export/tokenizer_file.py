@@ -3,8 +3,8 @@
 A Hugging Face ``tokenizer.json`` (what ``tokenizers.Tokenizer.save`` and
 ``PreTrainedTokenizerFast.save_pretrained`` write) is read with the ``tokenizers``
 library first, so a file it cannot load, or whose ids reach past the table, is refused
-before anything is written; once the model is exported, the file is copied into the
-directory as ``tokenizer.json``, listed in the manifest's ``files`` with its sha256 (the
+before anything is written; the export then copies it into the staged directory as
+``tokenizer.json`` (``tokenizer_addition``), listed in the manifest's ``files`` with its sha256 (the
 loader checks it as it checks the graph) and described by the manifest's ``tokenizer``.
 """
 
@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokembed.export.errors import ExportError
 from tokembed.export.hashing import sha256_file
@@ -25,6 +26,9 @@ from tokembed.export.manifest import (
     Manifest,
     TokenizerSpec,
 )
+
+if TYPE_CHECKING:
+    from tokembed.export.pipeline import Addition
 
 FLAG = "--tokenizer"
 
@@ -58,17 +62,35 @@ def read_tokenizer(path: Path, max_length: int | None) -> TokenizerSpec:
     )
 
 
-def attach_tokenizer(out_dir: Path, path: Path, spec: TokenizerSpec) -> Manifest:
-    """Copy the tokenizer at ``path`` into the exported model at ``out_dir`` and record it
-    in the manifest (rewritten in one rename: a reader sees the old manifest or the new
-    one, each describing files that are there)."""
-    manifest = Manifest.read(out_dir)
+def tokenizer_addition(path: Path, spec: TokenizerSpec) -> Addition:
+    """The tokenizer at ``path`` copied into the model's staging directory and recorded
+    in its manifest, as the pipeline's ``Addition`` (hashed with the other files and
+    written once with them)."""
+
+    def add(directory: Path, manifest: Manifest) -> Manifest:
+        check_fits(path, spec, manifest)
+        shutil.copyfile(path, directory / spec.file)
+        return dataclasses.replace(manifest, tokenizer=spec)
+
+    return add
+
+
+def check_fits(path: Path, spec: TokenizerSpec, manifest: Manifest) -> None:
+    """The tokenizer's ids are rows of the model's table."""
     if spec.vocab_size > manifest.vocab_size:
         raise ExportError(
             f"{FLAG} {path}: its ids reach {spec.vocab_size - 1}, past the table's "
-            f"{manifest.vocab_size} rows (vocab_size); the model in {out_dir} was written "
-            "without it"
+            f"{manifest.vocab_size} rows (vocab_size); nothing was written"
         )
+
+
+def attach_tokenizer(out_dir: Path, path: Path, spec: TokenizerSpec) -> Manifest:
+    """Copy the tokenizer at ``path`` into the model directory ``out_dir``, already
+    published, and record it in the manifest (rewritten in one rename: a reader sees the
+    old manifest or the new one, each describing files that are there): for the bench's
+    fixtures. The exporter stages it instead (``tokenizer_addition``)."""
+    manifest = Manifest.read(out_dir)
+    check_fits(path, spec, manifest)
     target = out_dir / spec.file
     staged = out_dir / f".{spec.file}.staging"
     shutil.copyfile(path, staged)
