@@ -261,8 +261,6 @@ def _export(args: argparse.Namespace) -> int:
     from tokembed.export.pipeline import ExportOptions
 
     logging.getLogger("tokembed").setLevel(logging.INFO)
-    if kind != TOKEN and head_cli.wants_head(args):
-        raise ExportError(f"a {kind} model has no head yet: the head is a token model's")
     # What the export adds beside the model, staged with it before its one manifest.
     additions = []
     head = head_cli.head_addition(args)

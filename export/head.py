@@ -30,10 +30,15 @@ import numpy as np
 
 from tokembed.export.dtypes import WEIGHT_DTYPES
 from tokembed.export.errors import ExportError, ParityError
+from tokembed.export.graphs import TABLE_NAME
 from tokembed.export.hashing import sha256_file
+from tokembed.export.kinds import FACTORIZED
 from tokembed.export.manifest import (
+    INPUT_NAME,
     MANIFEST_NAME,
     MODEL_NAME,
+    OUTPUT_NAME,
+    SERVED,
     FileEntry,
     Head,
     Manifest,
@@ -111,7 +116,20 @@ def write_head(
                     f"the final norm's {name} is {list(array.shape)}, the model's width is "
                     f"[{d_model}]"
                 )
-    if output_table is None:
+    role = "embedding" if output_table is None else "output"
+    if manifest.kind == FACTORIZED:
+        if output_table is not None:
+            raise ExportError(
+                f"a factorized model's head is over the vectors it serves (E [V, D'] "
+                f"projected to D): its output projection {output_key!r} must be tied to the "
+                "[V, D'] table, and is not"
+            )
+        role, stored = SERVED, WEIGHT_DTYPES["float32"]
+        weight = _write_served_table(directory, vocab_size, d_model)
+        table_entry = _external_tensor(
+            HEAD_DATA_NAME, 0, weight.nbytes, stored.onnx, vocab_size, d_model
+        )
+    elif output_table is None:
         table_entry = _tied_table_entry(directory, vocab_size, d_model)
         table_file = _external_location(table_entry)
         weight = _stored_view(
@@ -131,7 +149,7 @@ def write_head(
     _write_graph(directory, table_entry, stored.name, d_model, vocab_size, norm, manifest.opset)
     parity = check_head(directory / HEAD_NAME, weight, norm, seed)
     head = Head(
-        table="embedding" if output_table is None else "output",
+        table=role,
         output_key=output_key,
         graph=HEAD_NAME,
         weight_dtype=stored.name,
@@ -353,6 +371,9 @@ def _tied_table_entry(directory: Path, vocab_size: int, d_model: int) -> Any:
     graph = onnx.load(str(directory / MODEL_NAME), load_external_data=False).graph
     tables = [init for init in graph.initializer
               if [int(d) for d in init.dims] == [vocab_size, d_model]]  # fmt: skip
+    named = [init for init in tables if init.name == TABLE_NAME]
+    if named:  # a segment model's [T, D] type table may be [V, D] too
+        tables = named
     if len(tables) != 1 or not tables[0].external_data:
         raise ExportError(
             f"{directory / MODEL_NAME}: no single external [{vocab_size}, {d_model}] table "
@@ -362,6 +383,23 @@ def _tied_table_entry(directory: Path, vocab_size: int, d_model: int) -> Any:
     entry.CopyFrom(tables[0])
     entry.name = HEAD_TABLE_NAME
     return entry
+
+
+def _write_served_table(directory: Path, vocab_size: int, d_model: int) -> np.ndarray:
+    """A factorized model's served vectors of every id (``model.onnx`` in onnxruntime, a
+    slice of ids at a time, as the server's table backend computes them at load), written
+    float32 to ``head.onnx.data``; returns them memory-mapped."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(directory / MODEL_NAME), providers=["CPUExecutionProvider"])
+    step = max(1, _REFERENCE_SLICE_BYTES // (4 * d_model))
+    path = directory / HEAD_DATA_NAME
+    with path.open("wb") as out:
+        for start in range(0, vocab_size, step):
+            ids = np.arange(start, min(start + step, vocab_size), dtype=np.int64)[None, :]
+            rows = session.run([OUTPUT_NAME], {INPUT_NAME: ids})[0][0]
+            out.write(np.ascontiguousarray(rows, dtype="<f4").tobytes())
+    return np.memmap(path, dtype=np.float32, mode="r", shape=(vocab_size, d_model))
 
 
 def _external_tensor(

@@ -1,6 +1,7 @@
 """``tokembed export``'s flags for the head (vectors back to ids), and their run.
 
-The head is written when the export knows the model's output table:
+The head is written when the export knows the model's output table (for each kind,
+docs/export.md's "The head of each kind"):
 - tied: ``--output-projection KEY`` (or ``--output-key KEY``) found to be the exported
   table itself (``weights.find_tie``), or ``--tied-head`` for a seeded random table
   (its own output projection by construction);
@@ -36,12 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="KEY",
         help="with --weights: key of the model's output projection (lm_head.weight); tied "
-        "to --key, the head reads the exported table, else this [V,D] matrix",
+        "to --key, the head reads the exported table (a factorized model: its served "
+        "vectors), else this [V,D] matrix",
     )
     group.add_argument(
         "--tied-head",
         action="store_true",
-        help="a random (or --builtin) table: write a head over the table itself",
+        help="a random (or --builtin) table: write a head over the table itself (a segment "
+        "model's word table; a factorized model's served vectors, E P + b of every id)",
     )
     group.add_argument("--norm-key", default=None, metavar="KEY",
                        help="with --weights: key of the final norm's [D] weight")  # fmt: skip

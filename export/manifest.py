@@ -112,11 +112,14 @@ class Head:
     against a reference at export (``tokembed.export.head``).
 
     ``table`` is ``"embedding"`` when ``W`` is the exported table itself (tied: the head
-    graph reads the same bytes as the look-up, no second copy) or ``"output"`` for an
-    untied output projection read from the checkpoint by key (``head.onnx.data``).
+    graph reads the same bytes as the look-up, no second copy; a segment model's word
+    table), ``"output"`` for an untied output projection read from the checkpoint by key
+    (``head.onnx.data``), or ``"served"`` for a factorized model's served vectors
+    ``E [V, D'] P + b`` of every id, computed at export (``head.onnx.data``, float32):
+    docs/export.md, "The head of each kind", says why.
     """
 
-    table: str  # "embedding" (tied) or "output"
+    table: str  # "embedding" (tied), "output" or "served"
     output_key: str | None  # the output projection's key in the checkpoint, when known
     graph: str  # the head graph's file name in the model directory
     weight_dtype: str  # the dtype W is stored in
@@ -124,7 +127,8 @@ class Head:
     norm: Norm | None = None
 
 
-HEAD_TABLES = ("embedding", "output")
+SERVED = "served"
+HEAD_TABLES = ("embedding", "output", SERVED)
 NORM_KINDS = ("rmsnorm", "layernorm")
 
 

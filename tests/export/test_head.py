@@ -129,7 +129,7 @@ def test_a_model_without_a_head_records_none(tmp_path):
         (["--output-key", "lm_head.weight"], "--output-key needs --weights"),
         (["--norm-key", "n"], "--norm-key needs --weights"),
         (["--norm-eps", "1e-5"], "--norm-eps need(s) --norm-key"),
-        (["--tied-head", "--kind", "segment"], "a segment model has no head yet"),
+        (["--tied-head", "--output-key", "k"], "--output-key needs --weights"),
     ],
 )
 def test_flags_that_cannot_be_right_are_one_line(tmp_path, capsys, flags, message):
