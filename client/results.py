@@ -88,8 +88,9 @@ class NearestResult:
 
 @dataclass(frozen=True)
 class HeadInfo:
-    """A model's way back (nearest): ``table`` "embedding" (tied) or "output", its final
-    ``norm`` ("rmsnorm", "layernorm" or ""), and the largest ``k``."""
+    """A model's way back (nearest): ``table`` "embedding" (tied), "output" or "served"
+    (docs/export.md, "The head of each kind"), its final ``norm`` ("rmsnorm", "layernorm"
+    or ""), and the largest ``k``."""
 
     table: str
     norm: str

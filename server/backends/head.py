@@ -99,7 +99,7 @@ class NearestHead:
         self.table = table
         self.vocab_size, self.d_model = table.shape
         self.norm = norm
-        self.table_role = table_role  # "embedding" (tied) or "output"
+        self.table_role = table_role  # "embedding" (tied), "output" or "served"
         self.shared = shared
         self._blocks = _Blocks(table)
         self._row_norms64 = _row_norms(self._blocks)

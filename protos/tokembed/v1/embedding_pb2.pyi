@@ -1018,7 +1018,9 @@ class HeadInfo(_message.Message):
     NORM_FIELD_NUMBER: _builtins.int
     MAX_K_FIELD_NUMBER: _builtins.int
     table: _builtins.str
-    """"embedding" (tied: the look-up's own table) or "output" (an untied projection)."""
+    """"embedding" (tied: the look-up's own table; a segment model's word table), "output" (an
+    untied projection) or "served" (a factorized model's served vectors of every id).
+    """
     norm: _builtins.str
     """The final norm applied with apply_norm: "rmsnorm", "layernorm", or empty (none)."""
     max_k: _builtins.int
