@@ -35,6 +35,14 @@ _BLOCK_BYTES = 2 * 1024 * 1024
 DOT = "dot"
 COSINE = "cosine"
 METRICS = (DOT, COSINE)
+# How the candidates are found (``NearestHead``'s ``first_pass``).
+FLOAT32_PASS = "float32"
+INT8_PASS = "int8"
+FIRST_PASSES = (FLOAT32_PASS, INT8_PASS)
+# The int8 codes' range: symmetric, so that a code's negation is a code.
+_CODE = 127
+# q_h . q_v sums D products of at most 127**2 in int32.
+MAX_INT8_WIDTH = (2**31 - 1) // _CODE**2
 
 
 @dataclass(frozen=True)
@@ -88,12 +96,22 @@ class NearestHead:
     nothing changes after load but the row norms, computed once on first cosine use)."""
 
     def __init__(
-        self, table: np.ndarray, norm: FinalNorm | None, table_role: str, *, shared: bool
+        self,
+        table: np.ndarray,
+        norm: FinalNorm | None,
+        table_role: str,
+        *,
+        shared: bool,
+        first_pass: str = FLOAT32_PASS,
+        threads: int = 1,
     ) -> None:
         """``table``: ``W [V, D]`` C-contiguous in its stored dtype (float32, float16, or
         bfloat16 as ``ml_dtypes`` holds it), read as it is, never copied. ``shared``: the
         array is one the server already counts (the look-up's own table); otherwise the
-        head's bytes are its own (``memory_bytes``)."""
+        head's bytes are its own (``memory_bytes``). ``first_pass``: ``"int8"`` finds the
+        candidates in an int8 copy of the table made here (``_Int8Table``, onnxruntime's
+        ``MatMulInteger`` on ``threads`` threads) instead of the float32 multiply; the
+        answers are the same."""
         if table.ndim != 2 or not table.flags.c_contiguous:
             raise ValueError("this is a bug: a head table is a C-contiguous [V, D] array")
         self.table = table
@@ -105,12 +123,30 @@ class NearestHead:
         self._row_norms64 = _row_norms(self._blocks)
         self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
         self._inverse_norms: np.ndarray | None = None
+        if first_pass not in FIRST_PASSES:
+            raise ValueError(f"this is a bug: first pass {first_pass!r}")
+        self._int8 = (
+            _Int8Table(self._blocks, self._row_norms64, threads)
+            if first_pass == INT8_PASS
+            else None
+        )
+
+    @property
+    def first_pass(self) -> str:
+        return FLOAT32_PASS if self._int8 is None else INT8_PASS
+
+    @property
+    def int8_bytes(self) -> int:
+        """The int8 copy's bytes (0 without one): the codes, onnxruntime's packed copy of
+        them counted apart by the caller if it measures."""
+        return 0 if self._int8 is None else self._int8.nbytes
 
     @property
     def memory_bytes(self) -> int:
         """The bytes the head holds beside what the look-up holds: 0 when it reads the
         look-up's table."""
-        return 0 if self.shared else int(self.table.nbytes)
+        own = 0 if self.shared else int(self.table.nbytes)
+        return own + self.int8_bytes
 
     @property
     def stored_dtype(self) -> str:
@@ -125,22 +161,36 @@ class NearestHead:
         return self._inverse_norms
 
     def search(self, queries: Sequence[Query]) -> list[Found]:
-        """Each query's top-k (and logits), from one multiply over all their rows."""
+        """Each query's top-k (and logits), from one multiply over all their rows (the
+        int8 first pass when the head has one and no query asks for the logits, which
+        are the float32 multiply's)."""
         rows = [q.vectors if not q.norm else self._normed(q.vectors) for q in queries]
         stacked = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        int8 = self._int8 if not any(q.logits for q in queries) else None
         step = max(1, _LOGITS_CHUNK_BYTES // (4 * self.vocab_size))
+        if int8 is not None:
+            step = max(1, _LOGITS_CHUNK_BYTES // (8 * self.vocab_size))
         results: list[Found] = []
         query_index, start_in_query = 0, 0
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         for start in range(0, len(stacked), step):
-            logits = self._blocks.multiply(stacked[start : start + step])
+            chunk = stacked[start : start + step]
+            if int8 is None:
+                logits = self._blocks.multiply(chunk)
+                bounds = None
+            else:
+                logits, bounds = int8.first_pass(chunk)
             offset = 0
             while offset < len(logits):
                 query = queries[query_index]
                 take = min(len(logits) - offset, len(query.vectors) - start_in_query)
                 part = logits[offset : offset + take]
                 h = rows[query_index][start_in_query : start_in_query + take]
-                ids, top = self._exact_top_k(part, h, query.k, query.metric)
+                if bounds is None:
+                    ids, top = self._exact_top_k(part, h, query.k, query.metric)
+                else:
+                    part_bounds = bounds[offset : offset + take]
+                    ids, top = self._bounded_top_k(part, part_bounds, h, query.k, query.metric)
                 pending.append((ids, top, part.copy() if query.logits else None))
                 offset += take
                 start_in_query += take
@@ -178,21 +228,64 @@ class NearestHead:
         else:
             scores = logits
             bound = gamma * h_norms * self._widest
+        kth = _kth_largest(scores, k)
         ids = np.empty((len(h), k), dtype=np.int64)
         top = np.empty((len(h), k), dtype=np.float32)
-        kth = _kth_largest(scores, k)
         for row in range(len(h)):
             candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
-            exact = self._blocks.rows64(candidates) @ h[row].astype(np.float64)
-            if metric == COSINE:
-                norms = h_norms[row] * self._row_norms64[candidates]
-                exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
-            rounded = exact.astype(np.float32)
-            # Largest first; equal (rounded) scores by the lower id (candidates ascend).
-            order = np.argsort(-rounded, kind="stable")[:k]
-            ids[row] = candidates[order]
-            top[row] = rounded[order]
+            ids[row], top[row] = self._rescored(candidates, h[row], h_norms[row], k, metric)
         return ids, top
+
+    def _bounded_top_k(
+        self, approx: np.ndarray, bounds: np.ndarray, h: np.ndarray, k: int, metric: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The same top-k as ``_exact_top_k``, from the int8 first pass: ``approx [n, V]``
+        float64 scores, each within ``bounds [n, V]`` of ``h . w_v`` (``_Int8Table``).
+
+        With ``lower = approx - bounds`` and ``upper = approx + bounds``, the k-th largest
+        exact score lies in ``[L, U]``, the k-th largest of ``lower`` and of ``upper``. An id
+        whose ``upper`` is below ``L - 2**-22 max(|L|, |U|)`` scores less than the k-th by
+        more than the float32 rounding of the answer (at most ``2**-23`` of it) can close,
+        so it is not in the answer, not even as an equal score taken by its lower id:
+        every other id is a candidate, rescored as ``_exact_top_k``'s are. Cosine ranks by
+        ``score / |w_v|`` (the same order as cosine, for a given ``h``), bounds divided
+        alike; float64 rounding is far inside the margin.
+        """
+        h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
+        if metric == COSINE:
+            inverse = np.divide(
+                1.0, self._row_norms64, out=np.zeros_like(self._row_norms64),
+                where=self._row_norms64 > 0,
+            )  # fmt: skip
+            approx = approx * inverse
+            bounds = bounds * inverse
+        lower = _kth_largest(approx - bounds, k)
+        upper = _kth_largest(approx + bounds, k)
+        margin = 2.0**-22 * np.maximum(np.abs(lower), np.abs(upper))
+        ids = np.empty((len(h), k), dtype=np.int64)
+        top = np.empty((len(h), k), dtype=np.float32)
+        for row in range(len(h)):
+            reach = approx[row] + bounds[row]
+            candidates = np.flatnonzero(reach >= lower[row] - margin[row])
+            ids[row], top[row] = self._rescored(candidates, h[row], h_norms[row], k, metric)
+        return ids, top
+
+    def _rescored(
+        self, candidates: np.ndarray, h: np.ndarray, h_norm: float, k: int, metric: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top ``k`` of ``candidates`` (ascending ids) by their exact scores: each
+        row's products with ``h`` in float64 (exact: float32 by float32), summed by numpy's
+        pairwise sum over the row (an order fixed by D alone, so a row's score is the same
+        whichever candidates come with it), rounded once to float32; equal scores by the
+        lower id."""
+        exact = (self._blocks.rows64(candidates) * h.astype(np.float64)).sum(axis=1)
+        if metric == COSINE:
+            norms = h_norm * self._row_norms64[candidates]
+            exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
+        rounded = exact.astype(np.float32)
+        # Largest first; equal (rounded) scores by the lower id (candidates ascend).
+        order = np.argsort(-rounded, kind="stable")[:k]
+        return candidates[order], rounded[order]
 
     def _normed(self, vectors: np.ndarray) -> np.ndarray:
         assert self.norm is not None, "This is a bug: validation refuses norm without one."
@@ -259,6 +352,124 @@ class _Blocks:
     def rows64(self, ids: np.ndarray) -> np.ndarray:
         """The rows ``ids`` in float64 (exact for every stored dtype)."""
         return np.asarray(self.table[ids], dtype=np.float64)
+
+
+class _Int8Table:
+    """The int8 first pass: an int8 copy of ``W`` (a quarter of a float32 table's bytes)
+    multiplied by onnxruntime's ``MatMulInteger`` (int32 accumulation, exact), with a
+    proven bound on each score's error, so that ``NearestHead._bounded_top_k`` rescoring
+    the candidates gives exactly the float32 pass's answer.
+
+    Each row ``w_v`` is quantized at load with its own scale: ``s_v = max|w_v| / 127``,
+    ``q_v = rint(w_v / s_v)`` in ``[-127, 127]``; its error ``d_v = w_v - s_v q_v`` (each
+    component at most ``s_v / 2``) is kept as its norm ``|d_v|``. A query ``h`` is
+    quantized in two int8 rows, ``h = s_1 q_1 + s_2 q_2 + d_h`` (``q_2`` the codes of the
+    first rounding's remainder, so ``|d_h|`` is about 127 times smaller than one row's
+    error), both multiplied in the same ``MatMulInteger`` call, which reads the codes
+    once. ``q . q_v`` is exact in int32 (``D 127**2`` fits while D <= ``MAX_INT8_WIDTH``),
+    and the approximate score ``a_v = s_v (s_1 (q_1 . q_v) + s_2 (q_2 . q_v))`` is
+    ``(h - d_h) . (w_v - d_v)``, so
+
+        h . w_v - a_v = h . d_v + d_h . w_v - d_h . d_v,
+        |h . w_v - a_v| <= |h| |d_v| + |d_h| |w_v| + |d_h| |d_v|   (Cauchy-Schwarz).
+
+    The brief's first-order bound, ``|h|_1 s_v / 2``, bounds the first term too; the
+    Euclidean one is smaller (``|d_v| <= sqrt(D) s_v / 2``, and is about a third of
+    ``|h|_1 s_v / 2`` for a row of rounding errors spread evenly), which decides how many
+    candidates are rescored. ``a_v`` is computed in float64 (a few roundings of ``2**-53``
+    of its terms: ``2**-50`` of them is added to the bound), the norms in float64 from
+    float32 values (their roundings covered by a factor ``1 + 2**-40``).
+
+    The codes ``[D, V]`` (``MatMulInteger``'s B) are handed to onnxruntime as an
+    external initializer, not copied into the graph; onnxruntime may pack a copy of its
+    own for its kernel.
+    """
+
+    def __init__(self, blocks: _Blocks, row_norms: np.ndarray, threads: int) -> None:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        table = blocks.table
+        vocab, width = table.shape
+        if width > MAX_INT8_WIDTH:
+            raise ValueError(f"the int8 first pass takes D up to {MAX_INT8_WIDTH}, got {width}")
+        codes = np.empty((width, vocab), dtype=np.int8)
+        self.scales = np.empty(vocab, dtype=np.float64)
+        self.errors = np.empty(vocab, dtype=np.float64)  # |d_v|
+        self.norms = row_norms  # |w_v|
+        step = max(1, _LOGITS_CHUNK_BYTES // (8 * max(1, width)))
+        for start in range(0, vocab, step):
+            rows = blocks.rows64(np.arange(start, min(start + step, vocab)))
+            stop = start + len(rows)
+            q, self.scales[start:stop], remainder = _quantized(rows)
+            codes[:, start:stop] = q.T
+            self.errors[start:stop] = _norms(remainder)
+        self.codes = codes
+        self.nbytes = int(codes.nbytes)
+        placeholder = TensorProto(name="codes", data_type=TensorProto.INT8, dims=[width, vocab])
+        placeholder.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", "codes"), ("offset", "0"), ("length", str(codes.size))):
+            entry = placeholder.external_data.add()
+            entry.key, entry.value = key, value
+        graph = helper.make_graph(
+            [helper.make_node("MatMulInteger", ["h", "codes", "zero"], ["products"])],
+            "tokembed-int8-first-pass",
+            [helper.make_tensor_value_info("h", TensorProto.UINT8, ["n", width])],
+            [helper.make_tensor_value_info("products", TensorProto.INT32, ["n", vocab])],
+            initializer=[helper.make_tensor("zero", TensorProto.UINT8, [], [128]), placeholder],
+        )
+        opsets = [helper.make_opsetid("", 17)]
+        model = helper.make_model(graph, opset_imports=opsets)
+        model.ir_version = helper.find_min_ir_version_for(opsets)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # onnxruntime reads the codes from this array (kept alive by ``self.codes``).
+        options.add_external_initializers(["codes"], [ort.OrtValue.ortvalue_from_numpy(codes)])
+        self._session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+
+    def first_pass(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``h [n, D]`` float32: the approximate scores ``[n, V]`` float64 and their
+        bounds (the class's docstring)."""
+        h64 = h.astype(np.float64)
+        first, first_scale, remainder = _quantized(h64)
+        second, second_scale, left = _quantized(remainder)
+        n = len(h)
+        # uint8 with zero point 128: MatMulInteger's fast kernel is u8 x s8.
+        shifted = (np.concatenate([first, second]).astype(np.int16) + 128).astype(np.uint8)
+        products = self._session.run(["products"], {"h": shifted})[0]
+        high = products[:n] * first_scale[:, None]
+        low = products[n:] * second_scale[:, None]
+        approx = (high + low) * self.scales
+        h_norms = _norms(h64)
+        d_h = _norms(left)
+        bounds = (
+            np.multiply.outer(h_norms, self.errors)
+            + np.multiply.outer(d_h, self.norms + self.errors)
+        ) * (1 + 2.0**-40) + (np.abs(high) + np.abs(low)) * self.scales * 2.0**-50
+        return approx, bounds
+
+
+def _quantized(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 rows ``[n, D]``: their int8 codes, scales, and what the codes leave,
+    ``rows - scale * codes`` (in float64: each component within ``2**-52`` of the row's
+    largest of the exact value, which ``_norms``' margin covers). A row of zeros: scale 0,
+    codes 0, nothing left."""
+    largest = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(len(rows))
+    scales = largest / _CODE
+    safe = np.where(scales > 0, scales, 1.0)
+    q = np.clip(np.rint(rows / safe[:, None]), -_CODE, _CODE)
+    return q.astype(np.int8), scales, rows - q * scales[:, None]
+
+
+def _norms(rows: np.ndarray) -> np.ndarray:
+    """Each row's Euclidean norm in float64, with ``2**-40`` of its largest component on
+    top (the roundings of the remainder it measures and of the norm itself)."""
+    largest = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(len(rows))
+    norms = np.sqrt(np.einsum("nd,nd->n", rows, rows))
+    return np.asarray(norms * (1 + 2.0**-40) + 2.0**-40 * largest, dtype=np.float64)
 
 
 def _row_norms(blocks: _Blocks) -> np.ndarray:

@@ -140,11 +140,11 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
         raise ServerConfigError(f"no backend serves {model.kind.name} models yet")
     backend = build(model, settings)
     if model.manifest.head is not None:
-        backend.head = _head(model, backend)
+        backend.head = _head(model, backend, settings)
     return backend
 
 
-def _head(model: ModelDir, backend: Backend) -> NearestHead:
+def _head(model: ModelDir, backend: Backend, settings: Settings) -> NearestHead:
     """The model's head (``nearest``): its output table in its stored dtype, and its final
     norm. The table is the look-up's own when the backend holds one of the same bytes (a
     tied model of scale 1: one copy serves both ways), else the file its head graph names,
@@ -162,9 +162,12 @@ def _head(model: ModelDir, backend: Backend) -> NearestHead:
                          np.asarray(arrays.weight, dtype=np.float32), bias)  # fmt: skip
     stored = head_table(model.path, manifest)
     held = backend.held_table(manifest.head.weight_dtype)
-    if held is not None and _same_bytes(held, stored):
-        return NearestHead(held.view(stored.dtype), norm, manifest.head.table, shared=True)
-    return NearestHead(stored, norm, manifest.head.table, shared=False)
+    shared = held is not None and _same_bytes(held, stored)
+    table = held.view(stored.dtype) if held is not None and shared else stored
+    return NearestHead(
+        table, norm, manifest.head.table, shared=shared,
+        first_pass=settings.nearest_first_pass, threads=settings.intra_op_threads,
+    )  # fmt: skip
 
 
 def _same_bytes(held: np.ndarray, stored: np.ndarray) -> bool:

@@ -127,6 +127,14 @@ class Settings:
         "nearest: a batch closes when it holds this many vectors (their [rows, V] logits "
         "are computed together, the table read once per batch)",
     )
+    nearest_first_pass: str = setting(
+        "float32",
+        "nearest: how the candidates are found before they are scored exactly: float32 (the "
+        "multiply over the table as stored) or int8 (an int8 copy of the table made at load, "
+        "a quarter of float32's bytes, multiplied by onnxruntime's MatMulInteger within a "
+        "proven bound); the answers are the same",
+        choices=("float32", "int8"),
+    )
     # --- limits and admission
     max_nearest_k: int = setting(1024, "nearest: the largest k one request may ask for")
     max_nearest_flops_per_request: int = setting(
