@@ -202,6 +202,10 @@ def _run_nearest(args: argparse.Namespace) -> int:
               f"one vector / memory floor, {f.dtype}")  # fmt: skip
         print(f"{many:7s} {f.callers_ratio:.2f} (wanted >= {nearest.CALLERS_TARGET}) "
               f"16 callers x 8 / in-process multiply, {f.dtype}")  # fmt: skip
+        if f.int8_ratio is not None:
+            met = "met" if f.int8_ratio <= nearest.INT8_TARGET else "missed"
+            print(f"{met:7s} {f.int8_ratio:.2f} (stretch <= {nearest.INT8_TARGET}) int8 first "
+                  f"pass one vector / the {f.dtype} memory floor")  # fmt: skip
     print(f"wrote {path}")
     return 0
 

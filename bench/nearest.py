@@ -13,7 +13,10 @@ Llama-3's 128,256 x 4,096) with a tied head is written once into the cache and s
 - **16 callers x 8 vectors**: vectors/s of 16 concurrent asyncio callers, against the
   vectors/s of one in-process multiply of the same 128 rows with the same library (numpy,
   float32, the table widened to float32 whole: numpy's fastest multiply, though the server
-  holds no widened copy; target: >= 0.7x).
+  holds no widened copy; target: >= 0.7x);
+- **int8 first pass** (float32 table): the same one-vector p50 from a second service
+  started with ``--nearest-first-pass int8``, against the float32 floor (the issue's
+  stretch: <= 0.5x), its ids checked equal to the float32 service's.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokembed.bench import processes
 
+if TYPE_CHECKING:
+    from tokembed.client import EmbeddingClient
+
 LLAMA_VOCAB, LLAMA_D = 128256, 4096
 CALLERS, VECTORS_EACH = 16, 8
 ONE_VECTOR_TARGET, CALLERS_TARGET = 1.5, 0.7
+INT8_TARGET = 0.5
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ class NearestFigures:
     one_vector_p50_s: float
     callers_vectors_per_s: float
     in_process_vectors_per_s: float
+    # The int8 first pass's one vector (float32 tables; None for the others).
+    int8_one_vector_p50_s: float | None = None
 
     @property
     def floor_s(self) -> float:
@@ -52,6 +62,12 @@ class NearestFigures:
     @property
     def one_vector_ratio(self) -> float:
         return self.one_vector_p50_s / self.floor_s
+
+    @property
+    def int8_ratio(self) -> float | None:
+        if self.int8_one_vector_p50_s is None:
+            return None
+        return self.int8_one_vector_p50_s / self.floor_s
 
     @property
     def callers_ratio(self) -> float:
@@ -154,11 +170,7 @@ def _measure(
     with processes.service(str(directory), "--max-output-bytes-per-request", limit) as server:
         with EmbeddingClient(server.target, timeout_s=120) as client:
             client.nearest(rows[:1], k=1)  # the first call pays the connection
-            latencies = []
-            for i in range(20):
-                started = time.perf_counter()
-                client.nearest(rows[i : i + 1], k=1)
-                latencies.append(time.perf_counter() - started)
+            latencies, want_ids = _one_vector(client, rows)
 
         async def callers() -> int:
             done = 0
@@ -178,6 +190,10 @@ def _measure(
         started = time.perf_counter()
         vectors = asyncio.run(callers())
         elapsed = time.perf_counter() - started
+    int8_p50 = None
+    if dtype == "float32":
+        int8_p50 = _int8_one_vector(server_args=(str(directory), "--max-output-bytes-per-request",
+                                                 limit), rows=rows, want=want_ids)  # fmt: skip
     # Read again after the service's turn: the floor is the fastest read of the run (on a
     # loaded machine, one moment's read may be slow, which would flatter the ratio).
     read_s = min(read_s, *(_read(stored) for _ in range(5)))
@@ -187,13 +203,43 @@ def _measure(
         table_bytes=table_bytes, read_s=read_s,
         one_vector_p50_s=statistics.median(latencies),
         callers_vectors_per_s=vectors / elapsed,
-        in_process_vectors_per_s=len(rows) / multiply_s,
+        in_process_vectors_per_s=len(rows) / multiply_s, int8_one_vector_p50_s=int8_p50,
     )  # fmt: skip
     progress(f"nearest {dtype}: one vector p50 {figures.one_vector_p50_s * 1e3:.1f} ms = "
              f"{figures.one_vector_ratio:.2f}x the floor; {CALLERS} callers x {VECTORS_EACH}: "
              f"{figures.callers_vectors_per_s:.0f} vectors/s = {figures.callers_ratio:.2f}x "
              "one in-process multiply")  # fmt: skip
+    if int8_p50 is not None:
+        progress(f"nearest int8 first pass: one vector p50 {int8_p50 * 1e3:.1f} ms = "
+                 f"{int8_p50 / figures.floor_s:.2f}x the float32 floor")  # fmt: skip
     return figures
+
+
+def _one_vector(client: EmbeddingClient, rows: np.ndarray) -> tuple[list[float], np.ndarray]:
+    """20 calls of one vector each: their latencies and ids."""
+    latencies, ids = [], []
+    for i in range(20):
+        started = time.perf_counter()
+        found = client.nearest(rows[i : i + 1], k=1)
+        latencies.append(time.perf_counter() - started)
+        ids.append(found.ids)
+    return latencies, np.concatenate(ids)
+
+
+def _int8_one_vector(server_args: tuple[str, ...], rows: np.ndarray, want: np.ndarray) -> float:
+    """The one-vector p50 of a service whose head finds its candidates in an int8 copy
+    of the table; its ids must be the float32 service's."""
+    from tokembed.client import EmbeddingClient
+
+    with (
+        processes.service(*server_args, "--nearest-first-pass", "int8") as server,
+        EmbeddingClient(server.target, timeout_s=120) as client,
+    ):
+        client.nearest(rows[:1], k=1)
+        latencies, ids = _one_vector(client, rows)
+    if not np.array_equal(ids, want):
+        raise RuntimeError("this is a bug: the int8 first pass answered other ids")
+    return statistics.median(latencies)
 
 
 def _multiply_s(stored: np.ndarray, rows: np.ndarray) -> float:
@@ -224,14 +270,18 @@ def markdown(figures: list[NearestFigures], command: str) -> str:
         "| table | V x D | table bytes | memory floor (in-process read) | one vector p50 | "
         f"/ floor (target <= {ONE_VECTOR_TARGET}) | {CALLERS} callers x {VECTORS_EACH} "
         "vectors/s | in-process multiply vectors/s | ratio (target >= "
-        f"{CALLERS_TARGET}) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{CALLERS_TARGET}) | int8 first pass one vector p50 | / float32 floor (stretch <= "
+        f"{INT8_TARGET}) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
+        int8 = "| - | - |"
+        if f.int8_one_vector_p50_s is not None and f.int8_ratio is not None:
+            int8 = f"| {f.int8_one_vector_p50_s * 1e3:.1f} ms | {f.int8_ratio:.2f} |"
         lines.append(
             f"| {f.dtype} | {f.vocab_size} x {f.d_model} | {f.table_bytes / 2**30:.2f} GiB | "
             f"{f.floor_s * 1e3:.1f} ms | {f.one_vector_p50_s * 1e3:.1f} ms | "
             f"{f.one_vector_ratio:.2f} | {f.callers_vectors_per_s:.0f} | "
-            f"{f.in_process_vectors_per_s:.0f} | {f.callers_ratio:.2f} |"
+            f"{f.in_process_vectors_per_s:.0f} | {f.callers_ratio:.2f} {int8}"
         )
     return "\n".join(lines) + "\n"

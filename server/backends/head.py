@@ -137,16 +137,15 @@ class NearestHead:
 
     @property
     def int8_bytes(self) -> int:
-        """The int8 copy's bytes (0 without one): the codes, onnxruntime's packed copy of
-        them counted apart by the caller if it measures."""
+        """The int8 copy's bytes (0 without one), resident beside ``memory_bytes``: the
+        codes (onnxruntime may keep a packed copy of its own, not counted here)."""
         return 0 if self._int8 is None else self._int8.nbytes
 
     @property
     def memory_bytes(self) -> int:
         """The bytes the head holds beside what the look-up holds: 0 when it reads the
         look-up's table."""
-        own = 0 if self.shared else int(self.table.nbytes)
-        return own + self.int8_bytes
+        return 0 if self.shared else int(self.table.nbytes)
 
     @property
     def stored_dtype(self) -> str:

@@ -20,7 +20,11 @@ def test_the_nearest_section_measures_every_figure(tmp_path):
         for value in (f.read_s, f.one_vector_p50_s, f.callers_vectors_per_s,
                       f.in_process_vectors_per_s):  # fmt: skip
             assert 0 < value < math.inf
+        # The int8 first pass, for the float32 table (its ids checked by the section).
+        int8 = f.int8_one_vector_p50_s
+        assert (f.dtype == "float32") == (int8 is not None and 0 < int8 < math.inf)
     model = load_model_dir(tmp_path / "nearest-v300-d16-bfloat16")
     assert model.manifest.head is not None and model.manifest.weight_dtype == "bfloat16"
     table = nearest.markdown(figures, "tokembed bench --nearest")
     assert "`tokembed bench --nearest`" in table and "| bfloat16 | 300 x 16 |" in table
+    assert "int8 first pass one vector p50" in table

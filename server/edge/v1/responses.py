@@ -190,6 +190,8 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
     if head is not None and head.memory_bytes:
         # A head that cannot read the look-up's table maps its own, in its stored dtype.
         answer.memory_bytes[f"{head.stored_dtype} head table (mapped)"] = head.memory_bytes
+    if head is not None and head.int8_bytes:
+        answer.memory_bytes["int8 head table (first pass)"] = head.int8_bytes
     answer.serving_memory_bytes.update(backend.serving_memory)
     tokenizer = manifest.tokenizer
     if tokenizer is not None and served.tokenizer is not None:
