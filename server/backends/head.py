@@ -201,11 +201,11 @@ class NearestHead:
         kth = _kth_largest(scores, k)
         for row in range(len(h)):
             candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
-            exact = self._blocks.rows64(candidates) @ h[row].astype(np.float64)
+            rescored = self._blocks.rows64(candidates) @ h[row].astype(np.float64)
             if metric == COSINE:
                 norms = h_norms[row] * self._row_norms64[candidates]
-                exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
-            rounded = exact.astype(np.float32)
+                rescored = np.divide(rescored, norms, out=np.zeros_like(rescored), where=norms > 0)
+            rounded = rescored.astype(np.float32)
             # Largest first; equal (rounded) scores by the lower id (candidates ascend).
             order = np.argsort(-rounded, kind="stable")[:k]
             ids[row] = candidates[order]
