@@ -30,8 +30,13 @@ import numpy as np
 # Logits are computed this many bytes ([rows, V] float32) at a time.
 _LOGITS_CHUNK_BYTES = 64 * 1024 * 1024
 # A narrow table is widened this many float32 bytes of rows at a time: small enough that
-# the widened block is still in the cache when the multiply reads it.
+# the widened block is still in the cache when the multiply reads it. That is what counts
+# for a few vectors, whose multiply is bound by memory; from ``_MANY_VECTORS`` on it is
+# bound by arithmetic, and fewer, larger multiplies count more (each is a BLAS call whose
+# threads meet once: on a busy machine, each of many small ones waited for a core).
 _BLOCK_BYTES = 2 * 1024 * 1024
+_MANY_VECTORS = 16
+_MANY_VECTORS_BLOCK_BYTES = 32 * 1024 * 1024
 
 DOT = "dot"
 COSINE = "cosine"
@@ -248,7 +253,6 @@ class _Blocks:
             self._kind = "float16" if table.dtype == np.float16 else "bfloat16"
             if self._kind == "bfloat16" and (table.dtype.itemsize != 2 or d_model % 2):
                 self._kind = "cast"  # an odd D: no word pairs; numpy's (slower) cast
-        self.rows_per_block = max(1, _BLOCK_BYTES // (4 * max(1, d_model)))
         self._words = table.view(np.uint32) if self._kind == "bfloat16" else None
         # Whether ``multiply(exact=False)`` may take the first pass (its owner may say no).
         self.first_pass = self._kind == "bfloat16"
@@ -260,7 +264,7 @@ class _Blocks:
             return np.asarray(h @ self.table.T, dtype=np.float32)
         vocab = len(self.table)
         out = np.empty((len(h), vocab), dtype=np.float32)
-        step = self.rows_per_block
+        step = self._rows_per_block(len(h))
         if self._kind == "bfloat16":
             words = self._words
             assert words is not None
@@ -293,7 +297,7 @@ class _Blocks:
     def _first_pass(
         self, words: np.ndarray, even_h: np.ndarray, odd_h: np.ndarray, out: np.ndarray
     ) -> np.ndarray:
-        step = self.rows_per_block
+        step = self._rows_per_block(len(even_h))
         low = np.empty((step, words.shape[1]), dtype=np.uint32)
         even = np.empty((len(even_h), step), dtype=np.float32)
         for start in range(0, len(words), step):
@@ -305,6 +309,10 @@ class _Blocks:
             np.matmul(even_h, low[:n].view(np.float32).T, out=even[:, :n])
             part += even[:, :n]
         return out
+
+    def _rows_per_block(self, vectors: int) -> int:
+        block = _BLOCK_BYTES if vectors < _MANY_VECTORS else _MANY_VECTORS_BLOCK_BYTES
+        return max(1, block // (4 * max(1, self.table.shape[1])))
 
     def rows64(self, ids: np.ndarray) -> np.ndarray:
         """The rows ``ids`` in float64 (exact for every stored dtype)."""

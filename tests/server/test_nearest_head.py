@@ -134,6 +134,7 @@ def test_a_narrow_table_is_read_as_stored_in_blocks_and_answers_exactly(dtype, m
     answers = {}
     for block_rows in (1, 37, vocab):
         monkeypatch.setattr(module, "_BLOCK_BYTES", 4 * width * block_rows)
+        monkeypatch.setattr(module, "_MANY_VECTORS_BLOCK_BYTES", 4 * width * block_rows)
         head = NearestHead(table, None, "embedding", shared=False)
         assert np.shares_memory(head.table, table)  # read where it is, not copied
         assert head.memory_bytes == table.nbytes
