@@ -312,7 +312,7 @@ class _Blocks:
 
     def _rows_per_block(self, vectors: int) -> int:
         block = _BLOCK_BYTES if vectors < _MANY_VECTORS else _MANY_VECTORS_BLOCK_BYTES
-        return max(1, block // (4 * max(1, self.table.shape[1])))
+        return max(1, block // (4 * max(1, int(self.table.shape[1]))))
 
     def rows64(self, ids: np.ndarray) -> np.ndarray:
         """The rows ``ids`` in float64 (exact for every stored dtype)."""
