@@ -6,17 +6,21 @@ Llama-3's 128,256 x 4,096) with a tied head is written once into the cache and s
 ``tokembed serve``; then:
 
 - **memory floor**: the table's bytes / the bandwidth of an in-process read of the same
-  table (this process, the stored bytes: a streaming xor of its 8-byte words, the fastest
-  of five reads before the service's turn and five after);
-- **one vector**: p50 latency of ``nearest(1 vector, k=1)`` through the real client and
-  server, against that floor (target: <= 1.5x);
+  table (this process, the stored bytes: a streaming xor of its 8-byte words);
+- **one vector**: latency of ``nearest(1 vector, k=1)`` through the real client and
+  server, against that floor (target: <= 1.5x): 20 turns of one read then one call, the
+  median of each;
 - **16 callers x 8 vectors**: vectors/s of 16 concurrent asyncio callers, against the
   vectors/s of one in-process multiply of the same 128 rows with the same library (numpy,
   float32, the table widened to float32 whole: numpy's fastest multiply, though the server
-  holds no widened copy; target: >= 0.7x);
-- **int8 first pass** (float32 table): the same one-vector p50 from a second service
-  started with ``--nearest-first-pass int8``, against the float32 floor (the issue's
-  stretch: <= 0.5x), its ids checked equal to the float32 service's.
+  holds no widened copy; target: >= 0.7x): 5 turns of the callers for a fifth of the
+  duration each, then one multiply; the vectors of all the turns over their time;
+- **int8 first pass** (float32 table): the same one-vector turns with a second service
+  started with ``--nearest-first-pass int8``, against the float32 floor read in its turns
+  (the issue's stretch: <= 0.5x); its ids checked equal to the float32 service's.
+
+Each figure is taken in turns with its reference, so that a slow moment of a shared
+machine falls on both.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ if TYPE_CHECKING:
 
 LLAMA_VOCAB, LLAMA_D = 128256, 4096
 CALLERS, VECTORS_EACH = 16, 8
+# Turns taken alternately with the reference: a read of the table and one call; the
+# callers for a share of the duration and one in-process multiply.
+ONE_VECTOR_TURNS, CALLER_TURNS = 20, 5
 ONE_VECTOR_TARGET, CALLERS_TARGET = 1.5, 0.7
 INT8_TARGET = 0.5
 
@@ -48,12 +55,14 @@ class NearestFigures:
     vocab_size: int
     d_model: int
     table_bytes: int
-    read_s: float  # the in-process read of the table (fastest of five)
+    read_s: float  # the in-process read of the table (median of the turns)
     one_vector_p50_s: float
     callers_vectors_per_s: float
     in_process_vectors_per_s: float
-    # The int8 first pass's one vector (float32 tables; None for the others).
+    # The int8 first pass's one vector and the float32 floor read in its turns (a float32
+    # table's; None for the others).
     int8_one_vector_p50_s: float | None = None
+    int8_read_s: float | None = None
 
     @property
     def floor_s(self) -> float:
@@ -65,9 +74,9 @@ class NearestFigures:
 
     @property
     def int8_ratio(self) -> float | None:
-        if self.int8_one_vector_p50_s is None:
+        if self.int8_one_vector_p50_s is None or self.int8_read_s is None:
             return None
-        return self.int8_one_vector_p50_s / self.floor_s
+        return self.int8_one_vector_p50_s / self.int8_read_s
 
     @property
     def callers_ratio(self) -> float:
@@ -158,95 +167,102 @@ def _measure(
 
     manifest = Manifest.read(directory)
     stored = np.ascontiguousarray(head_table(directory, manifest))  # in memory, as stored
-    read_s = min(_read(stored) for _ in range(5))
+    _read(stored)  # the first read pays for bringing the table in
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((CALLERS * VECTORS_EACH, manifest.d_model)).astype(np.float32)
-    multiply_s = _multiply_s(stored, rows)
-    progress(f"nearest {dtype}: table {stored.nbytes / 2**30:.2f} GiB, read in "
-             f"{read_s * 1e3:.1f} ms ({stored.nbytes / read_s / 1e9:.1f} GB/s); one multiply "
-             f"of {len(rows)} rows {multiply_s * 1e3:.1f} ms")  # fmt: skip
+    widened = stored.astype(np.float32)  # the reference multiply's table
     table_bytes = stored.nbytes
     limit = str(max(128 << 20, len(rows) * manifest.vocab_size * 4))
     with processes.service(str(directory), "--max-output-bytes-per-request", limit) as server:
+        # Each figure and its reference are taken in turns, so that a slow moment of the
+        # shared machine falls on both (the reference swung fivefold between runs taken
+        # one after the other).
         with EmbeddingClient(server.target, timeout_s=120) as client:
-            client.nearest(rows[:1], k=1)  # the first call pays the connection
-            latencies, want_ids = _one_vector(client, rows)
+            reads, latencies, want_ids = _one_vector_turns(client, stored, rows)
 
-        async def callers() -> int:
+        async def callers(seconds: float, aio: AsyncEmbeddingClient) -> int:
             done = 0
-            stop = time.perf_counter() + duration_s
-            async with AsyncEmbeddingClient(server.target, timeout_s=120) as aio:
+            stop = time.perf_counter() + seconds
 
-                async def caller(index: int) -> None:
-                    nonlocal done
-                    mine = rows[index * VECTORS_EACH : (index + 1) * VECTORS_EACH]
-                    while time.perf_counter() < stop:
-                        await aio.nearest(mine, k=1)
-                        done += VECTORS_EACH
+            async def caller(index: int) -> None:
+                nonlocal done
+                mine = rows[index * VECTORS_EACH : (index + 1) * VECTORS_EACH]
+                while time.perf_counter() < stop:
+                    await aio.nearest(mine, k=1)
+                    done += VECTORS_EACH
 
-                await asyncio.gather(*(caller(i) for i in range(CALLERS)))
+            await asyncio.gather(*(caller(i) for i in range(CALLERS)))
             return done
 
-        started = time.perf_counter()
-        vectors = asyncio.run(callers())
-        elapsed = time.perf_counter() - started
-    int8_p50 = None
+        async def in_turns() -> tuple[int, float, float]:
+            vectors, callers_s, multiply_s = 0, 0.0, 0.0
+            async with AsyncEmbeddingClient(server.target, timeout_s=120) as aio:
+                for _ in range(CALLER_TURNS):
+                    started = time.perf_counter()
+                    vectors += await callers(duration_s / CALLER_TURNS, aio)
+                    callers_s += time.perf_counter() - started
+                    multiply_s += _timed(lambda: rows @ widened.T)
+            return vectors, callers_s, multiply_s
+
+        vectors, callers_s, multiply_s = asyncio.run(in_turns())
+    int8: tuple[list[float], list[float]] | None = None
     if dtype == "float32":
-        int8_p50 = _int8_one_vector(server_args=(str(directory), "--max-output-bytes-per-request",
-                                                 limit), rows=rows, want=want_ids)  # fmt: skip
-    # Read again after the service's turn: the floor is the fastest read of the run (on a
-    # loaded machine, one moment's read may be slow, which would flatter the ratio).
-    read_s = min(read_s, *(_read(stored) for _ in range(5)))
-    del stored
+        del widened
+        int8 = _int8_turns((str(directory), "--max-output-bytes-per-request", limit),
+                           stored, rows, want_ids)  # fmt: skip
     figures = NearestFigures(
         dtype=dtype, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
-        table_bytes=table_bytes, read_s=read_s,
+        table_bytes=table_bytes, read_s=statistics.median(reads),
         one_vector_p50_s=statistics.median(latencies),
-        callers_vectors_per_s=vectors / elapsed,
-        in_process_vectors_per_s=len(rows) / multiply_s, int8_one_vector_p50_s=int8_p50,
+        callers_vectors_per_s=vectors / callers_s,
+        in_process_vectors_per_s=len(rows) * CALLER_TURNS / multiply_s,
+        int8_one_vector_p50_s=None if int8 is None else statistics.median(int8[1]),
+        int8_read_s=None if int8 is None else statistics.median(int8[0]),
     )  # fmt: skip
-    progress(f"nearest {dtype}: one vector p50 {figures.one_vector_p50_s * 1e3:.1f} ms = "
+    progress(f"nearest {dtype}: table {table_bytes / 2**30:.2f} GiB, read in "
+             f"{figures.read_s * 1e3:.1f} ms (median; {table_bytes / figures.read_s / 1e9:.1f} "
+             f"GB/s); one vector p50 {figures.one_vector_p50_s * 1e3:.1f} ms = "
              f"{figures.one_vector_ratio:.2f}x the floor; {CALLERS} callers x {VECTORS_EACH}: "
              f"{figures.callers_vectors_per_s:.0f} vectors/s = {figures.callers_ratio:.2f}x "
-             "one in-process multiply")  # fmt: skip
-    if int8_p50 is not None:
-        progress(f"nearest int8 first pass: one vector p50 {int8_p50 * 1e3:.1f} ms = "
-                 f"{int8_p50 / figures.floor_s:.2f}x the float32 floor")  # fmt: skip
+             f"one in-process multiply ({figures.in_process_vectors_per_s:.0f}/s)")  # fmt: skip
+    if figures.int8_one_vector_p50_s is not None and figures.int8_ratio is not None:
+        progress(f"nearest int8 first pass: one vector p50 "
+                 f"{figures.int8_one_vector_p50_s * 1e3:.1f} ms = {figures.int8_ratio:.2f}x "
+                 "the float32 floor read in its turns")  # fmt: skip
     return figures
 
 
-def _one_vector(client: EmbeddingClient, rows: np.ndarray) -> tuple[list[float], np.ndarray]:
-    """20 calls of one vector each: their latencies and ids."""
-    latencies, ids = [], []
-    for i in range(20):
+def _one_vector_turns(
+    client: EmbeddingClient, stored: np.ndarray, rows: np.ndarray
+) -> tuple[list[float], list[float], np.ndarray]:
+    """``ONE_VECTOR_TURNS`` turns of one read of the table, then one call of one vector:
+    the reads' times, the calls' latencies and their ids."""
+    client.nearest(rows[:1], k=1)  # the first call pays the connection
+    reads, latencies, ids = [], [], []
+    for i in range(ONE_VECTOR_TURNS):
+        reads.append(_read(stored))
         started = time.perf_counter()
-        found = client.nearest(rows[i : i + 1], k=1)
+        found = client.nearest(rows[i % len(rows) : i % len(rows) + 1], k=1)
         latencies.append(time.perf_counter() - started)
         ids.append(found.ids)
-    return latencies, np.concatenate(ids)
+    return reads, latencies, np.concatenate(ids)
 
 
-def _int8_one_vector(server_args: tuple[str, ...], rows: np.ndarray, want: np.ndarray) -> float:
-    """The one-vector p50 of a service whose head finds its candidates in an int8 copy
-    of the table; its ids must be the float32 service's."""
+def _int8_turns(
+    server_args: tuple[str, ...], stored: np.ndarray, rows: np.ndarray, want: np.ndarray
+) -> tuple[list[float], list[float]]:
+    """The one-vector turns of a service whose head finds its candidates in an int8 copy
+    of the table (its reads and latencies); its ids must be the float32 service's."""
     from tokembed.client import EmbeddingClient
 
     with (
         processes.service(*server_args, "--nearest-first-pass", "int8") as server,
         EmbeddingClient(server.target, timeout_s=120) as client,
     ):
-        client.nearest(rows[:1], k=1)
-        latencies, ids = _one_vector(client, rows)
+        reads, latencies, ids = _one_vector_turns(client, stored, rows)
     if not np.array_equal(ids, want):
         raise RuntimeError("this is a bug: the int8 first pass answered other ids")
-    return statistics.median(latencies)
-
-
-def _multiply_s(stored: np.ndarray, rows: np.ndarray) -> float:
-    """One multiply of ``rows`` by the table widened to float32 whole (numpy's matmul, the
-    server's library; the server itself reads the stored dtype): the fastest of three."""
-    widened = stored.astype(np.float32)
-    return min(_timed(lambda: rows @ widened.T) for _ in range(3))
+    return reads, latencies
 
 
 def _read(table: np.ndarray) -> float:
