@@ -54,6 +54,7 @@ METHOD_EMBED_CHUNKED = f"/{_SERVICE}/EmbedChunked"
 METHOD_GET_MODEL_INFO = f"/{_SERVICE}/GetModelInfo"
 METHOD_LIST_MODELS = f"/{_SERVICE}/ListModels"
 METHOD_NEAREST = f"/{_SERVICE}/Nearest"
+METHOD_NEAREST_CHUNKED = f"/{_SERVICE}/NearestChunked"
 METHOD_TOKENIZE = f"/{_SERVICE}/Tokenize"
 METHOD_DETOKENIZE = f"/{_SERVICE}/Detokenize"
 METHOD_EMBED_TEXT = f"/{_SERVICE}/EmbedText"
@@ -290,6 +291,8 @@ class ClientBase:
         # keyed by the name as asked ("" for the server's default), not by info.name, so
         # that a call finds its D without knowing what the default resolves to.
         self._d_models: dict[str, int] = {}
+        # And each model's V (the head's logits per vector), from a logits answer or info.
+        self._vocab_sizes: dict[str, int] = {}
         self._closed = False
         self._open()
 
@@ -352,6 +355,27 @@ class ClientBase:
         if threshold is None or d_model is None:
             return False
         return call.output_rows * d_model * call.output_itemsize > threshold
+
+    def _learnt_vocab(self, model: str, vocab_size: int) -> None:
+        """Remember the V of ``model`` (the name as asked), from logits or its info."""
+        self._vocab_sizes[model] = vocab_size
+
+    def _wants_chunked_nearest(self, model: str, request: pb.NearestRequest) -> bool:
+        """Whether to ask for a nearest answer in chunks (NearestChunked): above
+        ``chunked_threshold_bytes``, as for embed. Its ids and scores are ``k`` int64 and
+        float32 per vector; its logits ``V`` float32 per vector, V learnt as D is (a call
+        asking a model not asked before for logits goes unary)."""
+        threshold = self._settings.chunked_threshold_bytes
+        if threshold is None:
+            return False
+        vectors = math.prod(request.vectors.shape[:-1])
+        size = vectors * request.k * (8 + 4)
+        if request.logits:
+            vocab_size = self._vocab_sizes.get(model)
+            if vocab_size is None:
+                return False
+            size += vectors * vocab_size * 4
+        return size > threshold
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return self._settings.metadata

@@ -24,6 +24,7 @@ from tokembed.client._config import (
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
     METHOD_NEAREST,
+    METHOD_NEAREST_CHUNKED,
     METHOD_TOKENIZE,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
@@ -70,6 +71,9 @@ class Methods:
         )
         self.nearest = channel.unary_unary(
             METHOD_NEAREST, request_serializer=pb.NearestRequest.SerializeToString
+        )
+        self.nearest_chunked = channel.unary_stream(
+            METHOD_NEAREST_CHUNKED, request_serializer=pb.NearestRequest.SerializeToString
         )
         self._channel = channel
         self._control: ControlMethods | None = None

@@ -149,6 +149,7 @@ CODES_BY_METHOD = {
     "EmbedStream": _EMBED_CODES,
     "EmbedChunked": _EMBED_CODES,
     "Nearest": _EMBED_CODES,
+    "NearestChunked": _EMBED_CODES,
     "Tokenize": _EMBED_CODES,
     "Detokenize": _EMBED_CODES,
     "EmbedText": _EMBED_CODES,

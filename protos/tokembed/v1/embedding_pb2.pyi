@@ -714,6 +714,36 @@ class TensorsResponse(_message.Message):
 Global___TensorsResponse: _TypeAlias = TensorsResponse  # noqa: Y015
 
 @_typing.final
+class TensorsChunk(_message.Message):
+    """One message of an answer of several named tensors sent in chunks (NearestChunked)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """A slice of the tensors' raw bytes, the header's tensors one after another; slices
+    arrive in order and may span the end of one tensor and the start of the next.
+    """
+    @_builtins.property
+    def header(self) -> Global___TensorsResponse:
+        """First chunk only: the response with every tensor's data empty."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___TensorsResponse | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorsChunk: _TypeAlias = TensorsChunk  # noqa: Y015
+
+@_typing.final
 class GetModelInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -61,6 +61,12 @@ class EmbeddingServiceStub:
     (the tied embedding table, or the exported output projection; a model with neither
     is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
     """
+    NearestChunked: _grpc.UnaryStreamMultiCallable[_embedding_pb2.NearestRequest, _embedding_pb2.TensorsChunk]
+    """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+    carries the header (every tensor's name, dtype and shape, their data empty; the
+    timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+    it, in the header's order. The client uses it for large answers (the logits).
+    """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.TokenizeRequest, _embedding_pb2.TensorsResponse]
     """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
     it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
@@ -100,6 +106,12 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     """The way back: vectors to the ids of the model's output table that score highest
     (the tied embedding table, or the exported output projection; a model with neither
     is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+    """
+    NearestChunked: _aio.UnaryStreamMultiCallable[_embedding_pb2.NearestRequest, _embedding_pb2.TensorsChunk]  # type: ignore[assignment]
+    """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+    carries the header (every tensor's name, dtype and shape, their data empty; the
+    timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+    it, in the header's order. The client uses it for large answers (the logits).
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_embedding_pb2.TokenizeRequest, _embedding_pb2.TensorsResponse]  # type: ignore[assignment]
     """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
@@ -173,6 +185,18 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         """The way back: vectors to the ids of the model's output table that score highest
         (the tied embedding table, or the exported output projection; a model with neither
         is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
+        """
+
+    @_abc_1.abstractmethod
+    def NearestChunked(
+        self,
+        request: _embedding_pb2.NearestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_embedding_pb2.TensorsChunk], _abc.AsyncIterator[_embedding_pb2.TensorsChunk]]:
+        """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+        carries the header (every tensor's name, dtype and shape, their data empty; the
+        timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+        it, in the header's order. The client uses it for large answers (the logits).
         """
 
     @_abc_1.abstractmethod

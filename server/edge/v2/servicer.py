@@ -28,7 +28,7 @@ import grpc
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.control import ModelControl
-from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Request
 from tokembed.server.core.errors import (
     EmbedError,
     InvalidInput,
@@ -36,6 +36,7 @@ from tokembed.server.core.errors import (
     ModelUnloaded,
     Unavailable,
 )
+from tokembed.server.core.operations.base import Operation
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.operations.embed_text import EMBED_TEXT
 from tokembed.server.core.operations.nearest import NEAREST
@@ -205,8 +206,9 @@ class InferenceServicer:
         context: grpc.aio.ServicerContext,
     ) -> None:
         await self._dataplane.serve_stream(
-            FRONT_END, "ModelStreamInfer", EMBED, self._in_the_stream(request_iterator, context),
-            deadline_of(context), StreamItemSink(context),
+            FRONT_END, "ModelStreamInfer", _stream_operation,
+            self._in_the_stream(request_iterator, context), deadline_of(context),
+            StreamItemSink(context),
         )  # fmt: skip
 
     def _sent_by(
@@ -220,23 +222,32 @@ class InferenceServicer:
 
     async def _in_the_stream(
         self,
-        requests: AsyncIterator[InferCall | NearestCall | Refused],
+        requests: AsyncIterator[InferCall | NearestCall | TextCall | Refused],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[InferCall | Refused]:
-        """A stream's requests, told their caller; one asking for its answer in shared
-        memory is refused (a stream's answers are its messages; ModelInfer writes answers
-        into regions), and so is one for a ``.nearest`` name (ModelInfer serves it)."""
+    ) -> AsyncIterator[InferCall | NearestCall | Refused]:
+        """A stream's requests, told their caller (look-ups and ``NAME.nearest`` alike);
+        one asking for its answer in shared memory is refused (a stream's answers are its
+        messages; ModelInfer writes answers into regions)."""
         async for request in requests:
             if isinstance(request, TextCall):
                 yield Refused(stream_refusal(), request.request_id)
-            elif not isinstance(request, (InferCall, Refused)):
-                yield Refused(
-                    InvalidInput(
-                        f"model {request.model_name + nearest.SUFFIX!r} is served by "
-                        "ModelInfer, not in ModelStreamInfer"
-                    ),
-                    request.request_id,
-                )
+            elif isinstance(request, NearestCall):
+                in_region = [o.name for o in request.outputs if names_region(o.parameters)]
+                if in_region:
+                    yield Refused(
+                        InvalidInput(
+                            f"output {in_region[0]!r} of model "
+                            f"{request.model_name + nearest.SUFFIX!r} names a shared-memory "
+                            "region: ModelStreamInfer answers in the stream; use ModelInfer "
+                            "for answers in shared memory"
+                        ),
+                        request.request_id,
+                    )
+                    continue
+                vectors = request.body.data
+                if isinstance(vectors, CallersInput):
+                    vectors.caller = self._identities.of(context)
+                yield request
             elif isinstance(request, InferCall) and any(
                 names_region(output.parameters) for output in request.outputs
             ):
@@ -411,13 +422,22 @@ class TensorsSink(GrpcUnarySink):
 
 
 class StreamItemSink(GrpcStreamItemSink):
-    """ModelStreamInfer: each answer (or a request's error) as the stream's next message."""
+    """ModelStreamInfer: each answer (or a request's error) as the stream's next message;
+    a NAME.nearest answer with an output per tensor, as ModelInfer's."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
+        if answer.several:
+            return responses.tensors_stream_response(answer, call.request_id)
         return responses.stream_response(answer, OUTPUT_NAME, call.request_id)
 
     def frame_error(self, error: EmbedError) -> bytes:
         return responses.stream_error(str(error))
+
+
+def _stream_operation(request: Request[Any] | Refused) -> Operation[Any, Any, Any]:
+    """What a request of ModelStreamInfer asks for: NAME.nearest's nearest, else a look-up
+    (a request refused before it was read is counted as one)."""
+    return NEAREST if isinstance(request, NearestCall) else EMBED
 
 
 def _unary(
