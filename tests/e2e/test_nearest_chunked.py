@@ -46,6 +46,11 @@ def _table() -> np.ndarray:
     return random_table(V, D, 5, None).float().numpy()
 
 
+def _top(logits: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest, equal ones by the lower id."""
+    return np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+
+
 def _request(h: np.ndarray, k: int, *, logits: bool = True, **fields: Any) -> pb.NearestRequest:
     return pb.NearestRequest(
         vectors=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(h.shape), data=h.tobytes()),
@@ -85,7 +90,9 @@ def test_clients_take_chunks_for_large_answers_and_get_the_unary_answer(
         assert found.logits.shape == (*h.shape[:-1], V)
         reference = h @ table.T
         np.testing.assert_allclose(found.logits, reference, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(found.ids, np.argsort(-reference, axis=-1, kind="stable")[..., :7])
+        np.testing.assert_array_equal(
+            found.ids, np.argsort(-reference, axis=-1, kind="stable")[..., :7]
+        )
         assert found.logits.flags.writeable  # reassembled in place, not a view of bytes
     np.testing.assert_array_equal(small.ids, wanted[0].ids)
     assert _chunked_calls(server) == len(batches)
@@ -128,13 +135,11 @@ def test_the_stream_is_a_header_then_slices_of_the_tensors_in_turn(
     assert all(not t.tensor.data for t in header.header.tensors)
     slices = [chunk.data for chunk in chunks[1:]]
     assert all(not chunk.HasField("header") for chunk in chunks[1:])
-    assert all(len(data) == CHUNK_BYTES for data in slices[:-1]) and 0 < len(slices[-1])
+    assert all(len(data) == CHUNK_BYTES for data in slices[:-1]) and len(slices[-1]) > 0
     assert b"".join(slices) == b"".join(t.tensor.data for t in unary.tensors)
 
 
-def test_bad_input_in_chunks_fails_alone_and_names_the_value(
-    tied: Path, start_server: Any
-) -> None:
+def test_bad_input_in_chunks_fails_alone_and_names_the_value(tied: Path, start_server: Any) -> None:
     server = start_server(tied, stream_chunk_bytes=CHUNK_BYTES)
     rng = np.random.default_rng(6)
     good = [rng.standard_normal((8, D)).astype(np.float32) for _ in range(6)]
@@ -160,7 +165,9 @@ def test_bad_input_in_chunks_fails_alone_and_names_the_value(
     for h, found in zip(good, answers[: len(good)], strict=True):
         assert not isinstance(found, BaseException), found
         reference = h @ table.T
-        np.testing.assert_array_equal(found.ids, np.argsort(-reference, axis=-1, kind="stable")[:, :5])
+        np.testing.assert_array_equal(
+            found.ids, np.argsort(-reference, axis=-1, kind="stable")[:, :5]
+        )
         np.testing.assert_allclose(found.logits, reference, rtol=1e-5, atol=1e-5)
     refusals = answers[len(good) :]
     assert all(isinstance(error, InvalidInputError) for error in refusals), refusals
