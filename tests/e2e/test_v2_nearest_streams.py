@@ -2,7 +2,8 @@
 (``start_stream`` / ``async_stream_infer``, and the asyncio ``stream_infer``): nearest
 requests beside look-ups on one stream, answered in order, each equal to tokembed.v1's
 answer; a bad request answered with its error (naming the value) while the stream goes
-on; an output in a shared-memory region refused in a stream, as a look-up's is."""
+on; an output in a shared-memory region refused in a stream, as a look-up's is. And
+what V2 does with an answer past the limit (it has no chunked answers)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
+from tritonclient.utils import InferenceServerException
 
 from tokembed.client import EmbeddingClient
 from tokembed.export.head import add_head
@@ -179,3 +181,33 @@ def test_sync_stream_callbacks_and_refusals_leave_the_stream_open(
     np.testing.assert_array_equal(result.as_numpy("ids"), want_after.ids)
     np.testing.assert_array_equal(result.as_numpy("scores"), want_after.scores)
     assert result.as_numpy("logits") is None
+
+
+def test_an_answer_over_the_limit_is_refused_by_its_size_alone(
+    tied: Path, start_server: Any
+) -> None:
+    """V2 has no chunked answers: every answer within ``max_output_bytes_per_request``
+    fits one message (the limit sets the server's message limit); one past it is
+    RESOURCE_EXHAUSTED naming its bytes, before it is computed, in ModelInfer and in a
+    stream alike, and the requests beside it are answered."""
+    server = start_server(tied, max_output_bytes_per_request=100_000)
+    h = np.random.default_rng(3).standard_normal((80, D)).astype(np.float32)
+    # 80 vectors: 80 x 2 x 12 + 80 x 400 x 4 = 129,920 bytes with the logits.
+    outputs = _nearest_outputs()
+    with tc.InferenceServerClient(server.target) as client:
+        with pytest.raises(InferenceServerException) as unary:
+            client.infer("m.nearest", _vectors(h, 2), outputs=outputs)
+        fits = client.infer("m.nearest", _vectors(h[:40], 2), outputs=outputs)
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("m.nearest", _vectors(h, 2), outputs=outputs, request_id="big")
+        client.async_stream_infer("m.nearest", _vectors(h, 2), request_id="no-logits")
+        big, small = answers.get(timeout=TIMEOUT_S), answers.get(timeout=TIMEOUT_S)
+        client.stop_stream()
+    assert unary.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "response would be 129920 bytes, over the limit of 100000" in unary.value.message()
+    assert "the logits are [N, V] float32: leave them out or split" in unary.value.message()
+    assert fits.as_numpy("logits").shape == (40, V)
+    assert big[0] is None and "response would be 129920 bytes" in big[1].message()
+    assert small[1] is None and small[0].as_numpy("ids").shape == (80, 2)
+    np.testing.assert_array_equal(small[0].as_numpy("ids")[:40], fits.as_numpy("ids"))
