@@ -17,12 +17,22 @@ The rows of every request in a batch go into one multiply (the table is read onc
 batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
 request then takes its own rows' top-k. It knows nothing of requests or batching: a
 ``Query`` is a request's vectors, already validated (finite, of width D).
+
+The multiply is numpy's, or the head graph's in onnxruntime (``HeadGraphRun``:
+``head_session.HeadSession``, on the model's execution provider). Through the graph, a
+``dot`` query without logits asks its ``TopK`` for more than ``k`` ids (``_wide``): when
+the last of them scores below the ``k``-th by more than twice the error bound, every id
+that could belong to the exact top-k is among them, and they are the candidates scored
+again; otherwise (or for ``cosine``, or logits asked) the row's logits come back whole
+and the candidates are found in them as numpy's are. Either way the answer is the exact
+one above: the same ids and scores whichever multiply ran.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -73,6 +83,18 @@ class Query:
     norm: bool  # whether the final norm is applied first
 
 
+class HeadGraphRun(Protocol):
+    """The head graph's multiply and top-k, run elsewhere than numpy (onnxruntime)."""
+
+    provider: str
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """float32 ``h [n, D] @ W.T``: ``[n, V]``."""
+
+    def top(self, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` largest float32 logits per vector, largest first, and their ids."""
+
+
 @dataclass(slots=True)
 class Found:
     """One request's answer: ids int64 ``[n, k]``, scores float32 ``[n, k]``, and the
@@ -88,12 +110,19 @@ class NearestHead:
     nothing changes after load but the row norms, computed once on first cosine use)."""
 
     def __init__(
-        self, table: np.ndarray, norm: FinalNorm | None, table_role: str, *, shared: bool
+        self,
+        table: np.ndarray,
+        norm: FinalNorm | None,
+        table_role: str,
+        *,
+        shared: bool,
+        graph: HeadGraphRun | None = None,
     ) -> None:
         """``table``: ``W [V, D]`` C-contiguous in its stored dtype (float32, float16, or
         bfloat16 as ``ml_dtypes`` holds it), read as it is, never copied. ``shared``: the
         array is one the server already counts (the look-up's own table); otherwise the
-        head's bytes are its own (``memory_bytes``)."""
+        head's bytes are its own (``memory_bytes``). ``graph``: the head graph over the
+        same table, which then runs the multiply instead of numpy."""
         if table.ndim != 2 or not table.flags.c_contiguous:
             raise ValueError("this is a bug: a head table is a C-contiguous [V, D] array")
         self.table = table
@@ -105,6 +134,9 @@ class NearestHead:
         self._row_norms64 = _row_norms(self._blocks)
         self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
         self._inverse_norms: np.ndarray | None = None
+        self._graph = graph
+        # What runs the multiply: "numpy", or the graph's onnxruntime provider.
+        self.runs_on = "numpy" if graph is None else graph.provider
 
     @property
     def memory_bytes(self) -> int:
@@ -133,15 +165,24 @@ class NearestHead:
         query_index, start_in_query = 0, 0
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         for start in range(0, len(stacked), step):
-            logits = self._blocks.multiply(stacked[start : start + step])
+            chunk = stacked[start : start + step]
+            spans = _spans(queries, query_index, start_in_query, len(chunk))
+            first = self._first_pass(chunk, [queries[index] for index, _ in spans])
             offset = 0
-            while offset < len(logits):
-                query = queries[query_index]
-                take = min(len(logits) - offset, len(query.vectors) - start_in_query)
-                part = logits[offset : offset + take]
-                h = rows[query_index][start_in_query : start_in_query + take]
-                ids, top = self._exact_top_k(part, h, query.k, query.metric)
-                pending.append((ids, top, part.copy() if query.logits else None))
+            for index, take in spans:
+                query = queries[index]
+                h = rows[index][start_in_query : start_in_query + take]
+                if isinstance(first, tuple):  # the graph's widened top-k: candidates
+                    wide_scores, wide_ids = first
+                    ids, top = self._exact_top_k_of(
+                        wide_scores[offset : offset + take], wide_ids[offset : offset + take],
+                        h, query.k,
+                    )  # fmt: skip
+                    pending.append((ids, top, None))
+                else:
+                    part = first[offset : offset + take]
+                    ids, top = self._exact_top_k(part, h, query.k, query.metric)
+                    pending.append((ids, top, part.copy() if query.logits else None))
                 offset += take
                 start_in_query += take
                 if start_in_query == len(query.vectors):
@@ -150,6 +191,49 @@ class NearestHead:
                     query_index += 1
                     start_in_query = 0
         return results
+
+    def _first_pass(
+        self, chunk: np.ndarray, queries: Sequence[Query]
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """The chunk's float32 logits, or (through the graph, when every query in it is
+        ``dot`` without logits) its widened top-k: scores and ids ``[rows, _wide(k)]``."""
+        graph = self._graph
+        if graph is None:
+            return self._blocks.multiply(chunk)
+        if all(q.metric == DOT and not q.logits for q in queries):
+            wide = min(self.vocab_size, max(_wide(q.k) for q in queries))
+            return graph.top(chunk, wide)
+        return graph.logits(chunk)
+
+    def _exact_top_k_of(
+        self, wide_scores: np.ndarray, wide_ids: np.ndarray, h: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``dot``'s exact top-k from the graph's widened top-k (float32 scores, largest
+        first, and their ids): every id whose float32 score is within twice the error
+        bound of the ``k``-th is a candidate, as in ``_exact_top_k``. The widened list
+        holds them all when its last score is below that line (an id left out scores at
+        most that); a row where it is not (or could not be: the list is every id) has
+        its logits computed whole instead."""
+        h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
+        bound = self._gamma() * h_norms * self._widest
+        ids = np.empty((len(h), k), dtype=np.int64)
+        top = np.empty((len(h), k), dtype=np.float32)
+        complete = wide_scores.shape[1] == self.vocab_size
+        for row in range(len(h)):
+            line = wide_scores[row, k - 1] - 2 * bound[row]
+            if not complete and not wide_scores[row, -1] < line:
+                assert self._graph is not None, "This is a bug: a widened top-k is the graph's."
+                one = h[row : row + 1]
+                found_ids, found_top = self._exact_top_k(self._graph.logits(one), one, k, DOT)
+                ids[row], top[row] = found_ids[0], found_top[0]
+                continue
+            candidates = np.sort(wide_ids[row][wide_scores[row] >= line].astype(np.int64))
+            ids[row], top[row] = self._rescored(candidates, h[row], h_norms[row], k, DOT)
+        return ids, top
+
+    def _gamma(self) -> float:
+        """The relative error bound of a float32 dot product over D terms, with room."""
+        return float((self.d_model + 4) * 2.0**-24 * 1.01)
 
     def _exact_top_k(
         self, logits: np.ndarray, h: np.ndarray, k: int, metric: str
@@ -166,7 +250,7 @@ class NearestHead:
         So the answer is the same whatever the batch a vector was in, and whatever BLAS.
         """
         h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
-        gamma = (self.d_model + 4) * 2.0**-24 * 1.01
+        gamma = self._gamma()
         if metric == COSINE:
             # The first pass ranks by ``cosine |h|`` (``|h|`` is the same along a row, so
             # the order is cosine's): one multiply of the logits by ``1 / |W_v|``, whose
@@ -183,16 +267,22 @@ class NearestHead:
         kth = _kth_largest(scores, k)
         for row in range(len(h)):
             candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
-            exact = self._blocks.rows64(candidates) @ h[row].astype(np.float64)
-            if metric == COSINE:
-                norms = h_norms[row] * self._row_norms64[candidates]
-                exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
-            rounded = exact.astype(np.float32)
-            # Largest first; equal (rounded) scores by the lower id (candidates ascend).
-            order = np.argsort(-rounded, kind="stable")[:k]
-            ids[row] = candidates[order]
-            top[row] = rounded[order]
+            ids[row], top[row] = self._rescored(candidates, h[row], h_norms[row], k, metric)
         return ids, top
+
+    def _rescored(
+        self, candidates: np.ndarray, h: np.ndarray, h_norm: float, k: int, metric: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k of ``candidates`` (ascending ids) by their exact scores: accumulated
+        in float64, rounded once to float32."""
+        exact = self._blocks.rows64(candidates) @ h.astype(np.float64)
+        if metric == COSINE:
+            norms = h_norm * self._row_norms64[candidates]
+            exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
+        rounded = exact.astype(np.float32)
+        # Largest first; equal (rounded) scores by the lower id (candidates ascend).
+        order = np.argsort(-rounded, kind="stable")[:k]
+        return candidates[order], rounded[order]
 
     def _normed(self, vectors: np.ndarray) -> np.ndarray:
         assert self.norm is not None, "This is a bug: validation refuses norm without one."
@@ -270,6 +360,26 @@ def _row_norms(blocks: _Blocks) -> np.ndarray:
         rows = np.asarray(table[start : start + step], dtype=np.float64)
         norms[start : start + step] = np.sqrt(np.einsum("vd,vd->v", rows, rows))
     return norms
+
+
+def _wide(k: int) -> int:
+    """How many ids to ask the graph's TopK for, to find ``k`` exactly: room for the near
+    ties within the error bound (a row without enough room has its logits computed)."""
+    return 2 * k + 32
+
+
+def _spans(
+    queries: Sequence[Query], index: int, start_in_query: int, rows: int
+) -> list[tuple[int, int]]:
+    """The queries a chunk of ``rows`` stacked rows holds, from query ``index`` row
+    ``start_in_query`` on: each one's index and how many of its rows."""
+    spans = []
+    while rows:
+        take = min(rows, len(queries[index].vectors) - start_in_query)
+        spans.append((index, take))
+        rows -= take
+        index, start_in_query = index + 1, 0
+    return spans
 
 
 def _kth_largest(scores: np.ndarray, k: int) -> np.ndarray:

@@ -35,10 +35,12 @@ from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN, TOKEN_TYPE_IDS
 from tokembed.export.model_dir import ModelDir, load_model_dir
 from tokembed.server.backends.base import Backend
 from tokembed.server.backends.head import FinalNorm, NearestHead
+from tokembed.server.backends.head_session import HeadGraph, HeadSession
 from tokembed.server.backends.runtime import OnnxRuntimeBackend
 from tokembed.server.backends.segment import SegmentTableBackend, every_combination
 from tokembed.server.backends.sessions import (
     CPU,
+    CUDA,
     Cast,
     Graph,
     ModelSession,
@@ -140,16 +142,16 @@ def _backend(model: ModelDir, settings: Settings) -> Backend:
         raise ServerConfigError(f"no backend serves {model.kind.name} models yet")
     backend = build(model, settings)
     if model.manifest.head is not None:
-        backend.head = _head(model, backend)
+        backend.head = _head(model, backend, settings)
     return backend
 
 
-def _head(model: ModelDir, backend: Backend) -> NearestHead:
+def _head(model: ModelDir, backend: Backend, settings: Settings) -> NearestHead:
     """The model's head (``nearest``): its output table in its stored dtype, and its final
     norm. The table is the look-up's own when the backend holds one of the same bytes (a
     tied model of scale 1: one copy serves both ways), else the file its head graph names,
-    memory-mapped. The multiply runs in numpy on the CPU; the head graph is what an
-    accelerator would run."""
+    memory-mapped. The multiply runs in numpy on the CPU, or through the head graph in
+    onnxruntime (``Settings.nearest_head``: by default where the model runs on CUDA)."""
     from tokembed.export.head import head_table, norm_arrays
 
     manifest = model.manifest
@@ -162,9 +164,26 @@ def _head(model: ModelDir, backend: Backend) -> NearestHead:
                          np.asarray(arrays.weight, dtype=np.float32), bias)  # fmt: skip
     stored = head_table(model.path, manifest)
     held = backend.held_table(manifest.head.weight_dtype)
-    if held is not None and _same_bytes(held, stored):
-        return NearestHead(held.view(stored.dtype), norm, manifest.head.table, shared=True)
-    return NearestHead(stored, norm, manifest.head.table, shared=False)
+    shared = held is not None and _same_bytes(held, stored)
+    table = held.view(stored.dtype) if held is not None and shared else stored
+    graph = None
+    if _head_runs_graph(settings.nearest_head, backend.execution_provider):
+        options = SessionOptions(
+            device=settings.device,
+            intra_op_threads=settings.intra_op_threads,
+            inter_op_threads=settings.inter_op_threads,
+        )
+        graph = HeadSession(HeadGraph(model.path / manifest.head.graph), table, options)
+    return NearestHead(table, norm, manifest.head.table, shared=shared, graph=graph)
+
+
+def _head_runs_graph(nearest_head: str, execution_provider: str) -> bool:
+    """Whether the head's multiply runs through its graph in onnxruntime: asked for, or
+    ``auto`` where the model runs on CUDA (on the CPU numpy measured faster:
+    docs/benchmarks/README.md#nearest)."""
+    if nearest_head == "auto":
+        return execution_provider == CUDA
+    return nearest_head == "onnxruntime"
 
 
 def _same_bytes(held: np.ndarray, stored: np.ndarray) -> bool:

@@ -127,6 +127,13 @@ class Settings:
         "nearest: a batch closes when it holds this many vectors (their [rows, V] logits "
         "are computed together, the table read once per batch)",
     )
+    nearest_head: str = setting(
+        "auto",
+        "nearest: what multiplies over the head's table: numpy (on the CPU), onnxruntime (the "
+        "head graph, on --device's provider), or auto (onnxruntime where the model runs on "
+        "CUDA, numpy on the CPU, which measured faster there)",
+        choices=("auto", "numpy", "onnxruntime"),
+    )
     # --- limits and admission
     max_nearest_k: int = setting(1024, "nearest: the largest k one request may ask for")
     max_nearest_flops_per_request: int = setting(
