@@ -90,6 +90,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--nearest-vocab-size", type=int, default=None, metavar="V")
     parser.add_argument("--nearest-d-model", type=int, default=None, metavar="D")
+    parser.add_argument(
+        "--nearest-heads",
+        default="auto",
+        metavar="HEAD[,HEAD]",
+        help="the service's --nearest-head values to measure in turns (auto, numpy, "
+        "onnxruntime; default auto): numpy,onnxruntime compares the CPU's two multiplies",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--duration-s", type=float, default=None, help="seconds per cell")
     parser.add_argument("--name", default=None, help="file name stem (default bench or quick)")
@@ -187,9 +194,16 @@ def _run_nearest(args: argparse.Namespace) -> int:
     d_model = args.nearest_d_model or nearest.LLAMA_D
     print(f"nearest: V={vocab} D={d_model}, float32 and bfloat16 tables; models in "
           f"{args.cache_dir}")  # fmt: skip
+    heads = tuple(head.strip() for head in args.nearest_heads.split(","))
+    unknown = [head for head in heads if head not in ("auto", "numpy", "onnxruntime")]
+    if unknown:
+        print(f"error: --nearest-heads {unknown[0]!r} is not auto, numpy or onnxruntime",
+              file=sys.stderr)  # fmt: skip
+        return 2
     figures = nearest.run_nearest(
-        args.cache_dir, vocab_size=vocab, d_model=d_model, duration_s=args.duration_s or 10.0
-    )
+        args.cache_dir, vocab_size=vocab, d_model=d_model, duration_s=args.duration_s or 10.0,
+        heads=heads,
+    )  # fmt: skip
     out = output_dir(args.out, quick=True) if args.out is None else args.out
     out.mkdir(parents=True, exist_ok=True)
     command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
@@ -199,9 +213,9 @@ def _run_nearest(args: argparse.Namespace) -> int:
         one = "met" if f.one_vector_ratio <= nearest.ONE_VECTOR_TARGET else "missed"
         many = "met" if f.callers_ratio >= nearest.CALLERS_TARGET else "missed"
         print(f"{one:7s} {f.one_vector_ratio:.2f} (wanted <= {nearest.ONE_VECTOR_TARGET}) "
-              f"one vector / memory floor, {f.dtype}")  # fmt: skip
+              f"one vector / memory floor, {f.dtype}, head {f.head}")  # fmt: skip
         print(f"{many:7s} {f.callers_ratio:.2f} (wanted >= {nearest.CALLERS_TARGET}) "
-              f"16 callers x 8 / in-process multiply, {f.dtype}")  # fmt: skip
+              f"16 callers x 8 / in-process multiply, {f.dtype}, head {f.head}")  # fmt: skip
     print(f"wrote {path}")
     return 0
 

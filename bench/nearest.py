@@ -14,6 +14,10 @@ Llama-3's 128,256 x 4,096) with a tied head is written once into the cache and s
   vectors/s of one in-process multiply of the same 128 rows with the same library (numpy,
   float32, the table widened to float32 whole: numpy's fastest multiply, though the server
   holds no widened copy; target: >= 0.7x).
+
+With ``heads`` (``--nearest-heads numpy,onnxruntime``) the service is measured once per
+``--nearest-head``, in turns, against the same floor and multiply: which of numpy and the
+head graph in onnxruntime runs the CPU's multiply faster (what ``auto`` picks on the CPU).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ ONE_VECTOR_TARGET, CALLERS_TARGET = 1.5, 0.7
 @dataclass(frozen=True)
 class NearestFigures:
     dtype: str
+    head: str  # the service's --nearest-head
     vocab_size: int
     d_model: int
     table_bytes: int
@@ -124,19 +129,23 @@ def run_nearest(
     d_model: int = LLAMA_D,
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     duration_s: float = 10.0,
+    heads: tuple[str, ...] = ("auto",),
     progress: Callable[[str], None] = print,
 ) -> list[NearestFigures]:
     figures = []
     for dtype in dtypes:
         directory = ensure_nearest_model(cache_dir, vocab_size, d_model, dtype)
-        figures.append(_measure(directory, dtype, duration_s, progress))
+        figures += _measure(directory, dtype, duration_s, heads, progress)
     return figures
 
 
 def _measure(
-    directory: Path, dtype: str, duration_s: float, progress: Callable[[str], None]
-) -> NearestFigures:
-    from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
+    directory: Path,
+    dtype: str,
+    duration_s: float,
+    heads: tuple[str, ...],
+    progress: Callable[[str], None],
+) -> list[NearestFigures]:
     from tokembed.export.head import head_table
     from tokembed.export.manifest import Manifest
 
@@ -150,8 +159,42 @@ def _measure(
              f"{read_s * 1e3:.1f} ms ({stored.nbytes / read_s / 1e9:.1f} GB/s); one multiply "
              f"of {len(rows)} rows {multiply_s * 1e3:.1f} ms")  # fmt: skip
     table_bytes = stored.nbytes
-    limit = str(max(128 << 20, len(rows) * manifest.vocab_size * 4))
-    with processes.service(str(directory), "--max-output-bytes-per-request", limit) as server:
+    served = {
+        head: _serve(directory, head, rows, manifest.vocab_size, duration_s) for head in heads
+    }
+    # Read again after the service's turn: the floor is the fastest read of the run (on a
+    # loaded machine, one moment's read may be slow, which would flatter the ratio).
+    read_s = min(read_s, *(_read(stored) for _ in range(5)))
+    del stored
+    figures = []
+    for head, (latencies, callers_vectors_per_s) in served.items():
+        figure = NearestFigures(
+            dtype=dtype, head=head, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
+            table_bytes=table_bytes, read_s=read_s,
+            one_vector_p50_s=statistics.median(latencies),
+            callers_vectors_per_s=callers_vectors_per_s,
+            in_process_vectors_per_s=len(rows) / multiply_s,
+        )  # fmt: skip
+        progress(f"nearest {dtype}, head {head}: one vector p50 "
+                 f"{figure.one_vector_p50_s * 1e3:.1f} ms = {figure.one_vector_ratio:.2f}x the "
+                 f"floor; {CALLERS} callers x {VECTORS_EACH}: "
+                 f"{figure.callers_vectors_per_s:.0f} vectors/s = {figure.callers_ratio:.2f}x "
+                 "one in-process multiply")  # fmt: skip
+        figures.append(figure)
+    return figures
+
+
+def _serve(
+    directory: Path, head: str, rows: np.ndarray, vocab_size: int, duration_s: float
+) -> tuple[list[float], float]:
+    """The service under ``--nearest-head head``: one vector's 20 latencies, and the
+    vectors/s of 16 callers of 8."""
+    from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
+
+    limit = str(max(128 << 20, len(rows) * vocab_size * 4))
+    with processes.service(
+        str(directory), "--max-output-bytes-per-request", limit, "--nearest-head", head
+    ) as server:
         with EmbeddingClient(server.target, timeout_s=120) as client:
             client.nearest(rows[:1], k=1)  # the first call pays the connection
             latencies = []
@@ -178,22 +221,7 @@ def _measure(
         started = time.perf_counter()
         vectors = asyncio.run(callers())
         elapsed = time.perf_counter() - started
-    # Read again after the service's turn: the floor is the fastest read of the run (on a
-    # loaded machine, one moment's read may be slow, which would flatter the ratio).
-    read_s = min(read_s, *(_read(stored) for _ in range(5)))
-    del stored
-    figures = NearestFigures(
-        dtype=dtype, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
-        table_bytes=table_bytes, read_s=read_s,
-        one_vector_p50_s=statistics.median(latencies),
-        callers_vectors_per_s=vectors / elapsed,
-        in_process_vectors_per_s=len(rows) / multiply_s,
-    )  # fmt: skip
-    progress(f"nearest {dtype}: one vector p50 {figures.one_vector_p50_s * 1e3:.1f} ms = "
-             f"{figures.one_vector_ratio:.2f}x the floor; {CALLERS} callers x {VECTORS_EACH}: "
-             f"{figures.callers_vectors_per_s:.0f} vectors/s = {figures.callers_ratio:.2f}x "
-             "one in-process multiply")  # fmt: skip
-    return figures
+    return latencies, vectors / elapsed
 
 
 def _multiply_s(stored: np.ndarray, rows: np.ndarray) -> float:
@@ -221,15 +249,16 @@ def markdown(figures: list[NearestFigures], command: str) -> str:
         "",
         f"`{command}`",
         "",
-        "| table | V x D | table bytes | memory floor (in-process read) | one vector p50 | "
+        "| table | head | V x D | table bytes | memory floor (in-process read) | one vector p50 | "
         f"/ floor (target <= {ONE_VECTOR_TARGET}) | {CALLERS} callers x {VECTORS_EACH} "
         "vectors/s | in-process multiply vectors/s | ratio (target >= "
         f"{CALLERS_TARGET}) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
         lines.append(
-            f"| {f.dtype} | {f.vocab_size} x {f.d_model} | {f.table_bytes / 2**30:.2f} GiB | "
+            f"| {f.dtype} | {f.head} | {f.vocab_size} x {f.d_model} | "
+            f"{f.table_bytes / 2**30:.2f} GiB | "
             f"{f.floor_s * 1e3:.1f} ms | {f.one_vector_p50_s * 1e3:.1f} ms | "
             f"{f.one_vector_ratio:.2f} | {f.callers_vectors_per_s:.0f} | "
             f"{f.in_process_vectors_per_s:.0f} | {f.callers_ratio:.2f} |"
