@@ -179,8 +179,8 @@ def _head(model: ModelDir, backend: Backend, settings: Settings) -> NearestHead:
 
 def _head_runs_graph(nearest_head: str, execution_provider: str) -> bool:
     """Whether the head's multiply runs through its graph in onnxruntime: asked for, or
-    ``auto`` where the model runs on CUDA (on the CPU numpy measured faster:
-    docs/benchmarks/README.md#nearest)."""
+    ``auto`` where the model runs on CUDA (on the CPU numpy holds no copy of the table,
+    where onnxruntime's session holds two: docs/benchmarks/README.md#nearest)."""
     if nearest_head == "auto":
         return execution_provider == CUDA
     return nearest_head == "onnxruntime"

@@ -131,7 +131,7 @@ class Settings:
         "auto",
         "nearest: what multiplies over the head's table: numpy (on the CPU), onnxruntime (the "
         "head graph, on --device's provider), or auto (onnxruntime where the model runs on "
-        "CUDA, numpy on the CPU, which measured faster there)",
+        "CUDA, numpy on the CPU, where the graph's session would hold copies of the table)",
         choices=("auto", "numpy", "onnxruntime"),
     )
     # --- limits and admission

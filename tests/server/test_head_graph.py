@@ -149,7 +149,7 @@ def test_the_loader_picks_the_graph_by_nearest_head(tmp_path: Path) -> None:
         loaded = load_model(directory, Settings(model_dir=directory, nearest_head=choice))
         assert loaded.backend.head is not None
         runs[choice] = loaded.backend.head.runs_on
-    # auto: numpy on the CPU (measured faster there: docs/benchmarks/README.md#nearest).
+    # auto: numpy on the CPU (no copy of the table: docs/benchmarks/README.md#nearest).
     assert runs == {"auto": "numpy", "numpy": "numpy", "onnxruntime": CPU}
 
 
