@@ -184,6 +184,8 @@ def test_every_method_is_counted_under_its_name(
         stub.ListModels(pb.ListModelsRequest(), timeout=10)
         with pytest.raises(grpc.RpcError):  # the small model has no head
             stub.Nearest(pb.NearestRequest(k=1), timeout=10)
+        with pytest.raises(grpc.RpcError):
+            list(stub.NearestChunked(pb.NearestRequest(k=1), timeout=10))
         tokenized = stub.Tokenize(pb.TokenizeRequest(texts=[b"hello world"], model_name="text"))
         embedded = stub.EmbedText(pb.EmbedTextRequest(texts=[b"a b", b"c"], model_name="text"))
         stub.Detokenize(pb.DetokenizeRequest(
@@ -203,6 +205,7 @@ def test_every_method_is_counted_under_its_name(
     assert requests_by_code(server, "GetModelInfo") == {"OK": 1}
     assert requests_by_code(server, "ListModels") == {"OK": 1}
     assert requests_by_code(server, "Nearest") == {"INVALID_ARGUMENT": 1}
+    assert requests_by_code(server, "NearestChunked") == {"INVALID_ARGUMENT": 1}
     for method in ("Tokenize", "EmbedText", "Detokenize"):
         assert requests_by_code(server, method) == {"OK": 1}, method
     text_tokens = sum(
@@ -218,7 +221,7 @@ def test_every_method_is_counted_under_its_name(
         if sample.value
     }
     assert counted == set(FRONT_END.methods)
-    assert rejections(server) == {"invalid_input": 2}
+    assert rejections(server) == {"invalid_input": 3}
     # Tokens are the ids sent, not padded positions: 3x8 streamed, 2x8 chunked, 8 ragged.
     assert m("tokembed_tokens_total") == 24 + 16 + 8
     streamed = sum(
