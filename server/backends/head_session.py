@@ -21,6 +21,7 @@ their ids (``top``), which the head widens into the candidates it re-scores
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from tokembed.server.core.errors import ServerConfigError
 VECTORS, K, SCORES, IDS, LOGITS = "vectors", "k", "scores", "ids", "logits"
 TABLE = "head.weight"
 _GEMM = "head"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,12 +126,23 @@ def _ortvalue(table: np.ndarray) -> ort.OrtValue:
 
 
 def _create(model: bytes, so: ort.SessionOptions, device: str) -> ort.InferenceSession:
-    """On the device the model's sessions use (``sessions`` chose it: a head is loaded
-    after its look-up, so a CUDA provider that cannot start has already refused)."""
+    """On ``device`` as the model's own sessions are (``sessions``): ``cuda`` refuses to
+    run elsewhere, ``auto`` falls back to the CPU with a warning."""
     if device == "cpu" or CUDA not in ort.get_available_providers():
+        if device == "cuda":
+            raise ServerConfigError(
+                f"CUDA execution provider not available for the head graph (onnxruntime "
+                f"{ort.__version__} offers {ort.get_available_providers()})"
+            )
         return ort.InferenceSession(model, so, providers=[CPU])
     cuda = (CUDA, {"use_tf32": "0"})
-    session = ort.InferenceSession(model, so, providers=[cuda, CPU])
+    try:
+        session = ort.InferenceSession(model, so, providers=[cuda, CPU])
+    except Exception as exc:
+        if device == "cuda":
+            raise ServerConfigError(f"cannot run the head graph on CUDA: {exc}") from exc
+        logger.warning("the head graph cannot run on CUDA (%s); it runs on the CPU", exc)
+        return ort.InferenceSession(model, so, providers=[CPU])
     if device == "cuda" and session.get_providers()[0] != CUDA:
         raise ServerConfigError(
             f"asked for CUDA but onnxruntime runs the head graph on {session.get_providers()}"

@@ -186,3 +186,17 @@ def test_cuda_provider_runs_the_head_exactly(tmp_path: Path, dtype: str) -> None
     directory = _model(tmp_path / "loaded", dtype)
     loaded = load_model(directory, Settings(model_dir=directory, device="cuda"))
     assert loaded.backend.head is not None and loaded.backend.head.runs_on == CUDA
+
+
+def test_a_head_graph_asked_for_on_cuda_without_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An onnxruntime without the CUDA provider, as on this machine, whatever the machine.
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CPU])
+    directory = _model(tmp_path, "float32")
+    table = head_table(directory, Manifest.read(directory))
+    with pytest.raises(ServerConfigError, match="CUDA execution provider not available"):
+        HeadSession(HeadGraph(directory / HEAD_NAME), table, SessionOptions(device="cuda"))
+    # auto: the CPU's, as the model's own sessions fall back.
+    graph = HeadSession(HeadGraph(directory / HEAD_NAME), table, SessionOptions(device="auto"))
+    assert graph.provider == CPU
