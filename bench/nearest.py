@@ -6,18 +6,23 @@ Llama-3's 128,256 x 4,096) with a tied head is written once into the cache and s
 ``tokembed serve``; then:
 
 - **memory floor**: the table's bytes / the bandwidth of an in-process read of the same
-  table (this process, the stored bytes: a streaming xor of its 8-byte words, the fastest
-  of five reads before the service's turn and five after);
-- **one vector**: p50 latency of ``nearest(1 vector, k=1)`` through the real client and
-  server, against that floor (target: <= 1.5x);
+  table (this process, the stored bytes: a streaming xor of its 8-byte words);
+- **one vector**: latency of ``nearest(1 vector, k=1)`` through the real client and
+  server, against that floor (target: <= 1.5x): 20 turns of one read then one call, the
+  median of each;
 - **16 callers x 8 vectors**: vectors/s of 16 concurrent asyncio callers, against the
   vectors/s of one in-process multiply of the same 128 rows with the same library (numpy,
   float32, the table widened to float32 whole: numpy's fastest multiply, though the server
-  holds no widened copy; target: >= 0.7x).
+  holds no widened copy; target: >= 0.7x): 5 turns of the callers for a fifth of the
+  duration each, then one multiply; the vectors of all the turns over their time.
+
+Each figure is taken in turns with its reference, so that a slow moment of a shared
+machine falls on both.
 
 With ``heads`` (``--nearest-heads numpy,onnxruntime``) the service is measured once per
-``--nearest-head``, in turns, against the same floor and multiply: which of numpy and the
-head graph in onnxruntime runs the CPU's multiply faster (what ``auto`` picks on the CPU).
+``--nearest-head``, one after the other, each with its own turns of the references:
+which of numpy and the head graph in onnxruntime runs the CPU's multiply faster (what
+``auto`` picks on the CPU, docs/benchmarks says).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from tokembed.bench import processes
 
 LLAMA_VOCAB, LLAMA_D = 128256, 4096
 CALLERS, VECTORS_EACH = 16, 8
+# Turns taken alternately with the reference: a read of the table and one call; the
+# callers for a share of the duration and one in-process multiply.
+ONE_VECTOR_TURNS, CALLER_TURNS = 20, 5
 ONE_VECTOR_TARGET, CALLERS_TARGET = 1.5, 0.7
 
 
@@ -45,7 +53,7 @@ class NearestFigures:
     vocab_size: int
     d_model: int
     table_bytes: int
-    read_s: float  # the in-process read of the table (fastest of five)
+    read_s: float  # the in-process read of the table (median of the turns)
     one_vector_p50_s: float
     callers_vectors_per_s: float
     in_process_vectors_per_s: float
@@ -135,100 +143,79 @@ def run_nearest(
     figures = []
     for dtype in dtypes:
         directory = ensure_nearest_model(cache_dir, vocab_size, d_model, dtype)
-        figures += _measure(directory, dtype, duration_s, heads, progress)
+        figures += [_measure(directory, dtype, head, duration_s, progress) for head in heads]
     return figures
 
 
 def _measure(
-    directory: Path,
-    dtype: str,
-    duration_s: float,
-    heads: tuple[str, ...],
-    progress: Callable[[str], None],
-) -> list[NearestFigures]:
+    directory: Path, dtype: str, head: str, duration_s: float, progress: Callable[[str], None]
+) -> NearestFigures:
+    from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
     from tokembed.export.head import head_table
     from tokembed.export.manifest import Manifest
 
     manifest = Manifest.read(directory)
     stored = np.ascontiguousarray(head_table(directory, manifest))  # in memory, as stored
-    read_s = min(_read(stored) for _ in range(5))
+    _read(stored)  # the first read pays for bringing the table in
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((CALLERS * VECTORS_EACH, manifest.d_model)).astype(np.float32)
-    multiply_s = _multiply_s(stored, rows)
-    progress(f"nearest {dtype}: table {stored.nbytes / 2**30:.2f} GiB, read in "
-             f"{read_s * 1e3:.1f} ms ({stored.nbytes / read_s / 1e9:.1f} GB/s); one multiply "
-             f"of {len(rows)} rows {multiply_s * 1e3:.1f} ms")  # fmt: skip
+    widened = stored.astype(np.float32)  # the reference multiply's table
     table_bytes = stored.nbytes
-    served = {
-        head: _serve(directory, head, rows, manifest.vocab_size, duration_s) for head in heads
-    }
-    # Read again after the service's turn: the floor is the fastest read of the run (on a
-    # loaded machine, one moment's read may be slow, which would flatter the ratio).
-    read_s = min(read_s, *(_read(stored) for _ in range(5)))
-    del stored
-    figures = []
-    for head, (latencies, callers_vectors_per_s) in served.items():
-        figure = NearestFigures(
-            dtype=dtype, head=head, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
-            table_bytes=table_bytes, read_s=read_s,
-            one_vector_p50_s=statistics.median(latencies),
-            callers_vectors_per_s=callers_vectors_per_s,
-            in_process_vectors_per_s=len(rows) / multiply_s,
-        )  # fmt: skip
-        progress(f"nearest {dtype}, head {head}: one vector p50 "
-                 f"{figure.one_vector_p50_s * 1e3:.1f} ms = {figure.one_vector_ratio:.2f}x the "
-                 f"floor; {CALLERS} callers x {VECTORS_EACH}: "
-                 f"{figure.callers_vectors_per_s:.0f} vectors/s = {figure.callers_ratio:.2f}x "
-                 "one in-process multiply")  # fmt: skip
-        figures.append(figure)
-    return figures
-
-
-def _serve(
-    directory: Path, head: str, rows: np.ndarray, vocab_size: int, duration_s: float
-) -> tuple[list[float], float]:
-    """The service under ``--nearest-head head``: one vector's 20 latencies, and the
-    vectors/s of 16 callers of 8."""
-    from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
-
-    limit = str(max(128 << 20, len(rows) * vocab_size * 4))
+    limit = str(max(128 << 20, len(rows) * manifest.vocab_size * 4))
     with processes.service(
         str(directory), "--max-output-bytes-per-request", limit, "--nearest-head", head
     ) as server:
+        # Each figure and its reference are taken in turns, so that a slow moment of the
+        # shared machine falls on both (the reference swung fivefold between runs taken
+        # one after the other).
+        reads, latencies = [], []
         with EmbeddingClient(server.target, timeout_s=120) as client:
             client.nearest(rows[:1], k=1)  # the first call pays the connection
-            latencies = []
-            for i in range(20):
+            for i in range(ONE_VECTOR_TURNS):
+                reads.append(_read(stored))
                 started = time.perf_counter()
-                client.nearest(rows[i : i + 1], k=1)
+                client.nearest(rows[i % len(rows) : i % len(rows) + 1], k=1)
                 latencies.append(time.perf_counter() - started)
 
-        async def callers() -> int:
+        async def callers(seconds: float, aio: AsyncEmbeddingClient) -> int:
             done = 0
-            stop = time.perf_counter() + duration_s
-            async with AsyncEmbeddingClient(server.target, timeout_s=120) as aio:
+            stop = time.perf_counter() + seconds
 
-                async def caller(index: int) -> None:
-                    nonlocal done
-                    mine = rows[index * VECTORS_EACH : (index + 1) * VECTORS_EACH]
-                    while time.perf_counter() < stop:
-                        await aio.nearest(mine, k=1)
-                        done += VECTORS_EACH
+            async def caller(index: int) -> None:
+                nonlocal done
+                mine = rows[index * VECTORS_EACH : (index + 1) * VECTORS_EACH]
+                while time.perf_counter() < stop:
+                    await aio.nearest(mine, k=1)
+                    done += VECTORS_EACH
 
-                await asyncio.gather(*(caller(i) for i in range(CALLERS)))
+            await asyncio.gather(*(caller(i) for i in range(CALLERS)))
             return done
 
-        started = time.perf_counter()
-        vectors = asyncio.run(callers())
-        elapsed = time.perf_counter() - started
-    return latencies, vectors / elapsed
+        async def in_turns() -> tuple[int, float, float]:
+            vectors, callers_s, multiply_s = 0, 0.0, 0.0
+            async with AsyncEmbeddingClient(server.target, timeout_s=120) as aio:
+                for _ in range(CALLER_TURNS):
+                    started = time.perf_counter()
+                    vectors += await callers(duration_s / CALLER_TURNS, aio)
+                    callers_s += time.perf_counter() - started
+                    multiply_s += _timed(lambda: rows @ widened.T)
+            return vectors, callers_s, multiply_s
 
-
-def _multiply_s(stored: np.ndarray, rows: np.ndarray) -> float:
-    """One multiply of ``rows`` by the table widened to float32 whole (numpy's matmul, the
-    server's library; the server itself reads the stored dtype): the fastest of three."""
-    widened = stored.astype(np.float32)
-    return min(_timed(lambda: rows @ widened.T) for _ in range(3))
+        vectors, callers_s, multiply_s = asyncio.run(in_turns())
+    figures = NearestFigures(
+        dtype=dtype, head=head, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
+        table_bytes=table_bytes, read_s=statistics.median(reads),
+        one_vector_p50_s=statistics.median(latencies),
+        callers_vectors_per_s=vectors / callers_s,
+        in_process_vectors_per_s=len(rows) * CALLER_TURNS / multiply_s,
+    )  # fmt: skip
+    progress(f"nearest {dtype}, head {head}: table {table_bytes / 2**30:.2f} GiB, read in "
+             f"{figures.read_s * 1e3:.1f} ms (median; {table_bytes / figures.read_s / 1e9:.1f} "
+             f"GB/s); one vector p50 {figures.one_vector_p50_s * 1e3:.1f} ms = "
+             f"{figures.one_vector_ratio:.2f}x the floor; {CALLERS} callers x {VECTORS_EACH}: "
+             f"{figures.callers_vectors_per_s:.0f} vectors/s = {figures.callers_ratio:.2f}x "
+             f"one in-process multiply ({figures.in_process_vectors_per_s:.0f}/s)")  # fmt: skip
+    return figures
 
 
 def _read(table: np.ndarray) -> float:
@@ -249,7 +236,8 @@ def markdown(figures: list[NearestFigures], command: str) -> str:
         "",
         f"`{command}`",
         "",
-        "| table | head | V x D | table bytes | memory floor (in-process read) | one vector p50 | "
+        "| table | head | V x D | table bytes | memory floor (in-process read) | "
+        "one vector p50 | "
         f"/ floor (target <= {ONE_VECTOR_TARGET}) | {CALLERS} callers x {VECTORS_EACH} "
         "vectors/s | in-process multiply vectors/s | ratio (target >= "
         f"{CALLERS_TARGET}) |",

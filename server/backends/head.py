@@ -8,10 +8,11 @@ multiplied there, so that the memory traffic is the stored bytes (``_Blocks``). 
 vector the ``k`` largest by ``dot`` (the logits themselves) or ``cosine`` (the logits
 divided by ``|h| |W_v|``; a row of ``W`` with norm 0 scores 0). The scores answered are
 those products accumulated in float64 and rounded once to float32 (``_exact_top_k``: the
-float32 multiply finds the candidates, which are scored again), so that a vector's answer
-is the same alone or in any batch; equal scores are ordered by the lower id. The logits,
-when asked, are the float32 multiply's (within ``D 2**-24 |h| |W_v|`` of the exact
-products).
+float32 multiply finds the candidates within its proven error bound, which are scored
+again), so that a vector's answer is the same alone or in any batch; equal scores are
+ordered by the lower id. The logits, when asked, are the float32 multiply's (within
+``D 2**-24 |h| |W_v|`` of the exact products): a batch that asks them is multiplied
+exactly widened, whatever the table (``_Blocks``' bfloat16 first pass is not).
 
 The rows of every request in a batch go into one multiply (the table is read once per
 batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
@@ -39,8 +40,13 @@ import numpy as np
 # Logits are computed this many bytes ([rows, V] float32) at a time.
 _LOGITS_CHUNK_BYTES = 64 * 1024 * 1024
 # A narrow table is widened this many float32 bytes of rows at a time: small enough that
-# the widened block is still in the cache when the multiply reads it.
+# the widened block is still in the cache when the multiply reads it. That is what counts
+# for a few vectors, whose multiply is bound by memory; from ``_MANY_VECTORS`` on it is
+# bound by arithmetic, and fewer, larger multiplies count more (each is a BLAS call whose
+# threads meet once: on a busy machine, each of many small ones waited for a core).
 _BLOCK_BYTES = 2 * 1024 * 1024
+_MANY_VECTORS = 16
+_MANY_VECTORS_BLOCK_BYTES = 32 * 1024 * 1024
 
 DOT = "dot"
 COSINE = "cosine"
@@ -132,6 +138,11 @@ class NearestHead:
         self.shared = shared
         self._blocks = _Blocks(table)
         self._row_norms64 = _row_norms(self._blocks)
+        # The bfloat16 first pass's bound holds for finite rows only (an infinite value's
+        # word would read as a NaN): a table with one is widened exactly.
+        self._blocks.first_pass = self._blocks.first_pass and bool(
+            np.isfinite(self._row_norms64).all()
+        )
         self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
         self._inverse_norms: np.ndarray | None = None
         self._graph = graph
@@ -160,6 +171,13 @@ class NearestHead:
         """Each query's top-k (and logits), from one multiply over all their rows."""
         rows = [q.vectors if not q.norm else self._normed(q.vectors) for q in queries]
         stacked = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        # Logits answered are the exact widening's; a batch that asks none takes the
+        # faster first pass, whose wider bound the re-scoring covers (numpy's: the graph
+        # widens exactly).
+        exact = (
+            self._graph is not None or any(q.logits for q in queries)
+            or not self._blocks.first_pass
+        )  # fmt: skip
         step = max(1, _LOGITS_CHUNK_BYTES // (4 * self.vocab_size))
         results: list[Found] = []
         query_index, start_in_query = 0, 0
@@ -167,7 +185,7 @@ class NearestHead:
         for start in range(0, len(stacked), step):
             chunk = stacked[start : start + step]
             spans = _spans(queries, query_index, start_in_query, len(chunk))
-            first = self._first_pass(chunk, [queries[index] for index, _ in spans])
+            first = self._first_pass(chunk, [queries[index] for index, _ in spans], exact)
             offset = 0
             for index, take in spans:
                 query = queries[index]
@@ -181,7 +199,7 @@ class NearestHead:
                     pending.append((ids, top, None))
                 else:
                     part = first[offset : offset + take]
-                    ids, top = self._exact_top_k(part, h, query.k, query.metric)
+                    ids, top = self._exact_top_k(part, h, query.k, query.metric, exact=exact)
                     pending.append((ids, top, part.copy() if query.logits else None))
                 offset += take
                 start_in_query += take
@@ -193,13 +211,14 @@ class NearestHead:
         return results
 
     def _first_pass(
-        self, chunk: np.ndarray, queries: Sequence[Query]
+        self, chunk: np.ndarray, queries: Sequence[Query], exact: bool
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """The chunk's float32 logits, or (through the graph, when every query in it is
-        ``dot`` without logits) its widened top-k: scores and ids ``[rows, _wide(k)]``."""
+        """The chunk's float32 logits (numpy's: ``exact`` as ``_Blocks.multiply`` takes
+        it), or (through the graph, when every query in it is ``dot`` without logits) its
+        widened top-k: scores and ids ``[rows, _wide(k)]``."""
         graph = self._graph
         if graph is None:
-            return self._blocks.multiply(chunk)
+            return self._blocks.multiply(chunk, exact=exact)
         if all(q.metric == DOT and not q.logits for q in queries):
             wide = min(self.vocab_size, max(_wide(q.k) for q in queries))
             return graph.top(chunk, wide)
@@ -224,7 +243,8 @@ class NearestHead:
             if not complete and not wide_scores[row, -1] < line:
                 assert self._graph is not None, "This is a bug: a widened top-k is the graph's."
                 one = h[row : row + 1]
-                found_ids, found_top = self._exact_top_k(self._graph.logits(one), one, k, DOT)
+                logits = self._graph.logits(one)
+                found_ids, found_top = self._exact_top_k(logits, one, k, DOT, exact=True)
                 ids[row], top[row] = found_ids[0], found_top[0]
                 continue
             candidates = np.sort(wide_ids[row][wide_scores[row] >= line].astype(np.int64))
@@ -236,7 +256,7 @@ class NearestHead:
         return float((self.d_model + 4) * 2.0**-24 * 1.01)
 
     def _exact_top_k(
-        self, logits: np.ndarray, h: np.ndarray, k: int, metric: str
+        self, logits: np.ndarray, h: np.ndarray, k: int, metric: str, *, exact: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """The top-k by scores accumulated in float64 and rounded once to float32, found
         through the float32 multiply: every id whose float32 score is within twice its
@@ -248,20 +268,29 @@ class NearestHead:
         widest row of the table (cosine, ranked by ``cosine |h|``: divided by ``|w_v|``,
         at most ``D 2**-24 |h|``, plus the roundings of the division).
         So the answer is the same whatever the batch a vector was in, and whatever BLAS.
+
+        ``logits`` from ``_Blocks``' first pass (``exact`` false) are of values off by
+        ``|delta_i| <= rel |w_i| + a`` each (``_Blocks.FIRST_PASS_ERROR``), which adds
+        ``sum|h_i delta_i| <= rel |h| |w| + a sqrt(D) |h|`` to the error, and widens the
+        terms the float32 sums round by ``(1 + rel)``.
         """
         h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
-        gamma = self._gamma()
+        rel, per_value = (0.0, 0.0) if exact else _Blocks.FIRST_PASS_ERROR
+        gamma = self._gamma() * (1 + rel) + rel
+        absolute = (1 + gamma) * per_value * np.sqrt(self.d_model)
         if metric == COSINE:
             # The first pass ranks by ``cosine |h|`` (``|h|`` is the same along a row, so
             # the order is cosine's): one multiply of the logits by ``1 / |W_v|``, whose
             # error is the logits' divided by ``|W_v|``, at most ``gamma |h|``, plus the
             # roundings of ``1 / |W_v|`` and of the product (each ``2**-24`` of a score of
             # at most ``|h|``): inside ``2**-21 |h|``.
-            scores = np.multiply(logits, self.inverse_norms())
-            bound = (gamma + 2.0**-21) * h_norms
+            inverse = self.inverse_norms()
+            scores = np.multiply(logits, inverse)
+            widest_inverse = float(inverse.max()) if len(inverse) else 0.0
+            bound = (gamma + 2.0**-21 * (1 + rel) + absolute * widest_inverse) * h_norms
         else:
             scores = logits
-            bound = gamma * h_norms * self._widest
+            bound = (gamma * self._widest + absolute) * h_norms
         ids = np.empty((len(h), k), dtype=np.int64)
         top = np.empty((len(h), k), dtype=np.float32)
         kth = _kth_largest(scores, k)
@@ -275,11 +304,11 @@ class NearestHead:
     ) -> tuple[np.ndarray, np.ndarray]:
         """The top-k of ``candidates`` (ascending ids) by their exact scores: accumulated
         in float64, rounded once to float32."""
-        exact = self._blocks.rows64(candidates) @ h.astype(np.float64)
+        rescored = self._blocks.rows64(candidates) @ h.astype(np.float64)
         if metric == COSINE:
             norms = h_norm * self._row_norms64[candidates]
-            exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)
-        rounded = exact.astype(np.float32)
+            rescored = np.divide(rescored, norms, out=np.zeros_like(rescored), where=norms > 0)
+        rounded = rescored.astype(np.float32)
         # Largest first; equal (rounded) scores by the lower id (candidates ascend).
         order = np.argsort(-rounded, kind="stable")[:k]
         return candidates[order], rounded[order]
@@ -297,9 +326,20 @@ class _Blocks:
     ``w[2j+1]`` exactly by masking off the low half, two word-wide passes over a block in
     the cache (where a cast from 16-bit to 32-bit words measured an order slower). So a
     bfloat16 block's product is that of the even columns plus that of the odd columns:
-    still float32 sums of the same ``D`` products, inside ``_exact_top_k``'s bound. float16
-    is widened by numpy's cast; float32 is multiplied as it is.
+    still float32 sums of the same ``D`` products, inside ``_exact_top_k``'s bound.
+
+    The first pass (``exact`` false) skips the mask: it multiplies the odd columns by the
+    words as they are, the float32 whose upper half is ``w[2j+1]`` and whose lower half is
+    ``w[2j]``'s bits. That value exceeds ``w[2j+1]`` in magnitude by less than one unit in
+    the last place of a bfloat16, less than ``2**-7 |w[2j+1]|`` (by less than ``2**-133``
+    where ``w[2j+1]`` is zero or subnormal): ``FIRST_PASS_ERROR``, which the re-scoring's
+    bound adds. The multiply then reads the table straight from memory for half of its
+    columns and writes only the even half, and the candidates it finds are scored again
+    exactly. float16 is widened by numpy's cast; float32 is multiplied as it is.
     """
+
+    # (relative, absolute) error of each value the bfloat16 first pass reads.
+    FIRST_PASS_ERROR = (2.0**-7, 2.0**-133)
 
     def __init__(self, table: np.ndarray) -> None:
         self.table = table
@@ -309,21 +349,25 @@ class _Blocks:
             self._kind = "float16" if table.dtype == np.float16 else "bfloat16"
             if self._kind == "bfloat16" and (table.dtype.itemsize != 2 or d_model % 2):
                 self._kind = "cast"  # an odd D: no word pairs; numpy's (slower) cast
-        self.rows_per_block = max(1, _BLOCK_BYTES // (4 * max(1, d_model)))
         self._words = table.view(np.uint32) if self._kind == "bfloat16" else None
+        # Whether ``multiply(exact=False)`` may take the first pass (its owner may say no).
+        self.first_pass = self._kind == "bfloat16"
 
-    def multiply(self, h: np.ndarray) -> np.ndarray:
-        """``h [n, D] float32 @ W.T``: float32 ``[n, V]``."""
+    def multiply(self, h: np.ndarray, *, exact: bool = True) -> np.ndarray:
+        """``h [n, D] float32 @ W.T``: float32 ``[n, V]``; with ``exact`` false, a
+        bfloat16 table's first pass (``FIRST_PASS_ERROR``)."""
         if self._kind == "float32":
             return np.asarray(h @ self.table.T, dtype=np.float32)
         vocab = len(self.table)
         out = np.empty((len(h), vocab), dtype=np.float32)
-        step = self.rows_per_block
+        step = self._rows_per_block(len(h))
         if self._kind == "bfloat16":
             words = self._words
             assert words is not None
             even_h = np.ascontiguousarray(h[:, 0::2])
             odd_h = np.ascontiguousarray(h[:, 1::2])
+            if not exact and self.first_pass:
+                return self._first_pass(words, even_h, odd_h, out)
             low = np.empty((step, words.shape[1]), dtype=np.uint32)
             high = np.empty((step, words.shape[1]), dtype=np.uint32)
             odd = np.empty((len(h), step), dtype=np.float32)
@@ -345,6 +389,26 @@ class _Blocks:
             np.copyto(widened[:n], block, casting="unsafe")
             np.matmul(h, widened[:n].T, out=out[:, start : start + n])
         return out
+
+    def _first_pass(
+        self, words: np.ndarray, even_h: np.ndarray, odd_h: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
+        step = self._rows_per_block(len(even_h))
+        low = np.empty((step, words.shape[1]), dtype=np.uint32)
+        even = np.empty((len(even_h), step), dtype=np.float32)
+        for start in range(0, len(words), step):
+            block = words[start : start + step]
+            n = len(block)
+            part = out[:, start : start + n]
+            np.matmul(odd_h, block.view(np.float32).T, out=part)  # reads the block in
+            np.left_shift(block, np.uint32(16), out=low[:n])  # from the cache
+            np.matmul(even_h, low[:n].view(np.float32).T, out=even[:, :n])
+            part += even[:, :n]
+        return out
+
+    def _rows_per_block(self, vectors: int) -> int:
+        block = _BLOCK_BYTES if vectors < _MANY_VECTORS else _MANY_VECTORS_BLOCK_BYTES
+        return max(1, block // (4 * max(1, int(self.table.shape[1]))))
 
     def rows64(self, ids: np.ndarray) -> np.ndarray:
         """The rows ``ids`` in float64 (exact for every stored dtype)."""

@@ -134,6 +134,7 @@ def test_a_narrow_table_is_read_as_stored_in_blocks_and_answers_exactly(dtype, m
     answers = {}
     for block_rows in (1, 37, vocab):
         monkeypatch.setattr(module, "_BLOCK_BYTES", 4 * width * block_rows)
+        monkeypatch.setattr(module, "_MANY_VECTORS_BLOCK_BYTES", 4 * width * block_rows)
         head = NearestHead(table, None, "embedding", shared=False)
         assert np.shares_memory(head.table, table)  # read where it is, not copied
         assert head.memory_bytes == table.nbytes
@@ -176,3 +177,58 @@ def test_a_narrow_table_of_odd_width(dtype):
     exact = h.astype(np.float64) @ table.astype(np.float64).T
     want = np.argsort(-exact.astype(np.float32), axis=1, kind="stable")[:, :3]
     np.testing.assert_array_equal(found.ids, want)
+
+
+def test_the_bfloat16_first_pass_misorders_and_the_rescoring_corrects_it():
+    """The bfloat16 first pass reads each odd column with its even neighbour's bits below
+    it (``_Blocks.FIRST_PASS_ERROR``): a row whose neighbours are -1.0 reads higher than it
+    is. Row 1 is below row 0 by one unit in its first odd value, but reads above it by
+    twelve neighbours' bits: the first pass ranks it first, the answer is row 0 (and row
+    0's exact score), and so is the exact widening's when logits are asked."""
+    import ml_dtypes
+
+    from tokembed.server.backends.head import _Blocks
+
+    width = 24
+    rng = np.random.default_rng(11)
+    table = (rng.standard_normal((40, width)) * 0.1).astype(ml_dtypes.bfloat16)
+    table[0, 1::2], table[0, 0::2] = 1.0, 0.0
+    table[1, 1::2], table[1, 0::2] = 1.0, -1.0
+    table[1, 1] = 1.0 - 2.0**-8  # the bfloat16 just below 1.0
+    h = np.zeros((1, width), dtype=np.float32)
+    h[0, 1::2] = 1.0
+    first_pass = _Blocks(table).multiply(h, exact=False)
+    assert int(first_pass.argmax()) == 1  # misordered, as constructed
+    exact = h.astype(np.float64) @ table.astype(np.float64).T
+    head = NearestHead(table, None, "embedding", shared=False)
+    for logits in (False, True):
+        (found,) = head.search([Query(h, 1, "dot", logits, False)])
+        assert found.ids.tolist() == [[0]]
+        np.testing.assert_array_equal(found.scores, exact[:, [0]].astype(np.float32))
+    table[5, 3] = np.inf  # an infinite value would read as a NaN: widened exactly
+    assert not NearestHead(table, None, "embedding", shared=False)._blocks.first_pass
+
+
+@pytest.mark.parametrize("metric", ["dot", "cosine"])
+def test_the_bfloat16_first_pass_agrees_with_the_exact_widening(metric):
+    """On many near-tied rows (each a random row plus one unit in its last place in one
+    value), the answers without logits (the first pass) equal those with (the exact
+    widening), ids and scores."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(12)
+    width = 64
+    base = (rng.standard_normal((50, width)) * 0.05).astype(ml_dtypes.bfloat16)
+    words = np.repeat(base, 20, axis=0).view(np.uint16).copy()
+    columns = rng.integers(0, width, size=len(words))
+    words[np.arange(len(words)), columns] += rng.integers(0, 2, size=len(words)).astype(np.uint16)
+    table = words.view(ml_dtypes.bfloat16)
+    h = (
+        np.repeat(base.astype(np.float32), 4, axis=0)
+        + rng.standard_normal((200, width)).astype(np.float32) * 0.001
+    )
+    head = NearestHead(table, None, "embedding", shared=False)
+    (fast,) = head.search([Query(h, 5, metric, False, False)])
+    (exact,) = head.search([Query(h, 5, metric, True, False)])
+    np.testing.assert_array_equal(fast.ids, exact.ids)
+    np.testing.assert_array_equal(fast.scores, exact.scores)
