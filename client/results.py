@@ -89,11 +89,14 @@ class NearestResult:
 @dataclass(frozen=True)
 class HeadInfo:
     """A model's way back (nearest): ``table`` "embedding" (tied) or "output", its final
-    ``norm`` ("rmsnorm", "layernorm" or ""), and the largest ``k``."""
+    ``norm`` ("rmsnorm", "layernorm" or ""), the largest ``k``, and what multiplies over
+    the table (``runs_on``: "numpy", or the onnxruntime provider running the head graph;
+    "" from a server older than it)."""
 
     table: str
     norm: str
     max_k: int
+    runs_on: str = ""
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,7 @@ class ModelInfo:
             convention=msg.convention,
             engine_scales=dict(msg.engine_scales),
             head=(
-                HeadInfo(msg.head.table, msg.head.norm, msg.head.max_k)
+                HeadInfo(msg.head.table, msg.head.norm, msg.head.max_k, msg.head.runs_on)
                 if msg.HasField("head")
                 else None
             ),

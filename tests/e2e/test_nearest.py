@@ -364,4 +364,7 @@ def test_the_command_line(models, start_server, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "k = 0 is outside [1, 1000]" in err and "Traceback" not in err
     assert main(["info", "--target", server.target]) == 0
-    assert "head (nearest)     embedding table, k up to 1000" in capsys.readouterr().out
+    assert (
+        "head (nearest)     embedding table, k up to 1000, multiplied by numpy"
+        in capsys.readouterr().out
+    )

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tc
 
 from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
 from tokembed.client.errors import InvalidInputError
@@ -54,6 +55,16 @@ def test_the_graph_answers_as_numpy_through_the_server(
     want = _ask(numpy_server.target, vectors)
     graph_server = start_server(models, nearest_head="onnxruntime")
     got = _ask(graph_server.target, vectors)
+    # GetModelInfo and V2's ModelConfig say what multiplies.
+    with EmbeddingClient(numpy_server.target) as client:
+        head = client.info(model="bfloat16").head
+        assert head is not None and head.runs_on == "numpy"
+    with EmbeddingClient(graph_server.target) as client:
+        head = client.info(model="bfloat16").head
+        assert head is not None and head.runs_on == "CPUExecutionProvider"
+    with tc.InferenceServerClient(graph_server.target) as triton:
+        config = triton.get_model_config("float32.nearest", as_json=True)["config"]
+    assert config["parameters"]["runs_on"]["string_value"] == "CPUExecutionProvider"
     for expected, found in zip(want, got, strict=True):
         np.testing.assert_array_equal(found.ids, expected.ids)
         np.testing.assert_array_equal(found.scores, expected.scores)

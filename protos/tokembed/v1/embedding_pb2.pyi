@@ -1047,22 +1047,28 @@ class HeadInfo(_message.Message):
     TABLE_FIELD_NUMBER: _builtins.int
     NORM_FIELD_NUMBER: _builtins.int
     MAX_K_FIELD_NUMBER: _builtins.int
+    RUNS_ON_FIELD_NUMBER: _builtins.int
     table: _builtins.str
     """"embedding" (tied: the look-up's own table) or "output" (an untied projection)."""
     norm: _builtins.str
     """The final norm applied with apply_norm: "rmsnorm", "layernorm", or empty (none)."""
     max_k: _builtins.int
     """The largest k a request may ask for."""
+    runs_on: _builtins.str
+    """What multiplies over the table: "numpy" (on the CPU), or the onnxruntime execution
+    provider that runs the head graph ("CUDAExecutionProvider", "CPUExecutionProvider").
+    """
     def __init__(
         self,
         *,
         table: _builtins.str = ...,
         norm: _builtins.str = ...,
         max_k: _builtins.int = ...,
+        runs_on: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_k", b"max_k", "norm", b"norm", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_k", b"max_k", "norm", b"norm", "runs_on", b"runs_on", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

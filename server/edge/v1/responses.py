@@ -185,7 +185,9 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
     if head is not None:
         norm = head.norm.kind if head.norm is not None else ""
         max_k = min(served.limits.max_nearest_k, head.vocab_size)
-        answer.head.CopyFrom(pb.HeadInfo(table=head.table_role, norm=norm, max_k=max_k))
+        answer.head.CopyFrom(
+            pb.HeadInfo(table=head.table_role, norm=norm, max_k=max_k, runs_on=head.runs_on)
+        )
     answer.memory_bytes.update(backend.memory_bytes)
     if head is not None and head.memory_bytes:
         # A head that cannot read the look-up's table maps its own, in its stored dtype.

@@ -234,6 +234,7 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
         "vectors_datatypes": ",".join(_V2_VECTOR_DTYPES),
         "metrics": "dot,cosine",
         "max_k": min(served.limits.max_nearest_k, served.vocab_size),
+        "runs_on": head.runs_on,
         "max_batch_rows": served.batch.nearest_max_batch_rows,
         "max_message_bytes": max_message_bytes,
     }
