@@ -187,9 +187,7 @@ class InferenceServicer:
         and where its answer goes: the response, or a region per requested output that
         names one (their windows held until the RPC ends). A window that cannot be had
         refuses the request, through the data plane."""
-        vectors = request.body.data
-        if isinstance(vectors, CallersInput):
-            vectors.caller = self._identities.of(context)
+        request = self._nearest_sent_by(request, context)
         if self._regions is None or not any(names_region(o.parameters) for o in request.outputs):
             return request, TensorsSink(context)
         try:
@@ -210,6 +208,16 @@ class InferenceServicer:
             self._in_the_stream(request_iterator, context), deadline_of(context),
             StreamItemSink(context),
         )  # fmt: skip
+
+    def _nearest_sent_by(
+        self, request: NearestCall, context: grpc.aio.ServicerContext
+    ) -> NearestCall:
+        """A nearest request, its vectors in a shared-memory region told whose regions
+        they may be read from: the caller's."""
+        vectors = request.body.data
+        if isinstance(vectors, CallersInput):
+            vectors.caller = self._identities.of(context)
+        return request
 
     def _sent_by(
         self, request: InferCall | Refused, context: grpc.aio.ServicerContext
@@ -244,10 +252,7 @@ class InferenceServicer:
                         request.request_id,
                     )
                     continue
-                vectors = request.body.data
-                if isinstance(vectors, CallersInput):
-                    vectors.caller = self._identities.of(context)
-                yield request
+                yield self._nearest_sent_by(request, context)
             elif isinstance(request, InferCall) and any(
                 names_region(output.parameters) for output in request.outputs
             ):
