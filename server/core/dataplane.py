@@ -95,6 +95,10 @@ class Refused:
         return f"Refused({self._error!r}, {self.request_id!r})"
 
 
+# Which operation a request of a stream gets (a stream whose requests say theirs).
+OperationOf = Callable[[Any], Operation[Any, Any, Any]]
+
+
 class Sink(ABC, Generic[F]):
     """How a protocol frames an answer and hands it to its transport."""
 
@@ -176,12 +180,14 @@ class DataPlane:
         self,
         front_end: FrontEnd,
         method: str,
-        operation: Operation[R, Any, Any],
+        operation: Operation[R, Any, Any] | OperationOf,
         requests: AsyncIterator[Request[R] | Refused],
         deadline: float | None,
         sink: StreamSink[F],
     ) -> None:
-        """Serve a stream of requests into ``sink``, answers in request order."""
+        """Serve a stream of requests into ``sink``, answers in request order.
+        ``operation``: the one every request gets, or which each gets (V2's stream, whose
+        requests say theirs: ids, texts)."""
         answers: asyncio.Queue[asyncio.Task[_StreamAnswer[F]] | None] = asyncio.Queue(STREAM_WINDOW)
         unsent: set[asyncio.Task[_StreamAnswer[F]]] = set()  # started, not yet sent
 
@@ -231,12 +237,13 @@ class DataPlane:
         self,
         front_end: FrontEnd,
         method: str,
-        operation: Operation[R, Any, Any],
+        chosen: Operation[R, Any, Any] | OperationOf,
         incoming: Request[R] | Refused,
         deadline: float | None,
         sink: StreamSink[F],
     ) -> _StreamAnswer[F]:
         """One answer of a stream, with the room to release once it is sent."""
+        operation = chosen if isinstance(chosen, Operation) else chosen(incoming)
         call = self.calls.start(front_end, method, incoming.request_id, operation.name)
         try:
             if not isinstance(incoming, Refused) and operation.unread(incoming.body):
