@@ -100,11 +100,15 @@ def text_in_region(
 
 
 def output_in_region(
-    client: tc.InferenceServerClient, make: MakeRegion, output: str, byte_size: int
+    client: tc.InferenceServerClient,
+    make: MakeRegion,
+    output: str,
+    byte_size: int,
+    suffix: str = "",
 ) -> tuple[tc.InferRequestedOutput, Any]:
     """A region of ``byte_size`` bytes at ``OFFSET``, every byte ``FILL``, registered, and
     the requested output naming it."""
-    name, key, handle = make(output, OFFSET + byte_size)
+    name, key, handle = make(suffix or output, OFFSET + byte_size)
     shm.set_shared_memory_region(handle, [np.full(OFFSET + byte_size, FILL, np.uint8)])
     client.register_system_shared_memory(name, key, byte_size, offset=OFFSET)
     requested = tc.InferRequestedOutput(output)
@@ -223,7 +227,7 @@ def test_an_output_region_too_small_is_refused_with_the_sizes_and_nothing_writte
     assert f"[{n}, {TEXT_D}] of FP32" in message and "nothing was written" in message
     assert untouched(small_region, need - 4) and untouched(ids_region, n * 8)
     # The server serves on: a region large enough gets the rows.
-    big, big_region = output_in_region(triton, regions, "hidden_states2", need)
+    big, big_region = output_in_region(triton, regions, "hidden_states", need, "big")
     result = triton.infer(MODEL, [text_in_region(triton, regions, texts, suffix="again")],
                           outputs=[big])  # fmt: skip
     assert result.get_response().outputs[0].shape == [n, TEXT_D]
