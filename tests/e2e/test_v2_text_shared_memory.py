@@ -307,3 +307,17 @@ def test_a_window_over_what_a_request_may_carry_is_refused_unread(
         client.unregister_system_shared_memory()
     assert f"shared_memory_byte_size {limit + 1} is over the {limit} bytes a request" in message
     assert reads == []
+
+
+def test_texts_in_a_region_on_a_server_without_shared_memory_are_refused(
+    text_model_dir: Path, start_server: Any
+) -> None:
+    server = start_server(text_model_dir)
+    with tc.InferenceServerClient(server.target) as client:
+        tensor = tc.InferInput("text", [1], "BYTES")
+        tensor.set_shared_memory("anything", 64)
+        assert "shared memory is off on this server" in _refused(client, [tensor])
+        rows = tc.InferRequestedOutput("hidden_states")
+        rows.set_shared_memory("anything", 64)
+        message = _refused(client, [in_message([b"hello"])], [rows])
+        assert "shared memory is off on this server" in message

@@ -216,6 +216,10 @@ def test_bad_detokenize_requests_are_refused_by_name(server: Any, triton: Any) -
     fp = tc.InferInput("input_ids", [1, 3], "FP32")
     fp.set_data_from_numpy(np.zeros((1, 3), np.float32))
     assert "datatype FP32 is not supported" in _refused(triton, [fp], TEXTS_OUT)
+    into_region = tc.InferRequestedOutput("texts")
+    into_region.set_shared_memory("anything", 64)
+    message = _refused(triton, [ids_input(good)], [into_region])
+    assert "output 'texts' names a shared-memory region; detokenized texts come in" in message
     # Still serving.
     result = triton.infer(MODEL, [ids_input(good)], outputs=TEXTS_OUT)
     assert result.as_numpy("texts").shape == (1,)
