@@ -87,19 +87,18 @@ def tensors_infer_response(answer: Answer, request_id: str) -> bytes:
     """A ``ModelInferResponse`` of any answer of several named tensors (``Answer.tensors``:
     NAME.nearest's, a tokenizer's): each described in ``outputs``, their bytes in
     ``raw_output_contents`` in the same order, each piece copied once."""
-    return b"".join(tensors_infer_response_parts(answer, request_id))
+    return b"".join(_tensors_infer_response_parts(answer, request_id))
 
 
-def stream_tensors_response(answer: Answer, request_id: str) -> bytes:
+def tensors_stream_response(answer: Answer, request_id: str) -> bytes:
     """``ModelStreamInferResponse`` bytes whose ``infer_response`` is an answer of several
-    named tensors (``tensors_infer_response``'s message)."""
-    parts = tensors_infer_response_parts(answer, request_id)
+    named tensors, framed as :func:`tensors_infer_response` frames it, in the same join."""
+    parts = _tensors_infer_response_parts(answer, request_id)
     size = sum(memoryview(part).nbytes for part in parts)
     return b"".join([_STREAM_RESPONSE_KEY, varint(size), *parts])
 
 
-def tensors_infer_response_parts(answer: Answer, request_id: str) -> list[Buffer]:
-    """``tensors_infer_response``'s wire bytes, as parts to join."""
+def _tensors_infer_response_parts(answer: Answer, request_id: str) -> list[Buffer]:
     parts: list[Buffer] = [
         model_fields(answer.model_name, answer.model_version),
         string_field(_ID_KEY, request_id),

@@ -465,7 +465,7 @@ class StreamItemSink(GrpcStreamItemSink):
     def frame(self, answer: Answer, call: Call) -> bytes:
         answer = as_tensors(answer)
         if answer.several:
-            return responses.stream_tensors_response(answer, call.request_id)
+            return responses.tensors_stream_response(answer, call.request_id)
         return responses.stream_response(answer, OUTPUT_NAME, call.request_id)
 
     def frame_error(self, error: EmbedError) -> bytes:
