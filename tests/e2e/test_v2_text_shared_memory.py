@@ -287,6 +287,10 @@ def test_refusals_before_the_region_is_read(
     message = _refused(triton, [naming([3], size)])
     assert "holds 4 texts in its shared-memory window, but its shape [3] says 3" in message
     assert reads == [size]
+    # A window cut inside an element: its length prefix overruns what was declared.
+    message = _refused(triton, [naming([4], size - 3)])
+    assert "element 3 claims" in message and "remain in its shared-memory window" in message
+    assert reads == [size, size - 3]
     # Each refusal harmed nothing: the same input is answered.
     lengths = triton.infer(MODEL, [text]).as_numpy("lengths")
     assert lengths.tolist() == triton.infer(MODEL, [in_message(texts)]).as_numpy("lengths").tolist()

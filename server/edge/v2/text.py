@@ -109,7 +109,7 @@ class TextsInRegion(UnreadTexts):
         return self._count
 
     async def read(self) -> list[bytes]:
-        texts = bytes_elements(await self.source.read())
+        texts = bytes_elements(await self.source.read(), "shared-memory window")
         if len(texts) != self._count:
             raise InvalidInput(
                 f"input {TEXT!r} holds {len(texts)} texts in its shared-memory window, but "
@@ -287,15 +287,15 @@ def _typed_ids(tensor: pb.ModelInferRequest.InferInputTensor, dtype: str) -> byt
     return struct.pack(f"<{len(contents.int_contents)}i", *contents.int_contents)
 
 
-def bytes_elements(raw: bytes) -> list[bytes]:
-    """A BYTES tensor's raw content: each element a 4-byte little-endian length, then its
-    bytes (Triton's serialisation)."""
+def bytes_elements(raw: bytes, where: str = "raw content") -> list[bytes]:
+    """A BYTES tensor's raw content (or a shared-memory window's: ``where``): each element
+    a 4-byte little-endian length, then its bytes (Triton's serialisation)."""
     elements: list[bytes] = []
     offset, size = 0, len(raw)
     while offset < size:
         if size - offset < 4:
             raise InvalidInput(
-                f"input {TEXT!r} raw content ends in {size - offset} byte(s), short of an "
+                f"input {TEXT!r} {where} ends in {size - offset} byte(s), short of an "
                 "element's 4-byte length"
             )
         (length,) = _LENGTH.unpack_from(raw, offset)
@@ -303,7 +303,7 @@ def bytes_elements(raw: bytes) -> list[bytes]:
         if length > size - offset:
             raise InvalidInput(
                 f"input {TEXT!r} element {len(elements)} claims {length} bytes, but "
-                f"{size - offset} remain in its raw content"
+                f"{size - offset} remain in its {where}"
             )
         elements.append(raw[offset : offset + length])
         offset += length
