@@ -67,9 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--text",
         action="store_true",
-        help="the text section alone: EmbedText through the server (16 callers, batches of "
-        "64 texts of ~200 characters) against the same tokenizer's batch encode and table "
-        "gather in this process, at D=64 and 512",
+        help="the text section alone: EmbedText through the server, and V2 through shared "
+        "memory (16 callers, batches of 64 texts of ~200 characters), against the same "
+        "tokenizer's batch encode and table gather in this process, at D=64 and 512",
     )
     parser.add_argument(
         "--no-mlserver",
