@@ -67,9 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--text",
         action="store_true",
-        help="the text section alone: EmbedText through the server (16 callers, batches of "
-        "64 texts of ~200 characters) against the same tokenizer's batch encode and table "
-        "gather in this process, at D=64 and 512",
+        help="the text section alone: EmbedText through the server, and V2 through shared "
+        "memory (16 callers, batches of 64 texts of ~200 characters), against the same "
+        "tokenizer's batch encode and table gather in this process, at D=64 and 512",
     )
     parser.add_argument(
         "--no-mlserver",
@@ -230,10 +230,11 @@ def _run_text(args: argparse.Namespace) -> int:
     for d_model in (64, 512):
         result = text.measure(args.cache_dir, d_model, duration_s, dict(DEPLOYMENT_ENV))
         print(
-            f"D={d_model}: server {result.server_tokens_s:,.0f} tokens/s, reference "
-            f"{result.reference_tokens_s:,.0f} tokens/s: ratio {result.ratio:.2f} "
-            f"(wanted >= {text.TARGET}); p50 {result.server_p50_ms:.1f} ms, "
-            f"{result.errors} errors"
+            f"D={d_model}: reference {result.reference_tokens_s:,.0f} tokens/s; gRPC "
+            f"{result.server_tokens_s:,.0f} tokens/s, ratio {result.ratio:.2f}, p50 "
+            f"{result.server_p50_ms:.1f} ms; shared memory {result.shm_tokens_s:,.0f} "
+            f"tokens/s, ratio {result.shm_ratio:.2f}, p50 {result.shm_p50_ms:.1f} ms "
+            f"(wanted >= {text.TARGET}); {result.errors} errors"
         )
         results.append(result)
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="tokembed-bench-"))

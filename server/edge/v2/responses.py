@@ -23,6 +23,7 @@ from tokembed.server.core.operations.text_request import (
     OFFSETS,
     SPECIAL_TOKENS_MASK,
     TEXT,
+    TEXTS,
 )
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer
@@ -171,6 +172,7 @@ def model_metadata(served: ServedModel, versions: Sequence[str]) -> pb.ModelMeta
             tensor(name=name, datatype=dtype.v2, shape=shape)
             for name, dtype, shape in _TOKENIZER_OUTPUTS
         ]
+        outputs.append(tensor(name=TEXTS, datatype="BYTES", shape=[-1]))
     return pb.ModelMetadataResponse(
         name=served.name,
         versions=list(versions),
@@ -181,7 +183,8 @@ def model_metadata(served: ServedModel, versions: Sequence[str]) -> pb.ModelMeta
 
 
 # A model with a tokenizer answers texts with these too (``edge.v2.text``): [N] and [B]
-# (every text's tokens one after another, and each text's count), [N, 2].
+# (every text's tokens one after another, and each text's count), [N, 2]; and ids with
+# ``texts`` (BYTES [B], detokenizing).
 _TOKENIZER_OUTPUTS = (
     (INPUT_IDS, ID_DTYPES["int64"], [-1]),
     (LENGTHS, ID_DTYPES["int64"], [-1]),
@@ -230,6 +233,11 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
         config.output.extend(
             config_pb.ModelOutput(name=name, data_type=_config_type(dtype), dims=shape)
             for name, dtype, shape in _TOKENIZER_OUTPUTS
+        )
+        config.output.append(
+            config_pb.ModelOutput(
+                name=TEXTS, data_type=config_pb.DataType.Value("TYPE_STRING"), dims=[-1]
+            )
         )
     if backend.batches:
         config.dynamic_batching.max_queue_delay_microseconds = int(served.batch.max_delay_s * 1e6)
