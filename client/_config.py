@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from tokembed import __version__
-from tokembed.client import codec
+from tokembed.client import codec, dtypes
 from tokembed.client._retry import (
     DEFAULT_BACKOFF_MAX_S,
     DEFAULT_BACKOFF_S,
@@ -58,6 +58,7 @@ METHOD_NEAREST_CHUNKED = f"/{_SERVICE}/NearestChunked"
 METHOD_TOKENIZE = f"/{_SERVICE}/Tokenize"
 METHOD_DETOKENIZE = f"/{_SERVICE}/Detokenize"
 METHOD_EMBED_TEXT = f"/{_SERVICE}/EmbedText"
+METHOD_EMBED_TEXT_CHUNKED = f"/{_SERVICE}/EmbedTextChunked"
 
 PemSource = str | os.PathLike[str] | bytes
 
@@ -376,6 +377,20 @@ class ClientBase:
                 return False
             size += vectors * vocab_size * 4
         return size > threshold
+
+    def _wants_chunked_text(self, model: str, request: pb.EmbedTextRequest) -> bool:
+        """Whether to ask for an EmbedText answer in chunks (EmbedTextChunked): above
+        ``chunked_threshold_bytes``, as for embed. Its size is not known before the texts
+        are tokenized, so this bounds it: a token per byte of a text, and two more (the
+        server's own bound), each a row of D (learnt as for embed) and an int64 id."""
+        threshold = self._settings.chunked_threshold_bytes
+        d_model = self._d_models.get(model)
+        if threshold is None or d_model is None:
+            return False
+        dtype = dtypes.BY_WIRE.get(request.output_dtype)
+        itemsize = 4 if dtype is None else dtype.itemsize  # unspecified: float32
+        tokens = sum(len(text) + 2 for text in request.texts)
+        return tokens * (d_model * itemsize + 8) > threshold
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return self._settings.metadata

@@ -385,8 +385,9 @@ class ChunkAssembler:
 
 
 class TensorsChunkAssembler:
-    """Reassembles a reply of ``TensorsChunk`` messages (NearestChunked's) into one
-    preallocated array per tensor, as :class:`ChunkAssembler` does for EmbedChunked.
+    """Reassembles a reply of ``TensorsChunk`` messages (``method``'s: NearestChunked,
+    EmbedTextChunked) into one preallocated array per tensor, as :class:`ChunkAssembler`
+    does for EmbedChunked.
 
     The header names every tensor, its dtype and shape (no data); the slices after it are
     the tensors' bytes, each tensor's after the one before it, and a slice may span the
@@ -394,7 +395,8 @@ class TensorsChunkAssembler:
     array; the sizes must add up exactly. The arrays are writable.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, method: str = "NearestChunked") -> None:
+        self._method = method
         self._header: pb.TensorsResponse | None = None
         self._names: list[str] = []
         self._buffers: list[npt.NDArray[np.uint8]] = []
@@ -408,15 +410,15 @@ class TensorsChunkAssembler:
         header, data = self._split(chunk)
         if header is not None:
             if self._header is not None:
-                raise protocol_error("NearestChunked sent a second header")
+                raise protocol_error(f"{self._method} sent a second header")
             self._start(header)
         if len(data) == 0:
             return
         if self._header is None:
-            raise protocol_error("NearestChunked sent data before its header")
+            raise protocol_error(f"{self._method} sent data before its header")
         if self._received + len(data) > self._total:
             raise protocol_error(
-                f"NearestChunked sent more than the {self._total} bytes its header announced"
+                f"{self._method} sent more than the {self._total} bytes its header announced"
             )
         view = np.frombuffer(data, dtype=np.uint8)
         while view.size:
@@ -434,10 +436,10 @@ class TensorsChunkAssembler:
     def result(self) -> tuple[dict[str, Any], pb.TensorsResponse]:
         """The tensors by name and the header around them."""
         if self._header is None:
-            raise protocol_error("NearestChunked ended without a header")
+            raise protocol_error(f"{self._method} ended without a header")
         if self._received != self._total:
             raise protocol_error(
-                f"NearestChunked ended after {self._received} of {self._total} bytes"
+                f"{self._method} ended after {self._received} of {self._total} bytes"
             )
         return self._arrays, self._header
 
@@ -445,15 +447,15 @@ class TensorsChunkAssembler:
         for item in header.tensors:
             tensor = item.tensor
             if tensor.data:
-                raise protocol_error("the NearestChunked header must not carry data")
+                raise protocol_error(f"the {self._method} header must not carry data")
             row = dtypes.BY_WIRE.get(tensor.dtype)
             if row is None or any(d < 0 for d in tensor.shape):
                 raise protocol_error(
-                    f"NearestChunked header has tensor {item.name!r} of dtype "
+                    f"{self._method} header has tensor {item.name!r} of dtype "
                     f"{dtypes.name_of(tensor.dtype)}, shape {list(tensor.shape)}"
                 )
             if item.name in self._arrays:
-                raise protocol_error(f"NearestChunked header names tensor {item.name!r} twice")
+                raise protocol_error(f"{self._method} header names tensor {item.name!r} twice")
             array = np.empty(tuple(tensor.shape), dtype=row.numpy)
             self._arrays[item.name] = array
             self._buffers.append(array.reshape(-1).view(np.uint8))

@@ -153,6 +153,7 @@ CODES_BY_METHOD = {
     "Tokenize": _EMBED_CODES,
     "Detokenize": _EMBED_CODES,
     "EmbedText": _EMBED_CODES,
+    "EmbedTextChunked": _EMBED_CODES,
     "GetModelInfo": {"": {"INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED"},
                      "model": {"OK"}},
     "ListModels": {"": {"OK", "INVALID_ARGUMENT", "UNAVAILABLE", "UNAUTHENTICATED"},

@@ -715,7 +715,9 @@ Global___TensorsResponse: _TypeAlias = TensorsResponse  # noqa: Y015
 
 @_typing.final
 class TensorsChunk(_message.Message):
-    """One message of an answer of several named tensors sent in chunks (NearestChunked)."""
+    """One message of an answer of several named tensors sent in chunks (NearestChunked,
+    EmbedTextChunked).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -84,6 +84,11 @@ class EmbeddingServiceStub(object):
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
                 response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
                 _registered_method=True)
+        self.EmbedTextChunked = channel.unary_stream(
+                '/tokembed.v1.EmbeddingService/EmbedTextChunked',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer(object):
@@ -175,6 +180,15 @@ class EmbeddingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedTextChunked(self, request, context):
+        """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+        TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+        slices). The client uses it for large answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +241,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.EmbedText,
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.FromString,
                     response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
+            ),
+            'EmbedTextChunked': grpc.unary_stream_rpc_method_handler(
+                    servicer.EmbedTextChunked,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -499,6 +518,33 @@ class EmbeddingService(object):
             '/tokembed.v1.EmbeddingService/EmbedText',
             tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
             tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedTextChunked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/EmbedTextChunked',
+            tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,11 @@ class EmbeddingServiceStub:
     input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
     another, in output_dtype).
     """
+    EmbedTextChunked: _grpc.UnaryStreamMultiCallable[_embedding_pb2.EmbedTextRequest, _embedding_pb2.TensorsChunk]
+    """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+    TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+    slices). The client uses it for large answers.
+    """
 
 @_typing.type_check_only
 class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
@@ -127,6 +132,11 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
     input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
     another, in output_dtype).
+    """
+    EmbedTextChunked: _aio.UnaryStreamMultiCallable[_embedding_pb2.EmbedTextRequest, _embedding_pb2.TensorsChunk]  # type: ignore[assignment]
+    """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+    TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+    slices). The client uses it for large answers.
     """
 
 class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -230,6 +240,17 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
         input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
         another, in output_dtype).
+        """
+
+    @_abc_1.abstractmethod
+    def EmbedTextChunked(
+        self,
+        request: _embedding_pb2.EmbedTextRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_embedding_pb2.TensorsChunk], _abc.AsyncIterator[_embedding_pb2.TensorsChunk]]:
+        """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+        TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+        slices). The client uses it for large answers.
         """
 
 def add_EmbeddingServiceServicer_to_server(servicer: EmbeddingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

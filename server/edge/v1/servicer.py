@@ -58,6 +58,7 @@ FRONT_END = FrontEnd(
         "Tokenize": "tokenize",
         "Detokenize": "detokenize",
         "EmbedText": "embed_text",
+        "EmbedTextChunked": "embed_text",
     },
     status_of=status_name,
 )
@@ -138,6 +139,12 @@ class EmbeddingServicer:
         sink = _TensorsSink(context)
         await self._serve("EmbedText", request, context, sink, EMBED_TEXT)
         return sink.payload
+
+    async def EmbedTextChunked(
+        self, request: Request[TextInput] | Refused, context: grpc.aio.ServicerContext
+    ) -> None:
+        sink = _ChunkedSink(context, self._chunk_bytes, responses.tensors_chunk_header)
+        await self._serve("EmbedTextChunked", request, context, sink, EMBED_TEXT)
 
     async def Detokenize(
         self, request: Request[DetokenizeInput] | Refused, context: grpc.aio.ServicerContext
@@ -222,7 +229,7 @@ class _TextsSink(GrpcUnarySink):
 
 
 class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
-    """EmbedChunked and NearestChunked: a header (``header``: EmbedChunked's, or a
+    """EmbedChunked, NearestChunked and EmbedTextChunked: a header (``header``: EmbedChunked's, or a
     TensorsChunk's), then the answer's bytes in slices (an answer of several tensors: each
     tensor's pieces after the one before it), each made as it is written (so an answer is
     never whole in memory twice)."""
@@ -293,6 +300,9 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
         ),
         "EmbedText": grpc.unary_unary_rpc_method_handler(
             servicer.EmbedText, servicer.parse_text["EmbedText"]
+        ),
+        "EmbedTextChunked": grpc.unary_stream_rpc_method_handler(
+            servicer.EmbedTextChunked, servicer.parse_text["EmbedText"]
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
