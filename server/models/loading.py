@@ -19,6 +19,7 @@ has the same two ways:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tokembed import __version__
 from tokembed.export.errors import ModelDirError
 from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN, TOKEN_TYPE_IDS
 from tokembed.export.model_dir import ModelDir, load_model_dir
@@ -39,6 +41,7 @@ from tokembed.server.backends.runtime import OnnxRuntimeBackend
 from tokembed.server.backends.segment import SegmentTableBackend, every_combination
 from tokembed.server.backends.sessions import (
     CPU,
+    RUNTIME_VERSION,
     Cast,
     Graph,
     ModelSession,
@@ -51,6 +54,7 @@ from tokembed.server.backends.tokenizer import TextTokenizer
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.core.repository import ModelSet
+from tokembed.server.models.table_cache import TableCache
 from tokembed.server.process.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -241,8 +245,10 @@ def _table_or_runtime(
         runs: ModelSession | None = None
         with _SHARED.lock:
             tables = _row_tables(
-                model, [OUTPUT_DTYPES[name] for name in kept], at_load, casts, compute_rows
-            )
+                model, [OUTPUT_DTYPES[name] for name in kept], at_load, casts, compute_rows,
+                (table_rows, d_model), TableCache.open(settings.table_cache_path,
+                                                       settings.table_cache_max_bytes),
+            )  # fmt: skip
             if tables is not None and FLOAT32 not in tables:
                 # No float32 table (a bfloat16 model): the model stays to run for answers
                 # in other dtypes, a session its twins share too.
@@ -348,33 +354,49 @@ def _row_tables(
     at_load: SessionOptions,
     casts: dict[DType, Cast],
     compute_rows: Callable[[ModelSession], np.ndarray],
+    shape: tuple[int, int],
+    cache: TableCache | None,
 ) -> dict[DType, np.ndarray] | None:
-    """The model's row tables in ``dtypes``: those computed for a model with the same
-    files already (``_Shared``), else computed here (the float32 rows by the model and the
-    others cast from them; without float32, a bfloat16 model, each the model's rows cast
-    a chunk at a time). None when the session does not run on the CPU."""
+    """The model's ``shape`` row tables in ``dtypes``: those computed for a model with the
+    same files already, in this process (``_Shared``) or in the table cache (any process,
+    ``table_cache``: mapped from its file), else computed here (the float32 rows by the
+    model and the others cast from them; without float32, a bfloat16 model, each the
+    model's rows cast a chunk at a time) and written to the cache. None when the session
+    does not run on the CPU."""
     tables: dict[DType, np.ndarray] = {}
     session: ModelSession | None = None
     shared_with: Path | None = None
+    not_on_cpu = False
+
+    def compute(dtype: DType) -> np.ndarray | None:
+        nonlocal session, not_on_cpu
+        if dtype != FLOAT32 and FLOAT32 in tables:
+            return _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+        if session is None:
+            session = ModelSession(graph_of(model), at_load)
+            if session.provider != CPU:
+                not_on_cpu = True
+                return None
+        if dtype == FLOAT32:
+            rows = compute_rows(session)
+            # The other tables are cast from these rows: the session (and the weights it
+            # holds) goes now, not beside them (a swap's peak is the new tables).
+            session = None
+            return rows
+        return _rows_in(session, casts[dtype], dtype)
+
     for dtype in sorted(dtypes, key=lambda d: d != FLOAT32):  # the others cast from float32
         found = _SHARED.get(model, dtype.name)
         if found is not None:
             tables[dtype], shared_with = found
             continue
-        if dtype != FLOAT32 and FLOAT32 in tables:
-            rows = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+        if cache is None:
+            rows = compute(dtype)
         else:
-            if session is None:
-                session = ModelSession(graph_of(model), at_load)
-                if session.provider != CPU:
-                    return None
-            if dtype == FLOAT32:
-                rows = compute_rows(session)
-                # The other tables are cast from these rows: the session (and the weights
-                # it holds) goes now, not beside them (a swap's peak is the new tables).
-                session = None
-            else:
-                rows = _rows_in(session, casts[dtype], dtype)
+            key = _cache_key(model, dtype, shape, at_load)
+            rows = cache.rows(key, shape, np.dtype(dtype.numpy), functools.partial(compute, dtype))
+        if rows is None or not_on_cpu:
+            return None
         tables[dtype] = _SHARED.keep(model, dtype.name, rows)
     if shared_with is not None:
         logger.info(
@@ -382,6 +404,30 @@ def _row_tables(
             model.path, shared_with,
         )  # fmt: skip
     return tables
+
+
+def _cache_key(
+    model: ModelDir, dtype: DType, shape: tuple[int, int], at_load: SessionOptions
+) -> dict[str, object]:
+    """Everything a table's rows are computed from, which names its file in the table
+    cache: the model's files (``_Shared``'s key), the kind and the shape of its rows (the
+    manifest's sizes, which the manifest alone holds), the dtype and the weights' (which
+    choose how the rows are cast), and what computes them: this code's version, the
+    runtime's and how it is run (threads, the rows per run)."""
+    manifest = model.manifest
+    return {
+        "kind": model.kind.name,
+        "files": sorted(
+            [name, entry.sha256, entry.size_bytes] for name, entry in manifest.files.items()
+        ),
+        "shape": list(shape),
+        "dtype": dtype.name,
+        "weight_dtype": manifest.weight_dtype,
+        "tokembed": __version__,
+        "runtime": RUNTIME_VERSION,
+        "intra_op_threads": at_load.intra_op_threads,
+        "chunk_bytes": _CHUNK_BYTES,
+    }
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
