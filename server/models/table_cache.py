@@ -126,6 +126,9 @@ class TableCache:
                     "memory", self.directory, path.name, exc.strerror or exc,
                 )  # fmt: skip
                 return rows
+            # The rows in memory go before their file's are mapped: a load's peak is one
+            # copy of the table, not two.
+            del rows
             mapped = _mapped(path, digest, shape, dtype)
             logger.info("table cache: %s table computed and written to %s", dtype, path)
         self.trim(keep=path)

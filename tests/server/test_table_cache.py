@@ -207,7 +207,16 @@ _LOAD = textwrap.dedent("""
     from tokembed.server.models.loading import load_model
     from tokembed.server.process.settings import Settings
 
+    from tokembed.server.backends.sessions import ModelSession
+
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    every_row = ModelSession.every_row
+
+    def slow_every_row(self, chunk_bytes):  # computing takes long: the others must wait
+        time.sleep(1.5)
+        return every_row(self, chunk_bytes)
+
+    ModelSession.every_row = slow_every_row
     start = float(sys.argv[3])
     time.sleep(max(0.0, start - time.time()))  # every process starts its load together
     backend = load_model(Path(sys.argv[1]), Settings(table_cache_dir=Path(sys.argv[2]))).backend
