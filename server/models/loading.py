@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -35,6 +38,7 @@ from tokembed import __version__
 from tokembed.export.errors import ModelDirError
 from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN, TOKEN_TYPE_IDS
 from tokembed.export.model_dir import ModelDir, load_model_dir
+from tokembed.server.backends import segment, sessions
 from tokembed.server.backends.base import Backend
 from tokembed.server.backends.head import FinalNorm, NearestHead
 from tokembed.server.backends.runtime import OnnxRuntimeBackend
@@ -51,6 +55,7 @@ from tokembed.server.backends.sessions import (
 )
 from tokembed.server.backends.table import TableBackend
 from tokembed.server.backends.tokenizer import TextTokenizer
+from tokembed.server.core import dtypes as core_dtypes
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.core.repository import ModelSet
@@ -413,7 +418,8 @@ def _cache_key(
     cache: the model's files (``_Shared``'s key), the kind and the shape of its rows (the
     manifest's sizes, which the manifest alone holds), the dtype and the weights' (which
     choose how the rows are cast), and what computes them: this code's version, the
-    runtime's and how it is run (threads, the rows per run)."""
+    runtime's and how it is run (threads, the rows per run), and the code that computes
+    and casts them (``_code_digest``)."""
     manifest = model.manifest
     return {
         "kind": model.kind.name,
@@ -424,10 +430,28 @@ def _cache_key(
         "dtype": dtype.name,
         "weight_dtype": manifest.weight_dtype,
         "tokembed": __version__,
+        "code": _code_digest(),
         "runtime": RUNTIME_VERSION,
         "intra_op_threads": at_load.intra_op_threads,
         "chunk_bytes": _CHUNK_BYTES,
     }
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The sha256 of the source of the modules that compute and cast the rows, and of the
+    libraries' versions they use: a cached table computed by other code (a server built
+    from a checkout that changed a cast) is not this code's, whatever the package's
+    version says."""
+    digest = hashlib.sha256()
+    for module in (sys.modules[__name__], sessions, segment, core_dtypes):
+        digest.update(Path(str(module.__file__)).read_bytes())
+    try:
+        ml_dtypes_version = importlib.metadata.version("ml_dtypes")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a dependency
+        ml_dtypes_version = "unknown"
+    digest.update(f"numpy {np.__version__}; ml_dtypes {ml_dtypes_version}".encode())
+    return digest.hexdigest()
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.
