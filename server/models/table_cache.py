@@ -119,22 +119,34 @@ class TableCache:
             if rows is None:
                 return None
             try:
-                _write(path, _header(digest, shape, dtype), rows)
+                temporary = _write_temporary(path, _header(digest, shape, dtype), rows)
             except OSError as exc:
                 logger.warning(
                     "table cache %s: cannot write %s (%s): this process holds the table in "
                     "memory", self.directory, path.name, exc.strerror or exc,
                 )  # fmt: skip
                 return rows
-            # The rows in memory go before their file's are mapped: a load's peak is one
-            # copy of the table, not two.
+            # The rows in memory go before their file's are mapped (a load's peak is one
+            # copy of the table, not two), and are mapped before the file takes its name,
+            # so that nothing done to that name meanwhile can take them away.
             del rows
-            mapped = _mapped(path, digest, shape, dtype)
+            written = _mapped(temporary, digest, shape, dtype)
+            if not isinstance(written, np.ndarray):  # This is a bug: it was just written.
+                temporary.unlink(missing_ok=True)
+                raise RuntimeError(f"table cache file {temporary} unreadable: {written}")
+            try:
+                _publish(temporary, path)
+            except OSError as exc:  # the mapping stays this process's own
+                logger.warning(
+                    "table cache %s: cannot name %s (%s): this process alone maps the table",
+                    self.directory, path.name, exc.strerror or exc,
+                )  # fmt: skip
+                return written
+            finally:
+                temporary.unlink(missing_ok=True)  # gone once published
             logger.info("table cache: %s table computed and written to %s", dtype, path)
         self.trim(keep=path)
-        if not isinstance(mapped, np.ndarray):  # This is a bug: it was just written.
-            raise RuntimeError(f"table cache file {path} written but not readable: {mapped}")
-        return mapped
+        return written
 
     def trim(self, keep: Path | None = None) -> None:
         """Remove the least recently used files until at most ``max_bytes`` remain (``keep``
@@ -226,9 +238,8 @@ def _mapped(
     return rows.reshape(shape)
 
 
-def _write(path: Path, header: bytes, rows: np.ndarray) -> None:
-    """``header`` and ``rows`` at ``path``, whole or not at all (a temporary file, synced,
-    renamed)."""
+def _write_temporary(path: Path, header: bytes, rows: np.ndarray) -> Path:
+    """``header`` and ``rows`` in a new temporary file beside ``path``, synced."""
     temporary = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -237,10 +248,16 @@ def _write(path: Path, header: bytes, rows: np.ndarray) -> None:
             out.write(np.ascontiguousarray(rows).view(np.uint8).data)
             out.flush()
             os.fsync(out.fileno())
-        os.rename(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    return temporary
+
+
+def _publish(temporary: Path, path: Path) -> None:
+    """``temporary`` renamed to ``path`` (a complete file or none under that name), the
+    rename synced."""
+    os.rename(temporary, path)
     directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(directory)  # the rename itself survives a crash
