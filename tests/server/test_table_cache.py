@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,12 @@ def test_the_least_recently_used_tables_go_past_the_bound(tmp_path: Path) -> Non
     second = export_model_dir(tmp_path / "b", vocab_size=SMALL_V, d_model=SMALL_D, seed=6)
     load_model(first, settings)
     gc.collect()
+    # A writer that died left its temporary file: an hour old, it goes with the next trim;
+    # a fresh one (a writer at work) stays.
+    stale, fresh = cache / ".dead.1.0.tmp", cache / ".busy.2.0.tmp"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"x")
+    os.utime(stale, (0, time.time() - 2 * 3600))
     firsts = set(_files(cache))
     assert len(firsts) == TABLES
     load_model(second, settings)
@@ -199,6 +206,7 @@ def test_the_least_recently_used_tables_go_past_the_bound(tmp_path: Path) -> Non
     left = set(_files(cache))
     assert len(left) == TABLES and not left & firsts
     assert sum(path.stat().st_size for path in left) <= one_model
+    assert not stale.exists() and fresh.exists()
 
 
 _LOAD = textwrap.dedent("""
@@ -227,8 +235,6 @@ _LOAD = textwrap.dedent("""
 def test_processes_loading_together_compute_each_table_once(
     small_model_dir: Path, tmp_path: Path
 ) -> None:
-    import time
-
     cache = tmp_path / "cache"
     start = time.time() + 4.0  # past every process's imports
     processes = [
