@@ -11,7 +11,10 @@ has the same two ways:
   is done once per id, at load); a ``segment`` one's are ``[T * V, D]``, one per (id,
   type) (``backends.segment`` says why); models whose files are byte for byte the same
   (an encoder's and a decoder's entrance exported from one tied matrix) share these
-  tables, and a bfloat16 model's session (``_Shared``);
+  tables, and a bfloat16 model's session (``_Shared``); and processes serving models
+  with the same files (the workers of ``--workers N``, a server started again) map each
+  table from one file of the table cache, computed by the first of them
+  (``table_cache``);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch (for a factorized
   model a matmul, which is why requests batch).
 """
