@@ -22,9 +22,25 @@ from tokembed.server.models.table_cache import HEADER_BYTES, SUFFIX
 from tokembed.server.process.settings import Settings
 
 from support.fixtures import SMALL_D, SMALL_V
-from support.models import export_model_dir
+from support.models import export_model_dir, reference_rows
 
 TABLES = 3  # float32, float16 and bfloat16 (the default budgets keep all three)
+SEED, PAD = 77, 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model no other test loads: its tables are never those another test's loads keep
+    alive in this process (``loading._Shared`` shares them by the files' sha256)."""
+    return export_model_dir(
+        tmp_path_factory.mktemp("cache-model") / "model",
+        vocab_size=SMALL_V, d_model=SMALL_D, seed=SEED, padding_idx=PAD, name="cached",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_rows() -> np.ndarray:
+    return reference_rows(SMALL_V, SMALL_D, SEED, PAD)
 
 
 def _cached(directory: Path) -> Settings:
@@ -55,16 +71,16 @@ def _all_rows(backend: object) -> dict[str, bytes]:
 
 
 def test_a_cached_table_is_the_computed_one_mapped_read_only(
-    small_model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    plain = load_model(small_model_dir, Settings(table_cache_max_bytes=0)).backend
+    plain = load_model(model_dir, Settings(table_cache_max_bytes=0)).backend
     want = _all_rows(plain)
     assert set(plain.memory_bytes) == {"float32 table", "float16 table", "bfloat16 table"}
     del plain
     gc.collect()
 
-    backend = load_model(small_model_dir, _cached(cache)).backend
+    backend = load_model(model_dir, _cached(cache)).backend
     assert _all_rows(backend) == want  # bit for bit the rows computed without the cache
     assert backend.memory_bytes == {
         "mapped float32 table": SMALL_V * SMALL_D * 4,
@@ -81,10 +97,10 @@ def test_a_cached_table_is_the_computed_one_mapped_read_only(
     assert (cache.stat().st_mode & 0o777) == 0o700
 
 
-def test_unloading_lets_go_of_the_mapping(small_model_dir: Path, tmp_path: Path) -> None:
+def test_unloading_lets_go_of_the_mapping(model_dir: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    loaded = load_model(small_model_dir, _cached(cache))
-    twin = load_model(small_model_dir, _cached(cache))  # shared in the process, not mapped twice
+    loaded = load_model(model_dir, _cached(cache))
+    twin = load_model(model_dir, _cached(cache))  # shared in the process, not mapped twice
     assert twin.backend.held_table("float32") is loaded.backend.held_table("float32")
     files = {str(path) for path in _files(cache)}
     assert len(files) == TABLES and files <= _mapped_paths()
@@ -98,10 +114,10 @@ def test_unloading_lets_go_of_the_mapping(small_model_dir: Path, tmp_path: Path)
     ["truncated", "longer", "header", "another table's"],
 )
 def test_a_damaged_cache_file_is_computed_again_never_served(
-    small_model_dir: Path, small_rows: np.ndarray, tmp_path: Path, caplog, damage: str
+    model_dir: Path, model_rows: np.ndarray, tmp_path: Path, caplog, damage: str
 ) -> None:
     cache = tmp_path / "cache"
-    first = load_model(small_model_dir, _cached(cache))
+    first = load_model(model_dir, _cached(cache))
     del first
     gc.collect()
     path = next(p for p in _files(cache) if _header(p)["dtype"] == "float32")
@@ -119,10 +135,10 @@ def test_a_damaged_cache_file_is_computed_again_never_served(
         assert len(path.read_bytes()) == len(good)
     # What would be served if the check missed it: rows other than the model's.
     with caplog.at_level(logging.WARNING, logger="tokembed.server.models.table_cache"):
-        backend = load_model(small_model_dir, _cached(cache)).backend
+        backend = load_model(model_dir, _cached(cache)).backend
     table = backend.held_table("float32")
     assert table is not None
-    np.testing.assert_array_equal(table, small_rows)
+    np.testing.assert_array_equal(table, model_rows)
     assert backend.memory_bytes["mapped float32 table"] == SMALL_V * SMALL_D * 4
     assert path.read_bytes() == good  # written again, whole
     assert any("computed again" in r.getMessage() and str(path) in r.getMessage()
@@ -130,45 +146,43 @@ def test_a_damaged_cache_file_is_computed_again_never_served(
 
 
 def test_rows_changed_in_the_file_are_what_the_header_cannot_see(
-    small_model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     """The control for the damage test: the file is what is served (a change of a row's
     bytes that keeps size and header shows in the answer), so a damaged file that were
     not refused would be served."""
     cache = tmp_path / "cache"
-    first = load_model(small_model_dir, _cached(cache))
+    first = load_model(model_dir, _cached(cache))
     del first
     gc.collect()
     path = next(p for p in _files(cache) if b'"float32"' in p.read_bytes()[:HEADER_BYTES])
     data = bytearray(path.read_bytes())
     data[HEADER_BYTES : HEADER_BYTES + 4] = np.float32(1234.5).tobytes()
     path.write_bytes(bytes(data))
-    table = load_model(small_model_dir, _cached(cache)).backend.held_table("float32")
+    table = load_model(model_dir, _cached(cache)).backend.held_table("float32")
     assert table is not None and table[0, 0] == np.float32(1234.5)
 
 
 def test_a_directory_others_may_write_in_is_refused(
-    small_model_dir: Path, small_rows: np.ndarray, tmp_path: Path, caplog
+    model_dir: Path, model_rows: np.ndarray, tmp_path: Path, caplog
 ) -> None:
     cache = tmp_path / "open"
     cache.mkdir()
     cache.chmod(0o777)
     with caplog.at_level(logging.WARNING, logger="tokembed.server.models.table_cache"):
-        backend = load_model(small_model_dir, _cached(cache)).backend
-        load_model(small_model_dir, _cached(cache))  # logged once per process
+        backend = load_model(model_dir, _cached(cache)).backend
+        load_model(model_dir, _cached(cache))  # logged once per process
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) == 1, refusals
     assert str(cache) in refusals[0] and "may write in it (mode 777)" in refusals[0]
     assert "float32 table" in backend.memory_bytes  # held in memory, not mapped
     table = backend.held_table("float32")
     assert table is not None
-    np.testing.assert_array_equal(table, small_rows)
+    np.testing.assert_array_equal(table, model_rows)
     assert not list(cache.iterdir())
 
 
-def test_a_directory_of_another_user_is_refused(
-    small_model_dir: Path, tmp_path: Path, caplog
-) -> None:
+def test_a_directory_of_another_user_is_refused(model_dir: Path, tmp_path: Path, caplog) -> None:
     """A directory of another uid: one made and given away when the tests run as root,
     else the root directory (root's)."""
     if os.geteuid() == 0:
@@ -178,7 +192,7 @@ def test_a_directory_of_another_user_is_refused(
     else:
         cache, owner = Path("/"), 0
     with caplog.at_level(logging.WARNING, logger="tokembed.server.models.table_cache"):
-        backend = load_model(small_model_dir, _cached(cache)).backend
+        backend = load_model(model_dir, _cached(cache)).backend
     assert any(f"belongs to uid {owner}, not to the server's user" in r.getMessage()
                for r in caplog.records)  # fmt: skip
     assert "float32 table" in backend.memory_bytes  # held in memory, not mapped
@@ -233,13 +247,13 @@ _LOAD = textwrap.dedent("""
 
 
 def test_processes_loading_together_compute_each_table_once(
-    small_model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     start = time.time() + 4.0  # past every process's imports
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", _LOAD, str(small_model_dir), str(cache), str(start)],
+            [sys.executable, "-c", _LOAD, str(model_dir), str(cache), str(start)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
