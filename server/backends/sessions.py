@@ -23,6 +23,8 @@ from tokembed.server.core.errors import ServerConfigError
 
 logger = logging.getLogger(__name__)
 
+# What computes the rows: a cache of computed rows is keyed by it (models/table_cache).
+RUNTIME_VERSION = f"onnxruntime {ort.__version__}"
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
