@@ -67,9 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--text",
         action="store_true",
-        help="the text section alone: EmbedText through the server (16 callers, batches of "
-        "64 texts of ~200 characters) against the same tokenizer's batch encode and table "
-        "gather in this process, at D=64 and 512",
+        help="the text section alone: EmbedText through the server, and V2 through shared "
+        "memory (16 callers, batches of 64 texts of ~200 characters), against the same "
+        "tokenizer's batch encode and table gather in this process, at D=64 and 512",
     )
     parser.add_argument(
         "--no-mlserver",
@@ -90,6 +90,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--nearest-vocab-size", type=int, default=None, metavar="V")
     parser.add_argument("--nearest-d-model", type=int, default=None, metavar="D")
+    parser.add_argument(
+        "--nearest-heads",
+        default="auto",
+        metavar="HEAD[,HEAD]",
+        help="the service's --nearest-head values to measure in turns (auto, numpy, "
+        "onnxruntime; default auto): numpy,onnxruntime compares the CPU's two multiplies",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--duration-s", type=float, default=None, help="seconds per cell")
     parser.add_argument("--name", default=None, help="file name stem (default bench or quick)")
@@ -187,9 +194,16 @@ def _run_nearest(args: argparse.Namespace) -> int:
     d_model = args.nearest_d_model or nearest.LLAMA_D
     print(f"nearest: V={vocab} D={d_model}, float32 and bfloat16 tables; models in "
           f"{args.cache_dir}")  # fmt: skip
+    heads = tuple(head.strip() for head in args.nearest_heads.split(","))
+    unknown = [head for head in heads if head not in ("auto", "numpy", "onnxruntime")]
+    if unknown:
+        print(f"error: --nearest-heads {unknown[0]!r} is not auto, numpy or onnxruntime",
+              file=sys.stderr)  # fmt: skip
+        return 2
     figures = nearest.run_nearest(
-        args.cache_dir, vocab_size=vocab, d_model=d_model, duration_s=args.duration_s or 10.0
-    )
+        args.cache_dir, vocab_size=vocab, d_model=d_model, duration_s=args.duration_s or 10.0,
+        heads=heads,
+    )  # fmt: skip
     out = output_dir(args.out, quick=True) if args.out is None else args.out
     out.mkdir(parents=True, exist_ok=True)
     command = "tokembed bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
@@ -199,9 +213,9 @@ def _run_nearest(args: argparse.Namespace) -> int:
         one = "met" if f.one_vector_ratio <= nearest.ONE_VECTOR_TARGET else "missed"
         many = "met" if f.callers_ratio >= nearest.CALLERS_TARGET else "missed"
         print(f"{one:7s} {f.one_vector_ratio:.2f} (wanted <= {nearest.ONE_VECTOR_TARGET}) "
-              f"one vector / memory floor, {f.dtype}")  # fmt: skip
+              f"one vector / memory floor, {f.dtype}, head {f.head}")  # fmt: skip
         print(f"{many:7s} {f.callers_ratio:.2f} (wanted >= {nearest.CALLERS_TARGET}) "
-              f"16 callers x 8 / in-process multiply, {f.dtype}")  # fmt: skip
+              f"16 callers x 8 / in-process multiply, {f.dtype}, head {f.head}")  # fmt: skip
         if f.int8_ratio is not None:
             met = "met" if f.int8_ratio <= nearest.INT8_TARGET else "missed"
             print(f"{met:7s} {f.int8_ratio:.2f} (stretch <= {nearest.INT8_TARGET}) int8 first "
@@ -220,10 +234,11 @@ def _run_text(args: argparse.Namespace) -> int:
     for d_model in (64, 512):
         result = text.measure(args.cache_dir, d_model, duration_s, dict(DEPLOYMENT_ENV))
         print(
-            f"D={d_model}: server {result.server_tokens_s:,.0f} tokens/s, reference "
-            f"{result.reference_tokens_s:,.0f} tokens/s: ratio {result.ratio:.2f} "
-            f"(wanted >= {text.TARGET}); p50 {result.server_p50_ms:.1f} ms, "
-            f"{result.errors} errors"
+            f"D={d_model}: reference {result.reference_tokens_s:,.0f} tokens/s; gRPC "
+            f"{result.server_tokens_s:,.0f} tokens/s, ratio {result.ratio:.2f}, p50 "
+            f"{result.server_p50_ms:.1f} ms; shared memory {result.shm_tokens_s:,.0f} "
+            f"tokens/s, ratio {result.shm_ratio:.2f}, p50 {result.shm_p50_ms:.1f} ms "
+            f"(wanted >= {text.TARGET}); {result.errors} errors"
         )
         results.append(result)
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="tokembed-bench-"))

@@ -14,13 +14,19 @@ Llama-3's 128,256 x 4,096) with a tied head is written once into the cache and s
   vectors/s of one in-process multiply of the same 128 rows with the same library (numpy,
   float32, the table widened to float32 whole: numpy's fastest multiply, though the server
   holds no widened copy; target: >= 0.7x): 5 turns of the callers for a fifth of the
-  duration each, then one multiply; the vectors of all the turns over their time;
-- **int8 first pass** (float32 table): the same one-vector turns with a second service
-  started with ``--nearest-first-pass int8``, against the float32 floor read in its turns
-  (the issue's stretch: <= 0.5x); its ids checked equal to the float32 service's.
+  duration each, then one multiply; the vectors of all the turns over their time.
+
+For a float32 table, an **int8 first pass** cell: the same one-vector turns with a second
+service started with ``--nearest-first-pass int8``, against the float32 floor read in its
+turns (the issue's stretch: <= 0.5x), its ids checked equal to the first service's.
 
 Each figure is taken in turns with its reference, so that a slow moment of a shared
 machine falls on both.
+
+With ``heads`` (``--nearest-heads numpy,onnxruntime``) the service is measured once per
+``--nearest-head``, one after the other, each with its own turns of the references:
+which of numpy and the head graph in onnxruntime runs the CPU's multiply faster (what
+``auto`` picks on the CPU, docs/benchmarks says).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ INT8_TARGET = 0.5
 @dataclass(frozen=True)
 class NearestFigures:
     dtype: str
+    head: str  # the service's --nearest-head
     vocab_size: int
     d_model: int
     table_bytes: int
@@ -149,17 +156,18 @@ def run_nearest(
     d_model: int = LLAMA_D,
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     duration_s: float = 10.0,
+    heads: tuple[str, ...] = ("auto",),
     progress: Callable[[str], None] = print,
 ) -> list[NearestFigures]:
     figures = []
     for dtype in dtypes:
         directory = ensure_nearest_model(cache_dir, vocab_size, d_model, dtype)
-        figures.append(_measure(directory, dtype, duration_s, progress))
+        figures += [_measure(directory, dtype, head, duration_s, progress) for head in heads]
     return figures
 
 
 def _measure(
-    directory: Path, dtype: str, duration_s: float, progress: Callable[[str], None]
+    directory: Path, dtype: str, head: str, duration_s: float, progress: Callable[[str], None]
 ) -> NearestFigures:
     from tokembed.client import AsyncEmbeddingClient, EmbeddingClient
     from tokembed.export.head import head_table
@@ -173,7 +181,9 @@ def _measure(
     widened = stored.astype(np.float32)  # the reference multiply's table
     table_bytes = stored.nbytes
     limit = str(max(128 << 20, len(rows) * manifest.vocab_size * 4))
-    with processes.service(str(directory), "--max-output-bytes-per-request", limit) as server:
+    with processes.service(
+        str(directory), "--max-output-bytes-per-request", limit, "--nearest-head", head
+    ) as server:
         # Each figure and its reference are taken in turns, so that a slow moment of the
         # shared machine falls on both (the reference swung fivefold between runs taken
         # one after the other).
@@ -206,12 +216,13 @@ def _measure(
 
         vectors, callers_s, multiply_s = asyncio.run(in_turns())
     int8: tuple[list[float], list[float]] | None = None
-    if dtype == "float32":
+    # Once per float32 table: the int8 pass runs instead of either multiply.
+    if dtype == "float32" and head != "onnxruntime":
         del widened
-        int8 = _int8_turns((str(directory), "--max-output-bytes-per-request", limit),
-                           stored, rows, want_ids)  # fmt: skip
+        int8 = _int8_turns((str(directory), "--max-output-bytes-per-request", limit,
+                            "--nearest-head", head), stored, rows, want_ids)  # fmt: skip
     figures = NearestFigures(
-        dtype=dtype, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
+        dtype=dtype, head=head, vocab_size=manifest.vocab_size, d_model=manifest.d_model,
         table_bytes=table_bytes, read_s=statistics.median(reads),
         one_vector_p50_s=statistics.median(latencies),
         callers_vectors_per_s=vectors / callers_s,
@@ -219,7 +230,7 @@ def _measure(
         int8_one_vector_p50_s=None if int8 is None else statistics.median(int8[1]),
         int8_read_s=None if int8 is None else statistics.median(int8[0]),
     )  # fmt: skip
-    progress(f"nearest {dtype}: table {table_bytes / 2**30:.2f} GiB, read in "
+    progress(f"nearest {dtype}, head {head}: table {table_bytes / 2**30:.2f} GiB, read in "
              f"{figures.read_s * 1e3:.1f} ms (median; {table_bytes / figures.read_s / 1e9:.1f} "
              f"GB/s); one vector p50 {figures.one_vector_p50_s * 1e3:.1f} ms = "
              f"{figures.one_vector_ratio:.2f}x the floor; {CALLERS} callers x {VECTORS_EACH}: "
@@ -283,19 +294,21 @@ def markdown(figures: list[NearestFigures], command: str) -> str:
         "",
         f"`{command}`",
         "",
-        "| table | V x D | table bytes | memory floor (in-process read) | one vector p50 | "
+        "| table | head | V x D | table bytes | memory floor (in-process read) | "
+        "one vector p50 | "
         f"/ floor (target <= {ONE_VECTOR_TARGET}) | {CALLERS} callers x {VECTORS_EACH} "
         "vectors/s | in-process multiply vectors/s | ratio (target >= "
         f"{CALLERS_TARGET}) | int8 first pass one vector p50 | / float32 floor (stretch <= "
         f"{INT8_TARGET}) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
         int8 = "| - | - |"
         if f.int8_one_vector_p50_s is not None and f.int8_ratio is not None:
             int8 = f"| {f.int8_one_vector_p50_s * 1e3:.1f} ms | {f.int8_ratio:.2f} |"
         lines.append(
-            f"| {f.dtype} | {f.vocab_size} x {f.d_model} | {f.table_bytes / 2**30:.2f} GiB | "
+            f"| {f.dtype} | {f.head} | {f.vocab_size} x {f.d_model} | "
+            f"{f.table_bytes / 2**30:.2f} GiB | "
             f"{f.floor_s * 1e3:.1f} ms | {f.one_vector_p50_s * 1e3:.1f} ms | "
             f"{f.one_vector_ratio:.2f} | {f.callers_vectors_per_s:.0f} | "
             f"{f.in_process_vectors_per_s:.0f} | {f.callers_ratio:.2f} {int8}"

@@ -1,18 +1,28 @@
-"""Resident memory of a server whose model is swapped (issue 36's memory figures).
+"""Resident memory of a server whose model is swapped, and of its workers (issue 36's memory
+figures).
 
     python -m tokembed.bench.repository_memory [--swaps 20] [--workers 4] [--dir DIR]
+        [--vocab-size V] [--d-model D] [--table-cache on|off]
 
 Builds a repository of one model with two versions of different tables (the built-in
-model's shape, V=32000 D=512, seeds 0 and 1: no torch), serves it with ``tokembed serve
---model-repository`` in explicit mode, and measures the server process's resident memory:
+model's shape unless ``--vocab-size``/``--d-model`` say otherwise, seeds 0 and 1: no
+torch), serves it with ``tokembed serve --model-repository`` with every table kept (the
+table budgets raised to the model's tables), and measures:
 
-- steady: version 1 loaded and answering;
-- the peak during one swap to version 2 (the kernel's high-water mark, reset just
-  before through /proc/PID/clear_refs), against steady + the new version's tables;
-- after the first swap and after ``--swaps`` swaps between the two versions (each
-  measured once the old version is let go);
-- with ``--workers N`` (poll mode: the workers load the repository each), the sum of the
-  N worker processes' resident memory against one worker's.
+- (``--swaps N``, explicit mode, one process; 0 skips it) the server's resident memory:
+  steady, version 1 loaded and answering; the peak during one swap to version 2 (the
+  kernel's high-water mark, reset just before through /proc/PID/clear_refs), against
+  steady + the new version's tables; after the first swap and after N swaps between the
+  two versions (each measured once the old version is let go);
+- (``--workers N``, poll mode: the workers load the repository each) the N worker
+  processes' memory against one worker's alone (``--workers 1``): PSS summed (what they
+  use between them: a page mapped by k processes counts 1/k in each), and, for honesty,
+  RSS summed (which counts a shared page once per process) and USS summed (each
+  process's private pages only).
+
+``--table-cache on`` (the default): the server's table cache in a fresh directory under
+the repository's (the first process computes each table and writes it, the others map it);
+``off``: ``--table-cache-max-bytes 0``, each process computes and holds its own tables.
 
 Prints one line per figure with its ratio; exits 0 whatever the figures (a measurement,
 not a test).
@@ -23,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,33 +46,55 @@ import psutil
 MODEL = "mem"
 
 
-def build_repository(root: Path) -> int:
+def build_repository(root: Path, vocab_size: int, d_model: int) -> int:
     """Two versions of ``MODEL``; returns the bytes of one version's tables."""
     from tokembed.export.builtin import BuiltinSpec, build_builtin_model
 
     for version, seed in ((1, 0), (2, 1)):
         target = root / MODEL / str(version)
         if not (target / "manifest.json").is_file():
-            build_builtin_model(target, BuiltinSpec(seed=seed, name=MODEL, version=str(version)))
-    spec = BuiltinSpec()
-    # float32, float16 and bfloat16 rows (the table backend's defaults)
-    return spec.vocab_size * spec.d_model * (4 + 2 + 2)
+            spec = BuiltinSpec(vocab_size, d_model, seed=seed, name=MODEL, version=str(version))
+            build_builtin_model(target, spec)
+    # float32, float16 and bfloat16 rows (the table backend's tables, every budget raised)
+    return vocab_size * d_model * (4 + 2 + 2)
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
+def server_flags(table_bytes: int, cache: Path | None) -> list[str]:
+    """Every table kept, whatever the model's size; the table cache in ``cache`` (a fresh
+    directory), or none."""
+    kept = str(table_bytes)
+    flags = ["--float32-table-max-bytes", kept, "--float16-table-max-bytes", kept,
+             "--bfloat16-table-max-bytes", kept]  # fmt: skip
+    if cache is None:
+        return [*flags, "--table-cache-max-bytes", "0"]
+    return [
+        *flags,
+        "--table-cache-dir",
+        str(cache),
+        "--table-cache-max-bytes",
+        str(8 * table_bytes),
+    ]
+
+
+def start(args: list[str], processes: int = 1) -> tuple[subprocess.Popen[str], int]:
+    """``tokembed serve`` with ``args``, once each of its ``processes`` says it serves."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tokembed.cli", "serve", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert process.stdout is not None
-    port = 0
+    port, serving = 0, 0
     for line in process.stdout:
         if match := re.search(r"listening on \S+:(\d+) \(gRPC", line):
             port = int(match.group(1))
         if "serving model" in line:
-            break
+            serving += 1
+            if serving == processes:
+                break
     else:
         raise RuntimeError("the server did not start")
+    # What the server writes from now on is read (and dropped), so that it never blocks.
+    threading.Thread(target=process.stdout.read, daemon=True).start()
     return process, port
 
 
@@ -97,12 +131,12 @@ def swap_to(client: object, version: int) -> None:
     client.embed([[1, 2, 3]])
 
 
-def swaps(root: Path, count: int, table_bytes: int) -> None:
+def swaps(root: Path, count: int, table_bytes: int, flags: list[str]) -> None:
     from tokembed.client import EmbeddingClient
 
     process, port = start([
         "--model-repository", str(root), "--model-control-mode", "explicit", "--port", "0",
-        "--metrics-port", "-1", "--memory-trim-interval-s", "0.2",
+        "--metrics-port", "-1", "--memory-trim-interval-s", "0.2", *flags,
     ])  # fmt: skip
     try:
         with EmbeddingClient(f"127.0.0.1:{port}", timeout_s=120) as client:
@@ -133,7 +167,13 @@ def swaps(root: Path, count: int, table_bytes: int) -> None:
           f"{after_all / mib:.1f} MiB; ratio {after_all / after_first:.3f}")  # fmt: skip
 
 
-def workers(root: Path, count: int) -> None:
+def memory(pid: int) -> dict[str, int]:
+    """A process's resident (RSS), proportional (PSS) and unique (USS) bytes."""
+    info = psutil.Process(pid).memory_full_info()
+    return {"rss": int(info.rss), "pss": int(info.pss), "uss": int(info.uss)}
+
+
+def workers(root: Path, count: int, flags: list[str]) -> None:
     import socket
 
     from tokembed.client import EmbeddingClient
@@ -141,42 +181,61 @@ def workers(root: Path, count: int) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    results = {}
+    results: dict[int, dict[str, int]] = {}
     for n in (1, count):
         process, _ = start([
             "--model-repository", str(root), "--model-control-mode", "poll", "--port", str(port),
-            "--metrics-port", "-1", "--workers", str(n),
-        ])  # fmt: skip
+            "--metrics-port", "-1", "--workers", str(n), *flags,
+        ], processes=n)  # fmt: skip
         try:
-            time.sleep(5.0)  # every worker loaded (each logs; the first line started us)
             with EmbeddingClient(f"127.0.0.1:{port}", timeout_s=60) as client:
                 for _ in range(50):
                     client.embed([[1, 2, 3]])
+            time.sleep(2.0)  # memory trimmed after the loads
             if n == 1:
-                results[n] = rss(process.pid)
+                pids = [process.pid]
             else:  # the workers: the supervisor's spawned children
                 children = psutil.Process(process.pid).children()
-                spawned = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-                results[n] = sum(rss(c.pid) for c in spawned)
+                pids = [c.pid for c in children if "spawn_main" in " ".join(c.cmdline())]
+            each = [memory(pid) for pid in pids]
+            results[n] = {what: sum(m[what] for m in each) for what in ("rss", "pss", "uss")}
         finally:
             process.terminate()
             process.wait(60)
     mib = 1 << 20
-    print(f"--workers 1: {results[1] / mib:.1f} MiB; --workers {count}: {results[count] / mib:.1f}"
-          f" MiB in all; ratio {results[count] / results[1]:.2f}")  # fmt: skip
+    for what in ("pss", "rss", "uss"):
+        one, all_ = results[1][what], results[count][what]
+        print(f"{what.upper()}: --workers 1: {one / mib:.1f} MiB; --workers {count}: "
+              f"{all_ / mib:.1f} MiB in all; ratio {all_ / one:.2f}")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--swaps", type=int, default=20)
+    parser.add_argument("--swaps", type=int, default=20, help="0: no swap measurement")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where the repository is built")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--table-cache", choices=("on", "off"), default="on")
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="tokembed-repo-memory-"))
-    table_bytes = build_repository(root)
-    swaps(root, args.swaps, table_bytes)
-    if args.workers > 1:
-        workers(root, args.workers)
+    table_bytes = build_repository(root, args.vocab_size, args.d_model)
+    print(f"V={args.vocab_size} D={args.d_model}; one version's tables "
+          f"{table_bytes / (1 << 20):.1f} MiB; table cache {args.table_cache}")  # fmt: skip
+
+    def flags() -> list[str]:  # a fresh cache for each measurement: its first load computes
+        if args.table_cache == "off":
+            return server_flags(table_bytes, None)
+        return server_flags(table_bytes, Path(tempfile.mkdtemp(prefix="tables-", dir=root)))
+
+    try:
+        if args.swaps > 0:
+            swaps(root, args.swaps, table_bytes, flags())
+        if args.workers > 1:
+            workers(root, args.workers, flags())
+    finally:
+        for cache in root.glob("tables-*"):
+            shutil.rmtree(cache, ignore_errors=True)
     print(json.dumps({"repository": str(root)}))
     return 0
 

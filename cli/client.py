@@ -547,7 +547,8 @@ def _head_line(info: ModelInfo) -> str:
     if head is None:
         return "none (the model answers no nearest)"
     norm = f", final norm {head.norm}" if head.norm else ""
-    return f"{head.table} table{norm}, k up to {head.max_k}"
+    runs_on = f", multiplied by {head.runs_on}" if head.runs_on else ""
+    return f"{head.table} table{norm}, k up to {head.max_k}{runs_on}"
 
 
 def run_health(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from tokembed import __version__
-from tokembed.client import codec
+from tokembed.client import codec, dtypes
 from tokembed.client._retry import (
     DEFAULT_BACKOFF_MAX_S,
     DEFAULT_BACKOFF_S,
@@ -54,9 +54,11 @@ METHOD_EMBED_CHUNKED = f"/{_SERVICE}/EmbedChunked"
 METHOD_GET_MODEL_INFO = f"/{_SERVICE}/GetModelInfo"
 METHOD_LIST_MODELS = f"/{_SERVICE}/ListModels"
 METHOD_NEAREST = f"/{_SERVICE}/Nearest"
+METHOD_NEAREST_CHUNKED = f"/{_SERVICE}/NearestChunked"
 METHOD_TOKENIZE = f"/{_SERVICE}/Tokenize"
 METHOD_DETOKENIZE = f"/{_SERVICE}/Detokenize"
 METHOD_EMBED_TEXT = f"/{_SERVICE}/EmbedText"
+METHOD_EMBED_TEXT_CHUNKED = f"/{_SERVICE}/EmbedTextChunked"
 
 PemSource = str | os.PathLike[str] | bytes
 
@@ -290,6 +292,8 @@ class ClientBase:
         # keyed by the name as asked ("" for the server's default), not by info.name, so
         # that a call finds its D without knowing what the default resolves to.
         self._d_models: dict[str, int] = {}
+        # And each model's V (the head's logits per vector), from a logits answer or info.
+        self._vocab_sizes: dict[str, int] = {}
         self._closed = False
         self._open()
 
@@ -352,6 +356,41 @@ class ClientBase:
         if threshold is None or d_model is None:
             return False
         return call.output_rows * d_model * call.output_itemsize > threshold
+
+    def _learnt_vocab(self, model: str, vocab_size: int) -> None:
+        """Remember the V of ``model`` (the name as asked), from logits or its info."""
+        self._vocab_sizes[model] = vocab_size
+
+    def _wants_chunked_nearest(self, model: str, request: pb.NearestRequest) -> bool:
+        """Whether to ask for a nearest answer in chunks (NearestChunked): above
+        ``chunked_threshold_bytes``, as for embed. Its ids and scores are ``k`` int64 and
+        float32 per vector; its logits ``V`` float32 per vector, V learnt as D is (a call
+        asking a model not asked before for logits goes unary)."""
+        threshold = self._settings.chunked_threshold_bytes
+        if threshold is None:
+            return False
+        vectors = math.prod(request.vectors.shape[:-1])
+        size = vectors * request.k * (8 + 4)
+        if request.logits:
+            vocab_size = self._vocab_sizes.get(model)
+            if vocab_size is None:
+                return False
+            size += vectors * vocab_size * 4
+        return size > threshold
+
+    def _wants_chunked_text(self, model: str, request: pb.EmbedTextRequest) -> bool:
+        """Whether to ask for an EmbedText answer in chunks (EmbedTextChunked): above
+        ``chunked_threshold_bytes``, as for embed. Its size is not known before the texts
+        are tokenized, so this bounds it: a token per byte of a text, and two more (the
+        server's own bound), each a row of D (learnt as for embed) and an int64 id."""
+        threshold = self._settings.chunked_threshold_bytes
+        d_model = self._d_models.get(model)
+        if threshold is None or d_model is None:
+            return False
+        dtype = dtypes.BY_WIRE.get(request.output_dtype)
+        itemsize = 4 if dtype is None else dtype.itemsize  # unspecified: float32
+        tokens = sum(len(text) + 2 for text in request.texts)
+        return tokens * (d_model * itemsize + 8) > threshold
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return self._settings.metadata

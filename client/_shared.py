@@ -21,9 +21,11 @@ from tokembed.client._config import (
     METHOD_EMBED_CHUNKED,
     METHOD_EMBED_STREAM,
     METHOD_EMBED_TEXT,
+    METHOD_EMBED_TEXT_CHUNKED,
     METHOD_GET_MODEL_INFO,
     METHOD_LIST_MODELS,
     METHOD_NEAREST,
+    METHOD_NEAREST_CHUNKED,
     METHOD_TOKENIZE,
 )
 from tokembed.client._retry import Deadline, RetryPolicy, give_up
@@ -68,8 +70,14 @@ class Methods:
         self.embed_text = channel.unary_unary(
             METHOD_EMBED_TEXT, request_serializer=pb.EmbedTextRequest.SerializeToString
         )
+        self.embed_text_chunked = channel.unary_stream(
+            METHOD_EMBED_TEXT_CHUNKED, request_serializer=pb.EmbedTextRequest.SerializeToString
+        )
         self.nearest = channel.unary_unary(
             METHOD_NEAREST, request_serializer=pb.NearestRequest.SerializeToString
+        )
+        self.nearest_chunked = channel.unary_stream(
+            METHOD_NEAREST_CHUNKED, request_serializer=pb.NearestRequest.SerializeToString
         )
         self._channel = channel
         self._control: ControlMethods | None = None

@@ -116,7 +116,13 @@ def _in_place(raw: bytes) -> tuple[dict[str, Any], pb.TensorsResponse]:
 
 
 def nearest_result(raw: bytes) -> NearestResult:
-    tensors, response = named_tensors(raw)
+    """A Nearest answer's raw bytes to its result."""
+    return nearest_result_of(*named_tensors(raw))
+
+
+def nearest_result_of(tensors: dict[str, Any], response: pb.TensorsResponse) -> NearestResult:
+    """A Nearest answer's tensors by name (from a TensorsResponse, or a NearestChunked
+    reply reassembled) and the response around them, to its result."""
     missing = [name for name in ("ids", "scores") if name not in tensors]
     if missing:
         raise EmbeddingError(f"the server's Nearest answer has no {', '.join(missing)}")
@@ -373,6 +379,113 @@ class ChunkAssembler:
                 )
             except Exception as exc:
                 raise protocol_error(f"cannot parse EmbedChunk header: {exc}") from exc
+        if data_field is None:
+            return header, b""
+        return header, memoryview(chunk)[data_field.value_start : data_field.end]
+
+
+class TensorsChunkAssembler:
+    """Reassembles a reply of ``TensorsChunk`` messages (``method``'s: NearestChunked,
+    EmbedTextChunked) into one preallocated array per tensor, as :class:`ChunkAssembler`
+    does for EmbedChunked.
+
+    The header names every tensor, its dtype and shape (no data); the slices after it are
+    the tensors' bytes, each tensor's after the one before it, and a slice may span the
+    end of one and the start of the next. Each byte is copied once, into its tensor's
+    array; the sizes must add up exactly. The arrays are writable.
+    """
+
+    def __init__(self, method: str = "NearestChunked") -> None:
+        self._method = method
+        self._header: pb.TensorsResponse | None = None
+        self._names: list[str] = []
+        self._buffers: list[npt.NDArray[np.uint8]] = []
+        self._arrays: dict[str, npt.NDArray[Any]] = {}
+        self._current = 0  # the tensor being filled
+        self._filled = 0  # bytes of it so far
+        self._total = 0
+        self._received = 0
+
+    def add(self, chunk: bytes | pb.TensorsChunk) -> None:
+        header, data = self._split(chunk)
+        if header is not None:
+            if self._header is not None:
+                raise protocol_error(f"{self._method} sent a second header")
+            self._start(header)
+        if len(data) == 0:
+            return
+        if self._header is None:
+            raise protocol_error(f"{self._method} sent data before its header")
+        if self._received + len(data) > self._total:
+            raise protocol_error(
+                f"{self._method} sent more than the {self._total} bytes its header announced"
+            )
+        view = np.frombuffer(data, dtype=np.uint8)
+        while view.size:
+            buffer = self._buffers[self._current]
+            room = buffer.size - self._filled
+            if room == 0:
+                self._current, self._filled = self._current + 1, 0
+                continue
+            taken = min(room, view.size)
+            buffer[self._filled : self._filled + taken] = view[:taken]
+            self._filled += taken
+            view = view[taken:]
+        self._received += len(data)
+
+    def result(self) -> tuple[dict[str, Any], pb.TensorsResponse]:
+        """The tensors by name and the header around them."""
+        if self._header is None:
+            raise protocol_error(f"{self._method} ended without a header")
+        if self._received != self._total:
+            raise protocol_error(
+                f"{self._method} ended after {self._received} of {self._total} bytes"
+            )
+        return self._arrays, self._header
+
+    def _start(self, header: pb.TensorsResponse) -> None:
+        for item in header.tensors:
+            tensor = item.tensor
+            if tensor.data:
+                raise protocol_error(f"the {self._method} header must not carry data")
+            row = dtypes.BY_WIRE.get(tensor.dtype)
+            if row is None or any(d < 0 for d in tensor.shape):
+                raise protocol_error(
+                    f"{self._method} header has tensor {item.name!r} of dtype "
+                    f"{dtypes.name_of(tensor.dtype)}, shape {list(tensor.shape)}"
+                )
+            if item.name in self._arrays:
+                raise protocol_error(f"{self._method} header names tensor {item.name!r} twice")
+            array = np.empty(tuple(tensor.shape), dtype=row.numpy)
+            self._arrays[item.name] = array
+            self._buffers.append(array.reshape(-1).view(np.uint8))
+            self._total += array.nbytes
+        self._header = header
+
+    @staticmethod
+    def _split(
+        chunk: bytes | pb.TensorsChunk,
+    ) -> tuple[pb.TensorsResponse | None, bytes | memoryview]:
+        if isinstance(chunk, pb.TensorsChunk):
+            return (chunk.header if chunk.HasField("header") else None), chunk.data
+        try:
+            found = list(_wire.fields(chunk, 0, len(chunk)))
+            header_field = _wire.only(found, 1)
+            data_field = _wire.only(found, 2)
+        except _wire.WireError:
+            try:
+                msg = pb.TensorsChunk.FromString(chunk)
+            except Exception as exc:
+                raise protocol_error(f"cannot parse TensorsChunk: {exc}") from exc
+            return TensorsChunkAssembler._split(msg)
+        header = None
+        if header_field is not None:
+            try:
+                header = pb.TensorsResponse.FromString(
+                    chunk[header_field.value_start : header_field.end]
+                )
+            except Exception as exc:
+                raise protocol_error(f"cannot parse TensorsChunk header: {exc}") from exc
         if data_field is None:
             return header, b""
         return header, memoryview(chunk)[data_field.value_start : data_field.end]

@@ -12,8 +12,8 @@
 
 ``scale_for`` says what to multiply the served vectors by for an engine: a model exported
 with ``--from-pretrained`` records, by engine, the scale its ``inputs_embeds`` expects on
-the table's rows (``ModelInfo.engine_scales``; vLLM's and SGLang's Gemma and Gemma 2
-multiply by sqrt(hidden) after taking it, transformers' before).
+the table's rows (``ModelInfo.engine_scales``; SGLang's Gemma and Gemma 2 multiply by
+sqrt(hidden) after taking it, transformers' and vLLM 0.34.0's before).
 
 torch is the client's optional extra: imported in the functions that need it, never
 with this module.

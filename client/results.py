@@ -90,11 +90,13 @@ class NearestResult:
 class HeadInfo:
     """A model's way back (nearest): ``table`` "embedding" (tied), "output" or "served"
     (docs/export.md, "The head of each kind"), its final ``norm`` ("rmsnorm", "layernorm"
-    or ""), and the largest ``k``."""
+    or ""), the largest ``k``, and what multiplies over the table (``runs_on``: "numpy",
+    or the onnxruntime provider running the head graph; "" from a server older than it)."""
 
     table: str
     norm: str
     max_k: int
+    runs_on: str = ""
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,7 @@ class ModelInfo:
             convention=msg.convention,
             engine_scales=dict(msg.engine_scales),
             head=(
-                HeadInfo(msg.head.table, msg.head.norm, msg.head.max_k)
+                HeadInfo(msg.head.table, msg.head.norm, msg.head.max_k, msg.head.runs_on)
                 if msg.HasField("head")
                 else None
             ),

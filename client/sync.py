@@ -155,17 +155,35 @@ class EmbeddingClient(ClientBase):
         Returns ``ids`` and ``scores`` ``[..., k]`` (largest first, equal scores by the
         lower id), and ``logits`` ``[..., V]`` when ``logits=True``. ``apply_norm``: the
         model's final norm first (``lm_head(norm(h))``: the logit lens). ``model``,
-        ``timeout_s``: as for :meth:`embed`."""
-        nearest, metadata = self._methods().nearest, self._metadata()
-        request = nearest_request(
-            vectors, k, metric, logits, apply_norm, self._model(model), request_id
-        )
-        raw: bytes = self._with_retries(
-            "Nearest",
-            self._deadline(timeout_s),
-            lambda t: nearest(request, timeout=t, metadata=metadata),
-        )
-        return decode.nearest_result(raw)
+        ``timeout_s``: as for :meth:`embed`. A large answer (above
+        ``chunked_threshold_bytes``) comes as NearestChunked's stream of slices, each
+        copied once into the arrays returned."""
+        methods, metadata = self._methods(), self._metadata()
+        model_name = self._model(model)
+        request = nearest_request(vectors, k, metric, logits, apply_norm, model_name, request_id)
+        deadline = self._deadline(timeout_s)
+        if self._wants_chunked_nearest(model_name, request):
+
+            def chunked(timeout: float | None) -> NearestResult:
+                stream = methods.nearest_chunked(request, timeout=timeout, metadata=metadata)
+                try:
+                    assembler = decode.TensorsChunkAssembler()
+                    for raw in stream:
+                        assembler.add(raw)
+                    return decode.nearest_result_of(*assembler.result())
+                finally:
+                    stream.cancel()
+
+            result = self._with_retries("Nearest", deadline, chunked)
+        else:
+            nearest = methods.nearest
+            raw: bytes = self._with_retries(
+                "Nearest", deadline, lambda t: nearest(request, timeout=t, metadata=metadata)
+            )
+            result = decode.nearest_result(raw)
+        if result.logits is not None:
+            self._learnt_vocab(model_name, result.logits.shape[-1])
+        return result
 
     def tokenize(
         self,
@@ -228,17 +246,36 @@ class EmbeddingClient(ClientBase):
         """Texts to vectors in one call: tokenized by the model's own tokenizer (as
         :meth:`tokenize`), then embedded. ``hidden_states [N, D]`` holds every text's rows
         one after another, ``lengths`` each text's tokens, ``input_ids`` their ids;
-        ``sequences()`` gives each text's ``[len, D]``."""
-        embed_text, metadata = self._methods().embed_text, self._metadata()
+        ``sequences()`` gives each text's ``[len, D]``. A large answer (above
+        ``chunked_threshold_bytes``, bounded before the texts are tokenized) comes as
+        EmbedTextChunked's stream of slices, each copied once into the arrays returned."""
+        methods, metadata = self._methods(), self._metadata()
+        model_name = self._model(model)
         request = text_codec.embed_text_request(
-            texts, dtype, add_special_tokens, truncation, self._model(model), request_id
+            texts, dtype, add_special_tokens, truncation, model_name, request_id
         )
-        raw: bytes = self._with_retries(
-            "EmbedText",
-            self._deadline(timeout_s),
-            lambda t: embed_text(request, timeout=t, metadata=metadata),
-        )
-        return text_codec.embed_text_result(raw)
+        deadline = self._deadline(timeout_s)
+        if self._wants_chunked_text(model_name, request):
+
+            def chunked(timeout: float | None) -> TextEmbedResult:
+                stream = methods.embed_text_chunked(request, timeout=timeout, metadata=metadata)
+                try:
+                    assembler = decode.TensorsChunkAssembler("EmbedTextChunked")
+                    for raw in stream:
+                        assembler.add(raw)
+                    return text_codec.embed_text_result_of(*assembler.result())
+                finally:
+                    stream.cancel()
+
+            result = self._with_retries("EmbedText", deadline, chunked)
+        else:
+            embed_text = methods.embed_text
+            raw: bytes = self._with_retries(
+                "EmbedText", deadline, lambda t: embed_text(request, timeout=t, metadata=metadata)
+            )
+            result = text_codec.embed_text_result(raw)
+        self._learnt(model_name, result.hidden_states.shape[-1])
+        return result
 
     # ------------------------------------------------------------------ engine-ready answers
 
@@ -328,6 +365,7 @@ class EmbeddingClient(ClientBase):
         )
         info = ModelInfo.from_proto(message)
         self._learnt(model_name, info.d_model)
+        self._learnt_vocab(model_name, info.vocab_size)
         return info
 
     model_info = info  # the name of releases before several models; the same method

@@ -109,7 +109,12 @@ def tokenize_result(raw: bytes) -> TokenizeResult:
 
 
 def embed_text_result(raw: bytes) -> TextEmbedResult:
-    tensors, response = decode.named_tensors(raw)
+    return embed_text_result_of(*decode.named_tensors(raw))
+
+
+def embed_text_result_of(tensors: dict[str, Any], response: pb.TensorsResponse) -> TextEmbedResult:
+    """An EmbedText answer's tensors by name (from a TensorsResponse, or an
+    EmbedTextChunked reply reassembled) and the response around them, to its result."""
     return TextEmbedResult(
         hidden_states=_needed(tensors, "hidden_states"),
         input_ids=_needed(tensors, "input_ids"),

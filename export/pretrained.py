@@ -19,7 +19,7 @@ from typing import Any
 from tokembed.export.architecture import CONFIG_NAME
 from tokembed.export.checkpoint_dir import checkpoint_in
 from tokembed.export.errors import ExportError
-from tokembed.export.pretrained_table import ROWS, UNSCALED, NormRule, Row
+from tokembed.export.pretrained_table import ENGINE_VERSIONS, ROWS, UNSCALED, NormRule, Row
 
 FLAG = "--from-pretrained"
 # The flags the findings fill in; given beside --from-pretrained they would contradict it.
@@ -143,7 +143,8 @@ def engine_scales(findings: Findings, served_scale: float) -> dict[str, float]:
 
 
 def convention(findings: Findings, served_scale: float) -> str:
-    """One line: what the served vectors are, and where an engine differs."""
+    """One line: what the served vectors are, where an engine differs, and the engines'
+    releases that holds for (an engine's convention can change between its releases)."""
     scaled = "E[id]" if served_scale == 1.0 else f"E[id] * {served_scale!r}"
     line = (
         f"{findings.architecture}: served vectors are {scaled}, what transformers' "
@@ -151,7 +152,12 @@ def convention(findings: Findings, served_scale: float) -> str:
     )
     unscaled = [engine for engine, expects in findings.engines.items() if expects == UNSCALED]
     if unscaled and served_scale != 1.0:
-        line += f"; {' and '.join(unscaled)} take E[id] unscaled and multiply after"
+        one = len(unscaled) == 1
+        takes, multiplies = ("takes", "multiplies") if one else ("take", "multiply")
+        line += f"; {' and '.join(unscaled)} {takes} E[id] unscaled and {multiplies} after"
+    read = [f"{name} {ver}" for name, ver in ENGINE_VERSIONS.items() if name in findings.engines]
+    if read:
+        line += f" (as read in {', '.join(read)})"
     return line
 
 

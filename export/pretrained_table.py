@@ -2,10 +2,13 @@
 where, and what each engine expects of ``inputs_embeds``: one row per ``model_type``.
 
 Read from each architecture's modeling code in the transformers the project tests with
-(``transformers/models/<arch>/modeling_<arch>.py``) and from the engines' public source
-(vLLM: ``vllm/model_executor/models/<arch>.py``; SGLang:
-``python/sglang/srt/models/<arch>.py``); docs/export.md ("From a Hugging Face model
-directory") has the same table for users, with what each row rests on.
+(``transformers/models/<arch>/modeling_<arch>.py``) and from the engines' public source,
+in the releases named by ``ENGINE_VERSIONS`` (vLLM: ``vllm/model_executor/models/<arch>.py``
+and the runner that puts ``prompt_embeds`` in the model's ``inputs_embeds``; SGLang:
+``python/sglang/srt/models/<arch>.py`` and its model runner). An engine's convention can
+change between its releases (vLLM's Gemma 2 has), so each row holds for those releases;
+docs/export.md ("From a Hugging Face model directory") has the same table for users, with
+the file and the lines each row rests on.
 
 Keys are matched by their dotted tail, so that a model saved with its head
 (``model.embed_tokens.weight`` in ``LlamaForCausalLM``) and without it
@@ -27,6 +30,9 @@ UNSCALED = "unscaled"
 
 TRANSFORMERS, VLLM, SGLANG = "transformers", "vllm", "sglang"
 ENGINES = (TRANSFORMERS, VLLM, SGLANG)
+# The engines' releases whose source the rows were read in (vLLM's wheel names its commit,
+# 62d4bc3c7; SGLang's is the v0.5.23 tag).
+ENGINE_VERSIONS = {VLLM: "0.34.0", SGLANG: "0.5.23"}
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class Row:
     # What happens to inputs_embeds inside the model, for the docs and the manifest.
     after: str
     # Per engine: AS_SERVED or UNSCALED; an engine absent does not take this
-    # architecture's inputs_embeds (or tokembed has not checked how it does).
+    # architecture's inputs_embeds (tokembed makes no payload for it).
     engines: dict[str, str]
     segment: str | None = None  # BERT's token type table
     segment_size_field: str | None = None
@@ -63,11 +69,22 @@ class Row:
     output_scale_when_tied: str | None = None  # T5: the decoder output times d_model**-0.5
 
 
+# vLLM's LlamaModel (Mistral's MistralModel subclasses it) and Qwen2Model, and SGLang's
+# LlamaModel (MistralForCausalLM is its LlamaForCausalLM) and Qwen2Model, start from
+# ``hidden_states = inputs_embeds`` and apply nothing to it before the first layer; their
+# ``embed_tokens`` is a bare VocabParallelEmbedding, what the rows are.
 _DECODER_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: AS_SERVED, SGLANG: AS_SERVED}
-# vLLM's and SGLang's Gemma and Gemma 2 multiply by sqrt(hidden) after taking
-# inputs_embeds (``hidden_states *= self.normalizer`` in their Gemma2Model.forward);
-# transformers' (and both engines' Gemma 3) scale inside the embedding module.
-_GEMMA_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: UNSCALED, SGLANG: UNSCALED}
+# SGLang's GemmaModel and Gemma2Model multiply by sqrt(hidden) after taking input_embeds
+# (``hidden_states *= normalizer`` in their forward). vLLM 0.34.0 scales before, as
+# transformers does: its Gemma2Model applies the normalizer in ``embed_input_ids`` and
+# takes inputs_embeds as they come, and it runs Gemma through its Transformers backend,
+# whose ``embed_input_ids`` is transformers' own scaled embedding module. (Older vLLM
+# multiplied after in both, as SGLang does.) Both engines' Gemma 3 scale before.
+_GEMMA_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: AS_SERVED, SGLANG: UNSCALED}
+# Neither engine takes an encoder's embeddings: vLLM runs BERT in its encoder-only model
+# state, which refuses --enable-prompt-embeds, has no T5 or ALBERT, and BART only in an
+# out-of-tree plugin (not read); SGLang has no T5, BART or ALBERT, and its
+# BertModel.forward ignores the input_embeds it is handed (it embeds input_ids).
 _ENCODER_ENGINES = {TRANSFORMERS: AS_SERVED}
 # SGLang's GPT2Model.forward takes no input_embeds (python/sglang/srt/models/gpt2.py).
 _GPT2_ENGINES = {TRANSFORMERS: AS_SERVED, VLLM: AS_SERVED}

@@ -296,6 +296,8 @@ def test_the_repository_allow_list_parses_with_a_reason_per_entry() -> None:
     assert always == [
         "tests/server/test_sessions.py::test_cuda_provider_runs_the_look_up[cuda]",
         "tests/server/test_sessions.py::test_cuda_provider_runs_the_look_up[auto]",
+        "tests/server/test_head_graph.py::test_cuda_provider_runs_the_head_exactly[float32]",
+        "tests/server/test_head_graph.py::test_cuda_provider_runs_the_head_exactly[bfloat16]",
         "tests/reliability/test_soak.py::test_soak_long",
         "tests/server/test_shm_registry.py::test_an_object_of_another_user_is_refused",
     ]

@@ -12,20 +12,31 @@ float32 multiply finds the candidates within its proven error bound, which are s
 again), so that a vector's answer is the same alone or in any batch; equal scores are
 ordered by the lower id. The logits, when asked, are the float32 multiply's (within
 ``D 2**-24 |h| |W_v|`` of the exact products): a batch that asks them is multiplied
-exactly widened, whatever the table (``_Blocks``' bfloat16 first pass is not). A head
-made with ``first_pass="int8"`` finds the candidates in an int8 copy of the table instead
-(``_Int8Table``: onnxruntime's ``MatMulInteger`` within a proven bound), the same answers.
+exactly widened, whatever the table (``_Blocks``' bfloat16 first pass is not).
 
 The rows of every request in a batch go into one multiply (the table is read once per
 batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
 request then takes its own rows' top-k. It knows nothing of requests or batching: a
 ``Query`` is a request's vectors, already validated (finite, of width D).
+
+The multiply is numpy's, or the head graph's in onnxruntime (``HeadGraphRun``:
+``head_session.HeadSession``, on the model's execution provider). Through the graph, a
+``dot`` query without logits asks its ``TopK`` for more than ``k`` ids (``_wide``): when
+the last of them scores below the ``k``-th by more than twice the error bound, every id
+that could belong to the exact top-k is among them, and they are the candidates scored
+again; otherwise (or for ``cosine``, or logits asked) the row's logits come back whole
+and the candidates are found in them as numpy's are. Either way the answer is the exact
+one above: the same ids and scores whichever multiply ran. A head made with
+``first_pass="int8"`` finds the candidates of a batch without logits in an int8 copy of
+the table instead (``_Int8Table``: onnxruntime's ``MatMulInteger`` within a proven bound),
+with the same answers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -89,6 +100,18 @@ class Query:
     norm: bool  # whether the final norm is applied first
 
 
+class HeadGraphRun(Protocol):
+    """The head graph's multiply and top-k, run elsewhere than numpy (onnxruntime)."""
+
+    provider: str
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """float32 ``h [n, D] @ W.T``: ``[n, V]``."""
+
+    def top(self, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` largest float32 logits per vector, largest first, and their ids."""
+
+
 @dataclass(slots=True)
 class Found:
     """One request's answer: ids int64 ``[n, k]``, scores float32 ``[n, k]``, and the
@@ -110,22 +133,24 @@ class NearestHead:
         table_role: str,
         *,
         shared: bool,
+        graph: HeadGraphRun | None = None,
         first_pass: str = FLOAT32_PASS,
         threads: int = 1,
     ) -> None:
         """``table``: ``W [V, D]`` C-contiguous in its stored dtype (float32, float16, or
         bfloat16 as ``ml_dtypes`` holds it), read as it is, never copied. ``shared``: the
         array is one the server already counts (the look-up's own table); otherwise the
-        head's bytes are its own (``memory_bytes``). ``first_pass``: ``"int8"`` finds the
-        candidates in an int8 copy of the table made here (``_Int8Table``, onnxruntime's
-        ``MatMulInteger`` on ``threads`` threads) instead of the float32 multiply; the
-        answers are the same."""
+        head's bytes are its own (``memory_bytes``). ``graph``: the head graph over the
+        same table, which then runs the multiply instead of numpy. ``first_pass``:
+        ``"int8"`` finds the candidates of a search without logits in an int8 copy of the
+        table made here (``_Int8Table``, onnxruntime's ``MatMulInteger`` on ``threads``
+        threads) instead of either multiply; the answers are the same."""
         if table.ndim != 2 or not table.flags.c_contiguous:
             raise ValueError("this is a bug: a head table is a C-contiguous [V, D] array")
         self.table = table
         self.vocab_size, self.d_model = table.shape
         self.norm = norm
-        self.table_role = table_role  # "embedding" (tied), "output" or "served"
+        self.table_role = table_role  # "embedding" (tied) or "output"
         self.shared = shared
         self._blocks = _Blocks(table)
         self._row_norms64 = _row_norms(self._blocks)
@@ -136,6 +161,9 @@ class NearestHead:
         )
         self._widest = float(self._row_norms64.max()) if self.vocab_size else 0.0
         self._inverse_norms: np.ndarray | None = None
+        self._graph = graph
+        # What runs the multiply: "numpy", or the graph's onnxruntime provider.
+        self.runs_on = "numpy" if graph is None else graph.provider
         if first_pass not in FIRST_PASSES:
             raise ValueError(f"this is a bug: first pass {first_pass!r}")
         self._int8 = (
@@ -175,15 +203,17 @@ class NearestHead:
     def search(self, queries: Sequence[Query]) -> list[Found]:
         """Each query's top-k (and logits), from one multiply over all their rows (the
         int8 first pass when the head has one and no query asks for the logits, which
-        are the float32 multiply's)."""
+        are a float32 multiply's)."""
         rows = [q.vectors if not q.norm else self._normed(q.vectors) for q in queries]
         stacked = rows[0] if len(rows) == 1 else np.concatenate(rows)
         # Logits answered are the exact widening's; a batch that asks none takes the
-        # faster first pass (the int8 copy's, or a bfloat16 table's), whose wider bound
-        # the re-scoring covers.
-        logits_asked = any(q.logits for q in queries)
-        exact = logits_asked or not self._blocks.first_pass
-        int8 = None if logits_asked else self._int8
+        # faster first pass, whose wider bound the re-scoring covers (numpy's: the graph
+        # widens exactly).
+        exact = (
+            self._graph is not None or any(q.logits for q in queries)
+            or not self._blocks.first_pass
+        )  # fmt: skip
+        int8 = None if any(q.logits for q in queries) else self._int8
         step = max(1, _LOGITS_CHUNK_BYTES // (4 * self.vocab_size))
         if int8 is not None:
             step = max(1, _LOGITS_CHUNK_BYTES // (8 * self.vocab_size))
@@ -192,23 +222,35 @@ class NearestHead:
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         for start in range(0, len(stacked), step):
             chunk = stacked[start : start + step]
+            spans = _spans(queries, query_index, start_in_query, len(chunk))
+            first: np.ndarray | tuple[np.ndarray, np.ndarray]
             bounds = None
-            if int8 is None:
-                logits = self._blocks.multiply(chunk, exact=exact)
+            if int8 is not None:
+                first, bounds = int8.first_pass(chunk)
             else:
-                logits, bounds = int8.first_pass(chunk)
+                first = self._first_pass(chunk, [queries[index] for index, _ in spans], exact)
             offset = 0
-            while offset < len(logits):
-                query = queries[query_index]
-                take = min(len(logits) - offset, len(query.vectors) - start_in_query)
-                part = logits[offset : offset + take]
-                h = rows[query_index][start_in_query : start_in_query + take]
-                if bounds is None:
-                    ids, top = self._exact_top_k(part, h, query.k, query.metric, exact=exact)
+            for index, take in spans:
+                query = queries[index]
+                h = rows[index][start_in_query : start_in_query + take]
+                if bounds is not None:  # the int8 pass's scores and their bounds
+                    assert not isinstance(first, tuple), "This is a bug."
+                    ids, top = self._bounded_top_k(
+                        first[offset : offset + take], bounds[offset : offset + take], h,
+                        query.k, query.metric,
+                    )  # fmt: skip
+                    pending.append((ids, top, None))
+                elif isinstance(first, tuple):  # the graph's widened top-k: candidates
+                    wide_scores, wide_ids = first
+                    ids, top = self._exact_top_k_of(
+                        wide_scores[offset : offset + take], wide_ids[offset : offset + take],
+                        h, query.k,
+                    )  # fmt: skip
+                    pending.append((ids, top, None))
                 else:
-                    part_bounds = bounds[offset : offset + take]
-                    ids, top = self._bounded_top_k(part, part_bounds, h, query.k, query.metric)
-                pending.append((ids, top, part.copy() if query.logits else None))
+                    part = first[offset : offset + take]
+                    ids, top = self._exact_top_k(part, h, query.k, query.metric, exact=exact)
+                    pending.append((ids, top, part.copy() if query.logits else None))
                 offset += take
                 start_in_query += take
                 if start_in_query == len(query.vectors):
@@ -217,6 +259,51 @@ class NearestHead:
                     query_index += 1
                     start_in_query = 0
         return results
+
+    def _first_pass(
+        self, chunk: np.ndarray, queries: Sequence[Query], exact: bool
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """The chunk's float32 logits (numpy's: ``exact`` as ``_Blocks.multiply`` takes
+        it), or (through the graph, when every query in it is ``dot`` without logits) its
+        widened top-k: scores and ids ``[rows, _wide(k)]``."""
+        graph = self._graph
+        if graph is None:
+            return self._blocks.multiply(chunk, exact=exact)
+        if all(q.metric == DOT and not q.logits for q in queries):
+            wide = min(self.vocab_size, max(_wide(q.k) for q in queries))
+            return graph.top(chunk, wide)
+        return graph.logits(chunk)
+
+    def _exact_top_k_of(
+        self, wide_scores: np.ndarray, wide_ids: np.ndarray, h: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``dot``'s exact top-k from the graph's widened top-k (float32 scores, largest
+        first, and their ids): every id whose float32 score is within twice the error
+        bound of the ``k``-th is a candidate, as in ``_exact_top_k``. The widened list
+        holds them all when its last score is below that line (an id left out scores at
+        most that); a row where it is not (or could not be: the list is every id) has
+        its logits computed whole instead."""
+        h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
+        bound = self._gamma() * h_norms * self._widest
+        ids = np.empty((len(h), k), dtype=np.int64)
+        top = np.empty((len(h), k), dtype=np.float32)
+        complete = wide_scores.shape[1] == self.vocab_size
+        for row in range(len(h)):
+            line = wide_scores[row, k - 1] - 2 * bound[row]
+            if not complete and not wide_scores[row, -1] < line:
+                assert self._graph is not None, "This is a bug: a widened top-k is the graph's."
+                one = h[row : row + 1]
+                logits = self._graph.logits(one)
+                found_ids, found_top = self._exact_top_k(logits, one, k, DOT, exact=True)
+                ids[row], top[row] = found_ids[0], found_top[0]
+                continue
+            candidates = np.sort(wide_ids[row][wide_scores[row] >= line].astype(np.int64))
+            ids[row], top[row] = self._rescored(candidates, h[row], h_norms[row], k, DOT)
+        return ids, top
+
+    def _gamma(self) -> float:
+        """The relative error bound of a float32 dot product over D terms, with room."""
+        return float((self.d_model + 4) * 2.0**-24 * 1.01)
 
     def _exact_top_k(
         self, logits: np.ndarray, h: np.ndarray, k: int, metric: str, *, exact: bool
@@ -239,7 +326,7 @@ class NearestHead:
         """
         h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
         rel, per_value = (0.0, 0.0) if exact else _Blocks.FIRST_PASS_ERROR
-        gamma = (self.d_model + 4) * 2.0**-24 * 1.01 * (1 + rel) + rel
+        gamma = self._gamma() * (1 + rel) + rel
         absolute = (1 + gamma) * per_value * np.sqrt(self.d_model)
         if metric == COSINE:
             # The first pass ranks by ``cosine |h|`` (``|h|`` is the same along a row, so
@@ -254,9 +341,9 @@ class NearestHead:
         else:
             scores = logits
             bound = (gamma * self._widest + absolute) * h_norms
-        kth = _kth_largest(scores, k)
         ids = np.empty((len(h), k), dtype=np.int64)
         top = np.empty((len(h), k), dtype=np.float32)
+        kth = _kth_largest(scores, k)
         for row in range(len(h)):
             candidates = np.flatnonzero(scores[row] >= kth[row] - 2 * bound[row])
             ids[row], top[row] = self._rescored(candidates, h[row], h_norms[row], k, metric)
@@ -542,6 +629,26 @@ def _row_norms(blocks: _Blocks) -> np.ndarray:
         rows = np.asarray(table[start : start + step], dtype=np.float64)
         norms[start : start + step] = np.sqrt(np.einsum("vd,vd->v", rows, rows))
     return norms
+
+
+def _wide(k: int) -> int:
+    """How many ids to ask the graph's TopK for, to find ``k`` exactly: room for the near
+    ties within the error bound (a row without enough room has its logits computed)."""
+    return 2 * k + 32
+
+
+def _spans(
+    queries: Sequence[Query], index: int, start_in_query: int, rows: int
+) -> list[tuple[int, int]]:
+    """The queries a chunk of ``rows`` stacked rows holds, from query ``index`` row
+    ``start_in_query`` on: each one's index and how many of its rows."""
+    spans = []
+    while rows:
+        take = min(rows, len(queries[index].vectors) - start_in_query)
+        spans.append((index, take))
+        rows -= take
+        index, start_in_query = index + 1, 0
+    return spans
 
 
 def _kth_largest(scores: np.ndarray, k: int) -> np.ndarray:

@@ -23,6 +23,8 @@ from tokembed.server.core.errors import ServerConfigError
 
 logger = logging.getLogger(__name__)
 
+# What computes the rows: a cache of computed rows is keyed by it (models/table_cache).
+RUNTIME_VERSION = f"onnxruntime {ort.__version__}"
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -134,7 +136,7 @@ class OutputCast:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
         model.ir_version = 8
         self._session = ort.InferenceSession(
-            model.SerializeToString(), _session_options(options), providers=[CPU]
+            model.SerializeToString(), session_options(options), providers=[CPU]
         )
         self._run_options = _run_options(options)
 
@@ -233,30 +235,31 @@ def _run_options(options: SessionOptions) -> ort.RunOptions:
     return run_options
 
 
-def _session_options(options: SessionOptions) -> ort.SessionOptions:
-    session_options = ort.SessionOptions()
-    session_options.intra_op_num_threads = options.intra_op_threads
-    session_options.inter_op_num_threads = options.inter_op_threads
+def session_options(options: SessionOptions) -> ort.SessionOptions:
+    """onnxruntime's options for a session of ``options``: threads, arena, no spinning."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = options.intra_op_threads
+    so.inter_op_num_threads = options.inter_op_threads
     if not options.cpu_arena:
-        session_options.enable_cpu_mem_arena = False
+        so.enable_cpu_mem_arena = False
     elif options.batch_output_bytes > 0:
         # Room for a batch's rows twice: the Gather's result and the scaled output.
         _register_cpu_arena(2 * options.batch_output_bytes, options.batch_output_bytes)
-        session_options.add_session_config_entry("session.use_env_allocators", "1")
+        so.add_session_config_entry("session.use_env_allocators", "1")
     # Idle onnxruntime threads spin by default, burning the cores gRPC needs.
-    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session_options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    return session_options
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return so
 
 
 def _create_session(graph: Path, options: SessionOptions) -> ort.InferenceSession:
-    session_options = _session_options(options)
+    so = session_options(options)
     # The graphs are a few Gathers, a Mul and an Add (a factorized model's MatMul): little
     # to fuse, and a fixed graph keeps the results those of the export-time parity check.
-    session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     path = str(graph)
     if options.device == "cpu":
-        return ort.InferenceSession(path, session_options, providers=[CPU])
+        return ort.InferenceSession(path, so, providers=[CPU])
     if options.device not in ("cuda", "auto"):
         raise ServerConfigError(f"device must be cpu, cuda or auto, got {options.device!r}")
     if CUDA not in available_providers():
@@ -267,14 +270,14 @@ def _create_session(graph: Path, options: SessionOptions) -> ort.InferenceSessio
         if options.device == "cuda":
             raise ServerConfigError(message)
         logger.warning("%s; falling back to CPU", message)
-        return ort.InferenceSession(path, session_options, providers=[CPU])
+        return ort.InferenceSession(path, so, providers=[CPU])
     try:
-        session = ort.InferenceSession(path, session_options, providers=[CUDA, CPU])
+        session = ort.InferenceSession(path, so, providers=[CUDA, CPU])
     except Exception as exc:
         if options.device == "cuda":
             raise ServerConfigError(f"cannot start the CUDA execution provider: {exc}") from exc
         logger.warning("CUDA execution provider failed (%s); falling back to CPU", exc)
-        return ort.InferenceSession(path, session_options, providers=[CPU])
+        return ort.InferenceSession(path, so, providers=[CPU])
     # onnxruntime silently drops a provider that fails to initialise (missing CUDA
     # libraries): report what it actually uses, never what was asked for.
     if session.get_providers()[0] != CUDA:

@@ -24,6 +24,7 @@ answer once before its writer copied it again (docs/benchmarks/README.md has the
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -130,11 +131,12 @@ class TableBackend(Backend):
         mapped_bytes: int = 0,
     ) -> None:
         """``tables``: the model's ``[V, D]`` rows in each output dtype whose table is
-        kept, float32 among them unless ``session`` is given; ``casts``: how to cast
-        float32 rows to the other dtypes (answers in a dtype without a table are cast per
-        answer). ``session``: the model, whose run gives the float32 rows of an answer in
-        a dtype without a table when there is no float32 table; ``mapped_bytes``: the
-        weights onnxruntime maps for it (reported, not allocated)."""
+        kept (in memory, or mapped read-only from a file), float32 among them unless
+        ``session`` is given; ``casts``: how to cast float32 rows to the other dtypes
+        (answers in a dtype without a table are cast per answer). ``session``: the model,
+        whose run gives the float32 rows of an answer in a dtype without a table when
+        there is no float32 table; ``mapped_bytes``: the weights onnxruntime maps for it
+        (reported, not allocated)."""
         if FLOAT32 not in tables and session is None:
             raise ValueError("this is a bug: without a float32 table the model must run")
         for table in tables.values():
@@ -162,9 +164,15 @@ class TableBackend(Backend):
 
     @property
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of each table kept, by dtype name (and of the weights onnxruntime maps
-        when the model runs for some answers)."""
-        held = {f"{dtype.name} table": int(table.nbytes) for dtype, table in self._tables.items()}
+        """Bytes of each table kept, by dtype name, a table mapped from a file (the table
+        cache's, which processes serving the same model share) as a "mapped" one; and of
+        the weights onnxruntime maps when the model runs for some answers. A mapped table
+        counts whole here, as what this process holds: how much of it another process
+        holds as well is the kernel's to say (PSS)."""
+        held = {
+            f"{'mapped ' if _is_mapped(table) else ''}{dtype.name} table": int(table.nbytes)
+            for dtype, table in self._tables.items()
+        }
         if self._session is not None:
             held["weights mapped by onnxruntime"] = self._mapped_bytes
         return held
@@ -193,6 +201,16 @@ class TableBackend(Backend):
     def _one_row(self, index: int, dtype: DType) -> bytes:
         rows = self.look_up(LookUp(TokenIds.of([index]), dtype))
         return b"".join(rows.pieces(0, 1))
+
+
+def _is_mapped(table: np.ndarray) -> bool:
+    """Whether ``table`` is a view of a file's mapping rather than memory of its own."""
+    base: object = table
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # numpy's view of a buffer (np.frombuffer)
+        base = base.obj
+    return isinstance(base, mmap.mmap)
 
 
 def _row_views(table: np.ndarray) -> list[memoryview]:

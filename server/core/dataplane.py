@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F")
 R = TypeVar("R")
 
+# What gives each request of a stream its operation.
+OperationOf = Callable[["Request[R] | Refused"], Operation[R, Any, Any]]
+
 # A stream is answered in order, but up to this many of its requests are worked on at once.
 STREAM_WINDOW = 32
 
@@ -176,12 +179,15 @@ class DataPlane:
         self,
         front_end: FrontEnd,
         method: str,
-        operation: Operation[R, Any, Any],
+        operation: Operation[R, Any, Any] | OperationOf[R],
         requests: AsyncIterator[Request[R] | Refused],
         deadline: float | None,
         sink: StreamSink[F],
     ) -> None:
-        """Serve a stream of requests into ``sink``, answers in request order."""
+        """Serve a stream of requests into ``sink``, answers in request order.
+        ``operation``: every request's, or what gives each request its own (a stream of
+        V2's serves the look-up and ``NAME.nearest`` side by side)."""
+        operation_of = _same(operation) if isinstance(operation, Operation) else operation
         answers: asyncio.Queue[asyncio.Task[_StreamAnswer[F]] | None] = asyncio.Queue(STREAM_WINDOW)
         unsent: set[asyncio.Task[_StreamAnswer[F]]] = set()  # started, not yet sent
 
@@ -189,7 +195,9 @@ class DataPlane:
             try:
                 async for incoming in requests:
                     task = asyncio.ensure_future(
-                        self._stream_item(front_end, method, operation, incoming, deadline, sink)
+                        self._stream_item(
+                            front_end, method, operation_of(incoming), incoming, deadline, sink
+                        )
                     )
                     unsent.add(task)
                     await answers.put(task)
@@ -337,6 +345,11 @@ class _Framing(Generic[F]):
         return framed, Delivered(
             answer.shape, answer.dtype, answer.tokens, answer.nbytes, answer.timings, encode_s
         )
+
+
+def _same(operation: Operation[R, Any, Any]) -> OperationOf[R]:
+    """A stream's every request to ``operation``."""
+    return lambda incoming: operation
 
 
 def _release_unsent(task: asyncio.Task[_StreamAnswer[Any]]) -> None:

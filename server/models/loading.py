@@ -11,7 +11,10 @@ has the same two ways:
   is done once per id, at load); a ``segment`` one's are ``[T * V, D]``, one per (id,
   type) (``backends.segment`` says why); models whose files are byte for byte the same
   (an encoder's and a decoder's entrance exported from one tied matrix) share these
-  tables, and a bfloat16 model's session (``_Shared``);
+  tables, and a bfloat16 model's session (``_Shared``); and processes serving models
+  with the same files (the workers of ``--workers N``, a server started again) map each
+  table from one file of the table cache, computed by the first of them
+  (``table_cache``);
 - ``onnxruntime`` otherwise, and on CUDA: the model runs for every batch (for a factorized
   model a matmul, which is why requests batch).
 """
@@ -19,7 +22,11 @@ has the same two ways:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import importlib.metadata
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -30,15 +37,20 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tokembed import __version__
 from tokembed.export.errors import ModelDirError
 from tokembed.export.kinds import FACTORIZED, SEGMENT, TOKEN, TOKEN_TYPE_IDS
 from tokembed.export.model_dir import ModelDir, load_model_dir
+from tokembed.server.backends import segment, sessions
 from tokembed.server.backends.base import Backend
 from tokembed.server.backends.head import FinalNorm, NearestHead
+from tokembed.server.backends.head_session import HeadGraph, HeadSession
 from tokembed.server.backends.runtime import OnnxRuntimeBackend
 from tokembed.server.backends.segment import SegmentTableBackend, every_combination
 from tokembed.server.backends.sessions import (
     CPU,
+    CUDA,
+    RUNTIME_VERSION,
     Cast,
     Graph,
     ModelSession,
@@ -48,9 +60,11 @@ from tokembed.server.backends.sessions import (
 )
 from tokembed.server.backends.table import TableBackend
 from tokembed.server.backends.tokenizer import TextTokenizer
+from tokembed.server.core import dtypes as core_dtypes
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT32, OUTPUT_DTYPES, DType
 from tokembed.server.core.errors import ServerConfigError
 from tokembed.server.core.repository import ModelSet
+from tokembed.server.models.table_cache import TableCache
 from tokembed.server.process.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -148,8 +162,8 @@ def _head(model: ModelDir, backend: Backend, settings: Settings) -> NearestHead:
     """The model's head (``nearest``): its output table in its stored dtype, and its final
     norm. The table is the look-up's own when the backend holds one of the same bytes (a
     tied model of scale 1: one copy serves both ways), else the file its head graph names,
-    memory-mapped. The multiply runs in numpy on the CPU; the head graph is what an
-    accelerator would run."""
+    memory-mapped. The multiply runs in numpy on the CPU, or through the head graph in
+    onnxruntime (``Settings.nearest_head``: by default where the model runs on CUDA)."""
     from tokembed.export.head import head_table, norm_arrays
 
     manifest = model.manifest
@@ -164,10 +178,27 @@ def _head(model: ModelDir, backend: Backend, settings: Settings) -> NearestHead:
     held = backend.held_table(manifest.head.weight_dtype)
     shared = held is not None and _same_bytes(held, stored)
     table = held.view(stored.dtype) if held is not None and shared else stored
+    graph = None
+    if _head_runs_graph(settings.nearest_head, backend.execution_provider):
+        options = SessionOptions(
+            device=settings.device,
+            intra_op_threads=settings.intra_op_threads,
+            inter_op_threads=settings.inter_op_threads,
+        )
+        graph = HeadSession(HeadGraph(model.path / manifest.head.graph), table, options)
     return NearestHead(
-        table, norm, manifest.head.table, shared=shared,
+        table, norm, manifest.head.table, shared=shared, graph=graph,
         first_pass=settings.nearest_first_pass, threads=settings.intra_op_threads,
     )  # fmt: skip
+
+
+def _head_runs_graph(nearest_head: str, execution_provider: str) -> bool:
+    """Whether the head's multiply runs through its graph in onnxruntime: asked for, or
+    ``auto`` where the model runs on CUDA (on the CPU numpy holds no copy of the table,
+    where onnxruntime's session holds two: docs/benchmarks/README.md#nearest)."""
+    if nearest_head == "auto":
+        return execution_provider == CUDA
+    return nearest_head == "onnxruntime"
 
 
 def _same_bytes(held: np.ndarray, stored: np.ndarray) -> bool:
@@ -244,8 +275,10 @@ def _table_or_runtime(
         runs: ModelSession | None = None
         with _SHARED.lock:
             tables = _row_tables(
-                model, [OUTPUT_DTYPES[name] for name in kept], at_load, casts, compute_rows
-            )
+                model, [OUTPUT_DTYPES[name] for name in kept], at_load, casts, compute_rows,
+                (table_rows, d_model), TableCache.open(settings.table_cache_path,
+                                                       settings.table_cache_max_bytes),
+            )  # fmt: skip
             if tables is not None and FLOAT32 not in tables:
                 # No float32 table (a bfloat16 model): the model stays to run for answers
                 # in other dtypes, a session its twins share too.
@@ -351,33 +384,49 @@ def _row_tables(
     at_load: SessionOptions,
     casts: dict[DType, Cast],
     compute_rows: Callable[[ModelSession], np.ndarray],
+    shape: tuple[int, int],
+    cache: TableCache | None,
 ) -> dict[DType, np.ndarray] | None:
-    """The model's row tables in ``dtypes``: those computed for a model with the same
-    files already (``_Shared``), else computed here (the float32 rows by the model and the
-    others cast from them; without float32, a bfloat16 model, each the model's rows cast
-    a chunk at a time). None when the session does not run on the CPU."""
+    """The model's ``shape`` row tables in ``dtypes``: those computed for a model with the
+    same files already, in this process (``_Shared``) or in the table cache (any process,
+    ``table_cache``: mapped from its file), else computed here (the float32 rows by the
+    model and the others cast from them; without float32, a bfloat16 model, each the
+    model's rows cast a chunk at a time) and written to the cache. None when the session
+    does not run on the CPU."""
     tables: dict[DType, np.ndarray] = {}
     session: ModelSession | None = None
     shared_with: Path | None = None
+    not_on_cpu = False
+
+    def compute(dtype: DType) -> np.ndarray | None:
+        nonlocal session, not_on_cpu
+        if dtype != FLOAT32 and FLOAT32 in tables:
+            return _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+        if session is None:
+            session = ModelSession(graph_of(model), at_load)
+            if session.provider != CPU:
+                not_on_cpu = True
+                return None
+        if dtype == FLOAT32:
+            rows = compute_rows(session)
+            # The other tables are cast from these rows: the session (and the weights it
+            # holds) goes now, not beside them (a swap's peak is the new tables).
+            session = None
+            return rows
+        return _rows_in(session, casts[dtype], dtype)
+
     for dtype in sorted(dtypes, key=lambda d: d != FLOAT32):  # the others cast from float32
         found = _SHARED.get(model, dtype.name)
         if found is not None:
             tables[dtype], shared_with = found
             continue
-        if dtype != FLOAT32 and FLOAT32 in tables:
-            rows = _cast_in_chunks(tables[FLOAT32], casts[dtype], dtype)
+        if cache is None:
+            rows = compute(dtype)
         else:
-            if session is None:
-                session = ModelSession(graph_of(model), at_load)
-                if session.provider != CPU:
-                    return None
-            if dtype == FLOAT32:
-                rows = compute_rows(session)
-                # The other tables are cast from these rows: the session (and the weights
-                # it holds) goes now, not beside them (a swap's peak is the new tables).
-                session = None
-            else:
-                rows = _rows_in(session, casts[dtype], dtype)
+            key = _cache_key(model, dtype, shape, at_load)
+            rows = cache.rows(key, shape, np.dtype(dtype.numpy), functools.partial(compute, dtype))
+        if rows is None or not_on_cpu:
+            return None
         tables[dtype] = _SHARED.keep(model, dtype.name, rows)
     if shared_with is not None:
         logger.info(
@@ -385,6 +434,49 @@ def _row_tables(
             model.path, shared_with,
         )  # fmt: skip
     return tables
+
+
+def _cache_key(
+    model: ModelDir, dtype: DType, shape: tuple[int, int], at_load: SessionOptions
+) -> dict[str, object]:
+    """Everything a table's rows are computed from, which names its file in the table
+    cache: the model's files (``_Shared``'s key), the kind and the shape of its rows (the
+    manifest's sizes, which the manifest alone holds), the dtype and the weights' (which
+    choose how the rows are cast), and what computes them: this code's version, the
+    runtime's and how it is run (threads, the rows per run), and the code that computes
+    and casts them (``_code_digest``)."""
+    manifest = model.manifest
+    return {
+        "kind": model.kind.name,
+        "files": sorted(
+            [name, entry.sha256, entry.size_bytes] for name, entry in manifest.files.items()
+        ),
+        "shape": list(shape),
+        "dtype": dtype.name,
+        "weight_dtype": manifest.weight_dtype,
+        "tokembed": __version__,
+        "code": _code_digest(),
+        "runtime": RUNTIME_VERSION,
+        "intra_op_threads": at_load.intra_op_threads,
+        "chunk_bytes": _CHUNK_BYTES,
+    }
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The sha256 of the source of the modules that compute and cast the rows, and of the
+    libraries' versions they use: a cached table computed by other code (a server built
+    from a checkout that changed a cast) is not this code's, whatever the package's
+    version says."""
+    digest = hashlib.sha256()
+    for module in (sys.modules[__name__], sessions, segment, core_dtypes):
+        digest.update(Path(str(module.__file__)).read_bytes())
+    try:
+        ml_dtypes_version = importlib.metadata.version("ml_dtypes")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a dependency
+        ml_dtypes_version = "unknown"
+    digest.update(f"numpy {np.__version__}; ml_dtypes {ml_dtypes_version}".encode())
+    return digest.hexdigest()
 
 
 # How each model kind (``tokembed.export.kinds``) is served: a new kind is a row here.

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -127,6 +128,13 @@ class Settings:
         "nearest: a batch closes when it holds this many vectors (their [rows, V] logits "
         "are computed together, the table read once per batch)",
     )
+    nearest_head: str = setting(
+        "auto",
+        "nearest: what multiplies over the head's table: numpy (on the CPU), onnxruntime (the "
+        "head graph, on --device's provider), or auto (onnxruntime where the model runs on "
+        "CUDA, numpy on the CPU, where the graph's session would hold copies of the table)",
+        choices=("auto", "numpy", "onnxruntime"),
+    )
     nearest_first_pass: str = setting(
         "float32",
         "nearest: how the candidates are found before they are scored exactly: float32 (the "
@@ -174,6 +182,23 @@ class Settings:
         "model stored in bfloat16 keeps this table alone, no float32 one: it is served by "
         "the table backend when this table fits (and --float32-table-max-bytes is not 0), "
         "its float32 and float16 answers computed by the model per answer",
+    )
+    table_cache_dir: Path | None = setting(
+        None,
+        "with the table backend, where each row table is written once and memory-mapped "
+        "by every process serving a model with the same files (the workers, later starts, "
+        "versions alike), so that they hold it once between them in the page cache. A "
+        "cache: any file in it may be deleted. Created 0700; refused, with one log line, "
+        "when it belongs to another user or group or others may write in it (each process "
+        "then holds its own tables). Unset: tokembed-tables-UID in the system's temporary "
+        "directory",
+    )
+    table_cache_max_bytes: int = setting(
+        8 * 1024 * MiB,
+        "bound on the table cache's files: after one is written, the least recently used "
+        "others are removed down to it (a process serving a removed file keeps it mapped); "
+        "a table larger than this is held in memory. 0: no cache, each process computes "
+        "and holds its own tables",
     )
     memory_trim_interval_s: float = setting(
         1.0,
@@ -246,6 +271,17 @@ class Settings:
         if self.model_control_mode is not None:
             return self.model_control_mode
         return "explicit" if self.model_repository is not None else "none"
+
+    @property
+    def table_cache_path(self) -> Path | None:
+        """The table cache's directory (``table_cache_dir`` or its default); None when
+        there is no cache."""
+        if self.table_cache_max_bytes == 0:
+            return None
+        if self.table_cache_dir is not None:
+            return self.table_cache_dir
+        # One per user: the directory must be the server's user's alone (models/table_cache).
+        return Path(tempfile.gettempdir()) / f"tokembed-tables-{os.geteuid()}"
 
     @property
     def max_delay_s(self) -> float:
@@ -358,6 +394,7 @@ class Settings:
             "max_connection_age_s",
             "memory_trim_interval_s",
             "max_model_memory_bytes",
+            "table_cache_max_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ServerConfigError(f"{name} must not be negative, got {getattr(self, name)}")

@@ -6,7 +6,8 @@ vLLM cannot run here (it needs a GPU), so its payload is decoded as vLLM decodes
 step by step: ``safe_load_prompt_embeds`` in vLLM's ``vllm/renderers/embed_utils.py``
 (``vllm/entrypoints/renderer.py``'s ``load_prompt_embeds`` before it): strict base64,
 ``torch.load(weights_only=True)`` on the CPU under sparse-invariant checks, a float32,
-bfloat16 or float16 tensor, ``to_dense()``, a leading batch dimension squeezed, 2-D.
+bfloat16 or float16 tensor, ``to_dense()``, a leading batch dimension squeezed, 2-D and
+the model's hidden size wide (vLLM 0.34.0), then cast to the model's dtype.
 """
 
 from __future__ import annotations
@@ -93,9 +94,11 @@ def client(server: ServerThread) -> Iterator[EmbeddingClient]:
 
 def vllm_decode(embed: str | bytes) -> torch.Tensor:
     """What vLLM makes of a ``prompt_embeds`` payload, step by step as its
-    ``safe_load_prompt_embeds`` (vllm/renderers/embed_utils.py) does; ``pybase64``'s
-    ``b64decode(..., validate=True)`` is the standard library's (strict: no character
-    outside the alphabet, right padding)."""
+    ``safe_load_prompt_embeds`` (vllm/renderers/embed_utils.py, as in vLLM 0.34.0) does;
+    ``pybase64``'s ``b64decode(..., validate=True)`` is the standard library's (strict: no
+    character outside the alphabet, right padding). vLLM then casts the tensor to the
+    model's dtype (any floating dtype; tokembed sends float32, bfloat16 or float16): the
+    tests compare the tensor that cast starts from."""
     with torch.sparse.check_sparse_tensor_invariants():
         tensor = torch.load(
             io.BytesIO(base64.b64decode(embed, validate=True)),
@@ -110,7 +113,8 @@ def vllm_decode(embed: str | bytes) -> torch.Tensor:
         tensor = tensor.to_dense()
     if tensor.dim() > 2:
         tensor = tensor.squeeze(0)
-        assert tensor.dim() == 2
+    # vLLM 0.34.0 refuses any other shape than [S, the model's hidden size].
+    assert tensor.dim() == 2 and tensor.shape[1] == D
     return tensor
 
 
@@ -148,27 +152,26 @@ def test_the_vllm_payload_for_a_leading_batch_of_one_and_the_async_client(
     assert torch.equal(_bits(vllm_decode(from_async)), _bits(served))
 
 
-def test_gemma2_payloads_are_unscaled_as_vllm_and_sglang_scale_after(
+def test_gemma2_payloads_scaled_for_vllm_and_unscaled_for_sglang(
     client: EmbeddingClient, tables: dict[str, Any]
 ) -> None:
     """Gemma 2's served vectors are E[id] * sqrt(hidden) (transformers' scaled embedding
-    module); vLLM's and SGLang's Gemma2Model multiply inputs_embeds by the normalizer
-    themselves, so their payloads carry E[id]: the table's rows, to within the one
-    rounding of the served product."""
+    module). vLLM 0.34.0's Gemma2Model scales in ``embed_input_ids`` and takes
+    ``inputs_embeds`` as they come, so its payload is the served tensor; SGLang 0.5.23's
+    Gemma2Model multiplies ``input_embeds`` by the normalizer itself, so its payload carries
+    E[id]: the table's rows, to within the one rounding of the served product."""
     info = client.info("gemma2")
-    assert info.engine_scales["vllm"] == info.engine_scales["sglang"] == 1.0
     assert info.scale == pytest.approx(D**0.5, rel=1e-6)
+    assert info.engine_scales["vllm"] == info.scale
+    assert info.engine_scales["sglang"] == 1.0
+    served = client.embed([IDS], model="gemma2")[0]
+    decoded = vllm_decode(client.vllm_prompt_embeds(IDS, "float32", model="gemma2"))
+    assert torch.equal(_bits(decoded), _bits(torch.from_numpy(served.copy())))
     rows = tables["gemma2"][IDS]
-    for dtype in ("float32", "bfloat16"):
-        decoded = vllm_decode(client.vllm_prompt_embeds(IDS, dtype, model="gemma2"))
-        want = torch.from_numpy(rows).to(TORCH[dtype])
-        ulps = (_bits(decoded).int() - _bits(want).int()).abs().max().item()
-        assert ulps <= 1, (dtype, ulps)
     sglang = np.array(client.sglang_input_embeds(IDS, model="gemma2"), dtype=np.float32)
     ulps = np.abs(sglang.view(np.int32).astype(np.int64) - rows.view(np.int32)).max()
     assert ulps <= 1
     # Without the engine's difference, the served vectors are sqrt(48) times these.
-    served = client.embed([IDS], model="gemma2")[0]
     assert np.abs(served).max() > 5 * np.abs(rows).max()
 
 
@@ -276,7 +279,7 @@ def _engine_examples() -> list[str]:
 
 
 def test_the_docs_examples_run_and_say_what_they_do(
-    server: ServerThread, tables: dict[str, Any]
+    server: ServerThread, client: EmbeddingClient, tables: dict[str, Any]
 ) -> None:
     transformers_example, vllm_example, sglang_example = _engine_examples()
     run = {}
@@ -293,15 +296,18 @@ def test_the_docs_examples_run_and_say_what_they_do(
     ids = torch.tensor([done["ids"]])
     from_ids = done["model"].generate(input_ids=ids, attention_mask=done["mask"], max_new_tokens=16)
     assert torch.equal(done["out"], from_ids[:, ids.shape[1] :])
-    # vLLM: the payload decodes as vLLM decodes it, the Gemma 2 rows unscaled.
+    # vLLM: the payload decodes as vLLM decodes it, the Gemma 2 vectors as served.
     decoded = vllm_decode(run["vllm"]["payload"])
     assert decoded.dtype == torch.bfloat16 and decoded.shape == (5, D)
-    rows = torch.from_numpy(tables["gemma2"][run["vllm"]["ids"]]).to(torch.bfloat16)
-    assert (_bits(decoded).int() - _bits(rows).int()).abs().max().item() <= 1
+    served = engines.as_torch(client.embed([run["vllm"]["ids"]], "bfloat16", model="gemma2")[0])
+    assert torch.equal(_bits(decoded), _bits(served))
     assert json.loads(run["vllm"]["request"])["prompt_embeds"] == run["vllm"]["payload"]
-    # SGLang: the served float32 rows, through JSON.
+    # SGLang: the Gemma 2 rows unscaled, float32 through JSON.
     body = json.loads(run["sglang"]["request"])
-    assert np.array(body["input_embeds"]).shape == (5, D)
+    embeds = np.array(body["input_embeds"], dtype=np.float32)
+    rows = tables["gemma2"][run["sglang"]["ids"]]
+    assert embeds.shape == (5, D)
+    assert np.abs(embeds.view(np.int32).astype(np.int64) - rows.view(np.int32)).max() <= 1
 
 
 def test_tokembed_info_prints_the_architecture_and_what_each_engine_expects(
@@ -313,4 +319,4 @@ def test_tokembed_info_prints_the_architecture_and_what_each_engine_expects(
     assert "architecture       gemma2" in lines
     assert any(line.startswith("convention         gemma2: served vectors are E[id] * 6.9282")
                for line in lines)  # fmt: skip
-    assert "engine scales      sglang 1, transformers 6.9282, vllm 1" in lines
+    assert "engine scales      sglang 1, transformers 6.9282, vllm 6.9282" in lines

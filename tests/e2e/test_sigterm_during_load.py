@@ -11,6 +11,8 @@ seconds while its files stay small and quick to export.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +25,9 @@ from tokembed.client import EmbeddingClient, UnavailableError
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import DEFAULT_V
+from support.metrics import scrape, total
 from support.models import export_model_dir
+from support.ports import free_ports
 from support.repository import put_version
 from support.requests import embed_request
 from support.server import ServerProcess, wait_for
@@ -89,3 +93,52 @@ def test_sigterm_during_a_load_answers_it_finishes_what_is_in_flight_and_exits_w
 def _state(control: EmbeddingClient, name: str) -> str:
     states = [m.state for m in control.repository_index() if m.name == name]
     return states[0] if states else ""
+
+
+def test_sigterm_to_workers_during_a_load_exits_every_worker_within_the_grace(
+    tmp_path: Path, default_model_dir: Path, slow_model_dir: Path
+) -> None:
+    """``--workers 2`` in poll mode (explicit control needs one process): a new model
+    copied into the repository, each worker loading it, and SIGTERM to the parent, which
+    forwards it: the parent, which waits for every worker, exits 0 within the grace, the
+    loads abandoned."""
+    put_version(tmp_path, SERVED, 1, default_model_dir)
+    port, metrics_base, _ = free_ports(3, consecutive=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokembed.cli", "serve", "--model-repository", str(tmp_path),
+         "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--workers", "2",
+         "--grace-s", str(GRACE_S), "--port", str(port), "--metrics-port", str(metrics_base)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        def both_ready() -> bool:
+            try:
+                return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(2))
+            except OSError:
+                return False
+
+        assert wait_for(both_ready, 60, 0.2)
+        put_version(tmp_path, SLOW, 1, slow_model_dir)
+
+        def both_loading() -> bool:
+            states = []
+            for i in range(2):
+                text = scrape(metrics_base + i)
+                states.append(
+                    total(text, "tokembed_model_state", {"model": SLOW, "state": "LOADING"})
+                )
+            return all(state == 1 for state in states)
+
+        assert wait_for(both_loading, 30, 0.05)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert took <= GRACE_S + MARGIN_S, f"exited {took:.1f}s after SIGTERM\n{stderr}"
+    assert f"loaded model {SLOW}" not in stderr

@@ -243,13 +243,13 @@ def test_model_info_and_listing_describe_the_bert_model(
         ("segment", (TYPES, D), "float32"),
     ]
     # The table backend holds a row per (id, type): T * V rows, and their float16 and
-    # bfloat16 casts.
+    # bfloat16 casts, mapped from the table cache (on by default).
     assert info.backend == "table"
     rows = TYPES * V * D
     assert info.memory_bytes == {
-        "float32 table": rows * 4,
-        "float16 table": rows * 2,
-        "bfloat16 table": rows * 2,
+        "mapped float32 table": rows * 4,
+        "mapped float16 table": rows * 2,
+        "mapped bfloat16 table": rows * 2,
     }
     assert info.serving_memory_bytes["table"] == rows * 8
     assert info.serving_memory_bytes["onnxruntime"] > (V + TYPES) * D * 4
@@ -314,7 +314,7 @@ def test_a_factorized_model_is_served_from_its_table_when_it_fits_else_per_batch
     with EmbeddingClient(over.target) as client:
         fallback = client.info()
     assert chosen.backend == "table"
-    assert chosen.memory_bytes["float32 table"] == table_bytes
+    assert chosen.memory_bytes["mapped float32 table"] == table_bytes
     assert fallback.backend == "onnxruntime"
     weights = V * INNER * 4 + INNER * D * 4 + D * 4
     assert fallback.memory_bytes["weights"] >= weights

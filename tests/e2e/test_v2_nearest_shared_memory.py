@@ -9,6 +9,7 @@ tests/server/test_shm_registry.py."""
 
 from __future__ import annotations
 
+import queue
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,3 +187,25 @@ def test_a_region_on_a_server_without_shared_memory_is_refused(
         vectors.set_shared_memory("anything", N * D * 4)
         message = _refused(client, [vectors, _k(K)])
         assert "shared memory is off on this server" in message, message
+
+
+def test_vectors_from_a_region_in_a_stream(
+    tied: Path, start_server: Any, regions: MakeRegion, prefix: str, reads: list[int]
+) -> None:
+    """ModelStreamInfer reads a nearest request's vectors from the caller's region as
+    ModelInfer does (its answers stay in the stream)."""
+    server = serve(start_server, tied, prefix)
+    h = np.random.default_rng(13).standard_normal((N, D)).astype(np.float32)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    with tc.InferenceServerClient(server.target) as client:
+        in_message = client.infer("m.nearest", [_in_message(h), _k(K)])
+        vectors = _vectors_in(client, regions, h)
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("m.nearest", [vectors, _k(K)], request_id="from-region")
+        result, error = answers.get(timeout=30)
+        client.stop_stream()
+        client.unregister_system_shared_memory()
+    assert error is None, error
+    assert result.get_response().id == "from-region" and reads == [h.nbytes]
+    np.testing.assert_array_equal(result.as_numpy("ids"), in_message.as_numpy("ids"))
+    np.testing.assert_array_equal(result.as_numpy("scores"), in_message.as_numpy("scores"))

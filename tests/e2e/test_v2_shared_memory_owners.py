@@ -222,3 +222,48 @@ def test_without_client_certificates_callers_share_one_identity(
         infer_with(second, headers, output_region="a")
         second.unregister_system_shared_memory("a", headers=headers)
         assert regions_of(first, headers) == {}
+
+
+def test_texts_and_their_outputs_use_the_callers_regions_alone(
+    start_server: Any, text_model_dir: Path, pki: SimpleNamespace, objects: Any
+) -> None:
+    """The text input in a region, and a text answer's output into one, as the ids are:
+    another certificate naming alice's regions is refused as for a name never registered,
+    and reads or writes nothing; alice's own request is answered into her region."""
+    from tritonclient.utils import serialize_byte_tensor
+
+    server = start_server(
+        text_model_dir, shared_memory="system", shared_memory_prefix=objects.prefix,
+        tls_cert=pki.server.cert, tls_key=pki.server.key, tls_client_ca=pki.ca,
+    )  # fmt: skip
+    serialized = serialize_byte_tensor(np.array([b"hello world", b"owners"], dtype=np.object_))
+    size = len(serialized.item())
+    text_key, text_handle = objects("text", size)
+    shm.set_shared_memory_region(text_handle, [serialized])
+    out_key, out_handle = objects("hidden", 1 << 14)
+
+    def texts_with(client: Any, *, text_region: str = "", output_region: str = "") -> Any:
+        given = tc.InferInput("text", [2], "BYTES")
+        if text_region:
+            given.set_shared_memory(text_region, size)
+        else:
+            given.set_data_from_numpy(np.array([b"hello world", b"owners"], dtype=np.object_))
+        wanted = tc.InferRequestedOutput("hidden_states")
+        if output_region:
+            wanted.set_shared_memory(output_region, 1 << 14)
+        return client.infer("text", [given], outputs=[wanted])
+
+    with tls_client(server, pki, "alice") as alice, tls_client(server, pki, "bob") as bob:
+        alice.register_system_shared_memory("text", text_key, size)
+        alice.register_system_shared_memory("hidden", out_key, 1 << 14)
+        for side, name in (("text_region", "text"), ("output_region", "hidden")):
+            status, message = refusal(texts_with, bob, **{side: name})
+            assert status == "StatusCode.INVALID_ARGUMENT"
+            assert f"no shared-memory region named {name!r} is registered" in message
+        assert not shm.get_contents_as_numpy(out_handle, np.uint8, [1 << 14]).any()
+        expected = texts_with(alice).as_numpy("hidden_states")
+        result = texts_with(alice, text_region="text", output_region="hidden")
+        rows = result.get_response().outputs[0].shape
+        got = shm.get_contents_as_numpy(out_handle, np.float32, list(rows))
+        np.testing.assert_array_equal(got, expected)
+        alice.unregister_system_shared_memory()

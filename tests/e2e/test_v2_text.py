@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from tokembed.client import EmbeddingClient
@@ -91,9 +91,13 @@ def test_metadata_and_config_describe_the_text_input(triton: Any) -> None:
     metadata = triton.get_model_metadata(MODEL, as_json=True)
     assert {"name": "text", "datatype": "BYTES", "shape": ["-1"]} in metadata["inputs"]
     names = [output["name"] for output in metadata["outputs"]]
-    assert names == ["hidden_states", "input_ids", "lengths", "offsets", "special_tokens_mask"]
+    assert names == ["hidden_states", "input_ids", "lengths", "offsets", "special_tokens_mask",
+                     "texts"]  # fmt: skip
+    assert {"name": "texts", "datatype": "BYTES", "shape": ["-1"]} in metadata["outputs"]
     config = triton.get_model_config(MODEL).config
     assert [i.name for i in config.input] == ["input_ids", "text"]
+    texts = [o for o in config.output if o.name == "texts"]
+    assert len(texts) == 1 and texts[0].data_type == model_config_pb2.TYPE_STRING
     assert config.parameters["tokenizer"].string_value == "WordPiece"
     small = triton.get_model_metadata("small", as_json=True)
     assert [i["name"] for i in small["inputs"]] == ["input_ids"]

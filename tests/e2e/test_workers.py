@@ -52,3 +52,49 @@ def test_two_workers_share_the_port_and_both_serve(
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
+
+
+def test_two_workers_serve_from_one_mapped_table_file(
+    small_model_dir: Path, small_rows: np.ndarray, tmp_path: Path
+) -> None:
+    """The table cache: the workers' tables are one set of files, each mapped by both
+    processes, and the answers are the model's rows bit for bit."""
+    import psutil
+
+    cache = tmp_path / "tables"
+    port, metrics_base, _ = free_ports(3, consecutive=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokembed.cli", "serve", "--model-dir", str(small_model_dir),
+         "--port", str(port), "--metrics-port", str(metrics_base), "--workers", "2",
+         "--table-cache-dir", str(cache)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        def both_ready() -> bool:
+            try:
+                return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(2))
+            except OSError:
+                return False
+
+        assert wait_for(both_ready, 60, 0.2)
+        files = {str(path) for path in cache.glob("*.rows")}
+        assert len(files) == 3  # float32, float16 and bfloat16, written once
+        children = psutil.Process(process.pid).children()
+        workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+        assert len(workers) == 2
+        for worker in workers:
+            maps = Path(f"/proc/{worker.pid}/maps").read_text()
+            assert all(path in maps for path in files), (worker.pid, files)
+        ids = np.arange(small_rows.shape[0]).reshape(4, -1)
+        for _ in range(40):  # the kernel spreads connections over both workers
+            options = (("grpc.use_local_subchannel_pool", 1),)
+            with EmbeddingClient(f"127.0.0.1:{port}", channel_options=options) as client:
+                np.testing.assert_array_equal(client.embed(ids), small_rows[ids])
+                half = client.embed(ids, "float16")
+                np.testing.assert_array_equal(half, small_rows[ids].astype(np.float16))
+        assert min(_served_by(metrics_base + i) for i in range(2)) > 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr

@@ -28,6 +28,7 @@ import transformers
 
 from tokembed.cli.main import main as cli_main
 from tokembed.client import EmbeddingClient
+from tokembed.export.pretrained_table import ENGINE_VERSIONS
 from tokembed.server.process.settings import Settings
 
 from support.server import ServerThread
@@ -211,15 +212,15 @@ def test_served_vectors_are_what_inputs_embeds_takes(
 
 
 # What each architecture's manifest says: the key of its table, the scale its served
-# vectors carry (that of transformers' embedding module), the scale vLLM and SGLang expect
-# (None: not recorded, that engine takes no inputs_embeds for it).
+# vectors carry (that of transformers' embedding module), the scale vLLM 0.34.0 and SGLang
+# 0.5.23 expect (None: not recorded, that engine takes no inputs_embeds for it).
 GEMMA_SCALE = float(np.float32(math.sqrt(D)))
 EXPECTED = {
     "llama": ("model.embed_tokens.weight", 1.0, 1.0, 1.0),
     "mistral": ("model.embed_tokens.weight", 1.0, 1.0, 1.0),
     "qwen2": ("model.embed_tokens.weight", 1.0, 1.0, 1.0),
-    "gemma": ("model.embed_tokens.weight", GEMMA_SCALE, 1.0, 1.0),
-    "gemma2": ("model.embed_tokens.weight", GEMMA_SCALE, 1.0, 1.0),
+    "gemma": ("model.embed_tokens.weight", GEMMA_SCALE, GEMMA_SCALE, 1.0),
+    "gemma2": ("model.embed_tokens.weight", GEMMA_SCALE, GEMMA_SCALE, 1.0),
     "gemma3_text": ("model.embed_tokens.weight", GEMMA_SCALE, GEMMA_SCALE, GEMMA_SCALE),
     "gpt2": ("transformer.wte.weight", 1.0, 1.0, None),
     "bert": ("bert.embeddings.word_embeddings.weight", 1.0, None, None),
@@ -247,8 +248,11 @@ def test_the_manifest_and_get_model_info_report_the_convention(
     for engine, expected in (("vllm", vllm), ("sglang", sglang)):
         if expected is None:
             assert engine not in info.engine_scales
+            assert f"{engine} " not in info.convention
         else:
             assert info.engine_scales[engine] == pytest.approx(expected, rel=1e-7)
+            # The convention names the engine's release its source was read in.
+            assert f"{engine} {ENGINE_VERSIONS[engine]}" in info.convention
     assert arch in info.convention and "inputs_embeds" in info.convention
 
 
@@ -322,7 +326,9 @@ def test_generation_from_served_vectors_equals_generation_from_ids(
 def test_the_export_prints_what_it_found(exported: _Exported) -> None:
     printed = exported.printed["gemma2"]
     assert "gemma2: served vectors are E[id] * " in printed
-    assert "vllm and sglang take E[id] unscaled" in printed
+    assert "; sglang takes E[id] unscaled and multiplies after" in printed
+    vllm, sglang = ENGINE_VERSIONS["vllm"], ENGINE_VERSIONS["sglang"]
+    assert f"(as read in vllm {vllm}, sglang {sglang})" in printed
     assert "final norm model.norm.weight: rmsnorm" in printed
     assert "segment table bert.embeddings.token_type_embeddings.weight" in exported.printed["bert"]
 
@@ -466,5 +472,6 @@ def test_the_v2_model_config_reports_the_convention(client: EmbeddingClient) -> 
     info = client.info("gemma2")
     assert parameters["architecture"] == "gemma2"
     assert parameters["convention"] == info.convention
-    assert float(parameters["engine_scale_vllm"]) == 1.0
+    assert float(parameters["engine_scale_sglang"]) == 1.0
+    assert float(parameters["engine_scale_vllm"]) == info.scale
     assert float(parameters["engine_scale_transformers"]) == info.scale

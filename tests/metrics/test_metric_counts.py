@@ -184,8 +184,13 @@ def test_every_method_is_counted_under_its_name(
         stub.ListModels(pb.ListModelsRequest(), timeout=10)
         with pytest.raises(grpc.RpcError):  # the small model has no head
             stub.Nearest(pb.NearestRequest(k=1), timeout=10)
+        with pytest.raises(grpc.RpcError):
+            list(stub.NearestChunked(pb.NearestRequest(k=1), timeout=10))
         tokenized = stub.Tokenize(pb.TokenizeRequest(texts=[b"hello world"], model_name="text"))
         embedded = stub.EmbedText(pb.EmbedTextRequest(texts=[b"a b", b"c"], model_name="text"))
+        chunked_text = list(
+            stub.EmbedTextChunked(pb.EmbedTextRequest(texts=[b"d e"], model_name="text"))
+        )
         stub.Detokenize(pb.DetokenizeRequest(
             input_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 2], data=bytes(16)),
             model_name="text",
@@ -203,7 +208,8 @@ def test_every_method_is_counted_under_its_name(
     assert requests_by_code(server, "GetModelInfo") == {"OK": 1}
     assert requests_by_code(server, "ListModels") == {"OK": 1}
     assert requests_by_code(server, "Nearest") == {"INVALID_ARGUMENT": 1}
-    for method in ("Tokenize", "EmbedText", "Detokenize"):
+    assert requests_by_code(server, "NearestChunked") == {"INVALID_ARGUMENT": 1}
+    for method in ("Tokenize", "EmbedText", "EmbedTextChunked", "Detokenize"):
         assert requests_by_code(server, method) == {"OK": 1}, method
     text_tokens = sum(
         len(np.frombuffer(named.tensor.data, np.int64))
@@ -211,14 +217,22 @@ def test_every_method_is_counted_under_its_name(
         for named in answer.tensors
         if named.name == "input_ids"
     )
-    assert server.metric("tokembed_tokens_total", {"model": "text"}) == text_tokens + 2
+    chunked_tokens = sum(
+        int(np.prod(named.tensor.shape))
+        for named in chunked_text[0].header.tensors
+        if named.name == "input_ids"
+    )
+    assert chunked_tokens > 0
+    assert server.metric("tokembed_tokens_total", {"model": "text"}) == (
+        text_tokens + chunked_tokens + 2
+    )
     counted = {
         sample.labels["method"]
         for sample in matching(scrape(server.metrics_port), "tokembed_requests_total")
         if sample.value
     }
     assert counted == set(FRONT_END.methods)
-    assert rejections(server) == {"invalid_input": 2}
+    assert rejections(server) == {"invalid_input": 3}
     # Tokens are the ids sent, not padded positions: 3x8 streamed, 2x8 chunked, 8 ragged.
     assert m("tokembed_tokens_total") == 24 + 16 + 8
     streamed = sum(

@@ -108,7 +108,7 @@ ROOMS = (
         "server/models/",
         "tokembed.server.models",
         may_import=(
-            *("numpy", "tokembed.export", "tokembed.server.models"),
+            *("numpy", VERSION, "tokembed.export", "tokembed.server.models"),
             *("tokembed.server.core", "tokembed.server.backends"),
             "tokembed.server.process.settings",
         ),

@@ -714,6 +714,38 @@ class TensorsResponse(_message.Message):
 Global___TensorsResponse: _TypeAlias = TensorsResponse  # noqa: Y015
 
 @_typing.final
+class TensorsChunk(_message.Message):
+    """One message of an answer of several named tensors sent in chunks (NearestChunked,
+    EmbedTextChunked).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """A slice of the tensors' raw bytes, the header's tensors one after another; slices
+    arrive in order and may span the end of one tensor and the start of the next.
+    """
+    @_builtins.property
+    def header(self) -> Global___TensorsResponse:
+        """First chunk only: the response with every tensor's data empty."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___TensorsResponse | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorsChunk: _TypeAlias = TensorsChunk  # noqa: Y015
+
+@_typing.final
 class GetModelInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1017,6 +1049,7 @@ class HeadInfo(_message.Message):
     TABLE_FIELD_NUMBER: _builtins.int
     NORM_FIELD_NUMBER: _builtins.int
     MAX_K_FIELD_NUMBER: _builtins.int
+    RUNS_ON_FIELD_NUMBER: _builtins.int
     table: _builtins.str
     """"embedding" (tied: the look-up's own table; a segment model's word table), "output" (an
     untied projection) or "served" (a factorized model's served vectors of every id).
@@ -1025,16 +1058,21 @@ class HeadInfo(_message.Message):
     """The final norm applied with apply_norm: "rmsnorm", "layernorm", or empty (none)."""
     max_k: _builtins.int
     """The largest k a request may ask for."""
+    runs_on: _builtins.str
+    """What multiplies over the table: "numpy" (on the CPU), or the onnxruntime execution
+    provider that runs the head graph ("CUDAExecutionProvider", "CPUExecutionProvider").
+    """
     def __init__(
         self,
         *,
         table: _builtins.str = ...,
         norm: _builtins.str = ...,
         max_k: _builtins.int = ...,
+        runs_on: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_k", b"max_k", "norm", b"norm", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_k", b"max_k", "norm", b"norm", "runs_on", b"runs_on", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -64,6 +64,11 @@ class EmbeddingServiceStub(object):
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
                 response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
                 _registered_method=True)
+        self.NearestChunked = channel.unary_stream(
+                '/tokembed.v1.EmbeddingService/NearestChunked',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tokembed.v1.EmbeddingService/Tokenize',
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.TokenizeRequest.SerializeToString,
@@ -78,6 +83,11 @@ class EmbeddingServiceStub(object):
                 '/tokembed.v1.EmbeddingService/EmbedText',
                 request_serializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
                 response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+                _registered_method=True)
+        self.EmbedTextChunked = channel.unary_stream(
+                '/tokembed.v1.EmbeddingService/EmbedTextChunked',
+                request_serializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
+                response_deserializer=tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.FromString,
                 _registered_method=True)
 
 
@@ -132,6 +142,16 @@ class EmbeddingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NearestChunked(self, request, context):
+        """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+        carries the header (every tensor's name, dtype and shape, their data empty; the
+        timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+        it, in the header's order. The client uses it for large answers (the logits).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
         it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
@@ -155,6 +175,15 @@ class EmbeddingServiceServicer(object):
         """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
         input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
         another, in output_dtype).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedTextChunked(self, request, context):
+        """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+        TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+        slices). The client uses it for large answers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +222,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.FromString,
                     response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
             ),
+            'NearestChunked': grpc.unary_stream_rpc_method_handler(
+                    servicer.NearestChunked,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.NearestRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.SerializeToString,
+            ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.TokenizeRequest.FromString,
@@ -207,6 +241,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.EmbedText,
                     request_deserializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.FromString,
                     response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.SerializeToString,
+            ),
+            'EmbedTextChunked': grpc.unary_stream_rpc_method_handler(
+                    servicer.EmbedTextChunked,
+                    request_deserializer=tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.FromString,
+                    response_serializer=tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -382,6 +421,33 @@ class EmbeddingService(object):
             _registered_method=True)
 
     @staticmethod
+    def NearestChunked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/NearestChunked',
+            tokembed_dot_v1_dot_embedding__pb2.NearestRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Tokenize(request,
             target,
             options=(),
@@ -452,6 +518,33 @@ class EmbeddingService(object):
             '/tokembed.v1.EmbeddingService/EmbedText',
             tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
             tokembed_dot_v1_dot_embedding__pb2.TensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedTextChunked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokembed.v1.EmbeddingService/EmbedTextChunked',
+            tokembed_dot_v1_dot_embedding__pb2.EmbedTextRequest.SerializeToString,
+            tokembed_dot_v1_dot_embedding__pb2.TensorsChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,12 @@ class EmbeddingServiceStub:
     (the tied embedding table, or the exported output projection; a model with neither
     is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
     """
+    NearestChunked: _grpc.UnaryStreamMultiCallable[_embedding_pb2.NearestRequest, _embedding_pb2.TensorsChunk]
+    """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+    carries the header (every tensor's name, dtype and shape, their data empty; the
+    timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+    it, in the header's order. The client uses it for large answers (the logits).
+    """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_embedding_pb2.TokenizeRequest, _embedding_pb2.TensorsResponse]
     """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
     it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
@@ -75,6 +81,11 @@ class EmbeddingServiceStub:
     """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
     input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
     another, in output_dtype).
+    """
+    EmbedTextChunked: _grpc.UnaryStreamMultiCallable[_embedding_pb2.EmbedTextRequest, _embedding_pb2.TensorsChunk]
+    """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+    TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+    slices). The client uses it for large answers.
     """
 
 @_typing.type_check_only
@@ -101,6 +112,12 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     (the tied embedding table, or the exported output projection; a model with neither
     is INVALID_ARGUMENT). Answered as named tensors: ids, scores (and logits).
     """
+    NearestChunked: _aio.UnaryStreamMultiCallable[_embedding_pb2.NearestRequest, _embedding_pb2.TensorsChunk]  # type: ignore[assignment]
+    """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+    carries the header (every tensor's name, dtype and shape, their data empty; the
+    timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+    it, in the header's order. The client uses it for large answers (the logits).
+    """
     Tokenize: _aio.UnaryUnaryMultiCallable[_embedding_pb2.TokenizeRequest, _embedding_pb2.TensorsResponse]  # type: ignore[assignment]
     """Texts to token ids with the model's own tokenizer (the tokenizer.json exported with
     it; GetModelInfo's `tokenizer` says whether it has one, else INVALID_ARGUMENT).
@@ -115,6 +132,11 @@ class EmbeddingServiceAsyncStub(EmbeddingServiceStub):
     """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
     input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
     another, in output_dtype).
+    """
+    EmbedTextChunked: _aio.UnaryStreamMultiCallable[_embedding_pb2.EmbedTextRequest, _embedding_pb2.TensorsChunk]  # type: ignore[assignment]
+    """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+    TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+    slices). The client uses it for large answers.
     """
 
 class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -176,6 +198,18 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
+    def NearestChunked(
+        self,
+        request: _embedding_pb2.NearestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_embedding_pb2.TensorsChunk], _abc.AsyncIterator[_embedding_pb2.TensorsChunk]]:
+        """Nearest's answer as a stream of chunks, as EmbedChunked sends Embed's: the first
+        carries the header (every tensor's name, dtype and shape, their data empty; the
+        timings), the rest carry the tensors' raw bytes, each tensor's after the one before
+        it, in the header's order. The client uses it for large answers (the logits).
+        """
+
+    @_abc_1.abstractmethod
     def Tokenize(
         self,
         request: _embedding_pb2.TokenizeRequest,
@@ -206,6 +240,17 @@ class EmbeddingServiceServicer(metaclass=_abc_1.ABCMeta):
         """Texts to vectors: tokenized as Tokenize does, then looked up as Embed does. Answers
         input_ids [N], lengths [B] and hidden_states [N, D] (each text's rows one after
         another, in output_dtype).
+        """
+
+    @_abc_1.abstractmethod
+    def EmbedTextChunked(
+        self,
+        request: _embedding_pb2.EmbedTextRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_embedding_pb2.TensorsChunk], _abc.AsyncIterator[_embedding_pb2.TensorsChunk]]:
+        """EmbedText's answer as a stream of chunks, as NearestChunked sends Nearest's (a
+        TensorsChunk header naming input_ids, lengths and hidden_states, then their bytes in
+        slices). The client uses it for large answers.
         """
 
 def add_EmbeddingServiceServicer_to_server(servicer: EmbeddingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

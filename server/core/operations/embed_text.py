@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tokembed.server.backends.base import Backend, LookUp, Rows
 from tokembed.server.backends.tokenizer import Encoded
 from tokembed.server.core.dtypes import INT64, OUTPUT_DTYPES
-from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
+from tokembed.server.core.errors import Internal, TooLarge
 from tokembed.server.core.operations.base import Operation
 from tokembed.server.core.operations.embed import within_bound
 from tokembed.server.core.operations.text_request import (
@@ -23,6 +23,9 @@ from tokembed.server.core.operations.text_request import (
     INPUT_IDS,
     LENGTHS,
     TextInput,
+    answer_dtype,
+    read_texts,
+    texts_unread,
 )
 from tokembed.server.core.operations.tokenize import TextJob, text_job, token_tensors
 from tokembed.server.core.served import ServedModel
@@ -57,14 +60,14 @@ class EmbedText(Operation[TextInput, EmbedTextJob, TextRows]):
     name = "embed_text"
     off_loop = True
 
+    def unread(self, request: TextInput) -> bool:
+        return texts_unread(request)
+
+    async def read(self, request: TextInput, model: ServedModel) -> TextInput:
+        return await read_texts(request, model, EMBED_TEXT_OUTPUTS, output_dtype=True)
+
     def validate(self, request: TextInput, model: ServedModel) -> EmbedTextJob:
-        dtype = OUTPUT_DTYPES.get(request.output_dtype)
-        if dtype is None:
-            *others, last = OUTPUT_DTYPES
-            raise InvalidInput(
-                f"output_dtype {request.output_dtype} is not supported; ask for "
-                f"{', '.join(others)} or {last}"
-            )
+        dtype = answer_dtype(request.output_dtype)
         job = text_job(request, model, EMBED_TEXT_OUTPUTS, model.d_model * dtype.itemsize + 16)
         return EmbedTextJob(job, dtype.name)
 

@@ -8,11 +8,13 @@ a tokenizer refuses them all, naming how to give it one.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokembed.server.backends.tokenizer import TextTokenizer
-from tokembed.server.core.errors import InvalidInput, TooLarge
+from tokembed.server.core.dtypes import OUTPUT_DTYPES, DType
+from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
 from tokembed.server.core.served import ServedModel
 
 TEXT = "text"  # V2's input of texts (BYTES, [B]); the answers' tensors are named as below
@@ -21,6 +23,24 @@ LENGTHS = "lengths"
 OFFSETS = "offsets"
 SPECIAL_TOKENS_MASK = "special_tokens_mask"
 HIDDEN_STATES = "hidden_states"
+TEXTS = "texts"  # V2's output of detokenized texts (BYTES, [B])
+
+
+class UnreadTexts(ABC):
+    """Texts where the request left them, not yet taken (V2: a BYTES input in a
+    shared-memory region). What they declare, their count and size, is the request's;
+    they are read only once the request fits the model (``read_texts``)."""
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def count(self) -> int:
+        """The texts the request declares (its input's shape)."""
+
+    @abstractmethod
+    async def read(self) -> list[bytes]:
+        """The texts, exactly ``count`` of them; raises ``EmbedError``."""
 
 
 @dataclass(slots=True)
@@ -28,7 +48,7 @@ class TextInput:
     """A Tokenize or EmbedText request: texts, how to tokenize them, the answer's dtype
     (EmbedText's), and which of the answer's tensors to send (empty: all)."""
 
-    texts: Sequence[bytes]
+    texts: Sequence[bytes] | UnreadTexts
     add_special_tokens: bool = True
     truncate: bool = False  # False: a text over the model's limit is refused
     output_dtype: str = "float32"
@@ -53,6 +73,47 @@ def tokenizer_of(model: ServedModel) -> TextTokenizer:
             "(tokembed export ... --tokenizer tokenizer.json); send ids to Embed instead"
         )
     return model.tokenizer
+
+
+def texts_unread(request: TextInput) -> bool:
+    return isinstance(request.texts, UnreadTexts)
+
+
+async def read_texts(
+    request: TextInput, model: ServedModel, known: Sequence[str], output_dtype: bool = False
+) -> TextInput:
+    """The request with its texts read from where it left them, once what it declares fits
+    ``model``: a tokenizer, the outputs asked for among ``known``, the answer's dtype
+    (``output_dtype``: EmbedText's) and at least one text. A refused request reads nothing;
+    the size read is bounded by the front end (a request's own limit), and the texts'
+    tokens, which only tokenizing tells, are checked as for texts in the message."""
+    texts = request.texts
+    if not isinstance(texts, UnreadTexts):
+        return request
+    tokenizer_of(model)
+    wanted(request.outputs, known)
+    if output_dtype:
+        answer_dtype(request.output_dtype)
+    if texts.count == 0:
+        raise InvalidInput("the request has no texts; send at least one (it may be empty)")
+    return replace(request, texts=await texts.read())
+
+
+def answer_dtype(name: str) -> DType:
+    """EmbedText's ``output_dtype``, or ``InvalidInput`` naming those it may be."""
+    dtype = OUTPUT_DTYPES.get(name)
+    if dtype is None:
+        *others, last = OUTPUT_DTYPES
+        raise InvalidInput(
+            f"output_dtype {name} is not supported; ask for {', '.join(others)} or {last}"
+        )
+    return dtype
+
+
+def in_hand(texts: Sequence[bytes] | UnreadTexts) -> Sequence[bytes]:
+    if isinstance(texts, UnreadTexts):
+        raise Internal("this is a bug: texts were validated before they were read")
+    return texts
 
 
 def decoded_texts(texts: Sequence[bytes]) -> list[str]:

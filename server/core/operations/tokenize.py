@@ -25,6 +25,9 @@ from tokembed.server.core.operations.text_request import (
     check_lengths,
     decoded_texts,
     estimated_tokens,
+    in_hand,
+    read_texts,
+    texts_unread,
     tokenizer_of,
     wanted,
 )
@@ -66,8 +69,9 @@ def text_job(
     """``request`` as a job (``row_bytes``: what each token's answer costs)."""
     tokenizer = tokenizer_of(model)
     outputs = wanted(request.outputs, known)
-    texts = decoded_texts(request.texts)
-    tokens = estimated_tokens(request.texts, tokenizer.max_length, request.truncate)
+    sent = in_hand(request.texts)
+    texts = decoded_texts(sent)
+    tokens = estimated_tokens(sent, tokenizer.max_length, request.truncate)
     return TextJob(
         texts, tokenizer, model, request.add_special_tokens, request.truncate, outputs,
         tokens, min(tokens * row_bytes, model.limits.max_output_bytes_per_request),
@@ -93,6 +97,12 @@ def token_tensors(encoded: Encoded, outputs: tuple[str, ...]) -> list[NamedTenso
 class Tokenize(Operation[TextInput, TextJob, Encoded]):
     name = "tokenize"
     off_loop = True
+
+    def unread(self, request: TextInput) -> bool:
+        return texts_unread(request)
+
+    async def read(self, request: TextInput, model: ServedModel) -> TextInput:
+        return await read_texts(request, model, TOKENIZE_OUTPUTS)
 
     def validate(self, request: TextInput, model: ServedModel) -> TextJob:
         return text_job(request, model, TOKENIZE_OUTPUTS, 8 * 4)

@@ -80,7 +80,7 @@ def _timings_field(key: bytes, timings: Timings, server_s: float) -> bytes:
     return key + varint(len(fields)) + fields
 
 
-# --- EmbedStream and EmbedChunked
+# --- EmbedStream, EmbedChunked and NearestChunked
 
 
 def stream_answer(response_bytes: bytes) -> bytes:
@@ -105,9 +105,9 @@ def chunk_header(answer: Answer, request_id: str, server_s: float) -> bytes:
 
 
 def chunk_slices(pieces: Sequence[Buffer], chunk_bytes: int) -> Iterator[bytes]:
-    """The ``EmbedChunk`` messages after the header: the answer's bytes in slices of at
-    most ``chunk_bytes``, each made when it is asked for (so an answer is never whole in
-    memory twice)."""
+    """The ``EmbedChunk`` (or ``TensorsChunk``: the same field) messages after the
+    header: the answer's bytes in slices of at most ``chunk_bytes``, each made when it is
+    asked for (so an answer is never whole in memory twice)."""
     for size, group in _groups(pieces, chunk_bytes):
         yield b"".join([_CHUNK_DATA_KEY, varint(size), *group])
 
@@ -185,7 +185,9 @@ def model_info(served: ServedModel, max_message_bytes: int) -> pb.ModelInfo:
     if head is not None:
         norm = head.norm.kind if head.norm is not None else ""
         max_k = min(served.limits.max_nearest_k, head.vocab_size)
-        answer.head.CopyFrom(pb.HeadInfo(table=head.table_role, norm=norm, max_k=max_k))
+        answer.head.CopyFrom(
+            pb.HeadInfo(table=head.table_role, norm=norm, max_k=max_k, runs_on=head.runs_on)
+        )
     answer.memory_bytes.update(backend.memory_bytes)
     if head is not None and head.memory_bytes:
         # A head that cannot read the look-up's table maps its own, in its stored dtype.
@@ -210,13 +212,28 @@ def tensors_response(answer: Answer, request_id: str, server_s: float) -> bytes:
     """``TensorsResponse`` wire bytes for any answer of several named tensors
     (``Answer.tensors``: nearest's, a tokenizer's), written by hand as Embed's answer is:
     each tensor's pieces copied once, into the response; then the timings and the names."""
+    return b"".join(_tensors_response_parts(answer, request_id, server_s, with_data=True))
+
+
+def tensors_chunk_header(answer: Answer, request_id: str, server_s: float) -> bytes:
+    """The first ``TensorsChunk``'s wire bytes: the ``TensorsResponse`` with every
+    tensor's name, dtype and shape but none of its data (which ``chunk_slices`` sends
+    after it, the tensors' pieces one after another: ``TensorsChunk.data`` is field 2,
+    as ``EmbedChunk.data`` is)."""
+    header = b"".join(_tensors_response_parts(answer, request_id, server_s, with_data=False))
+    return b"".join([field_key(1, LEN), varint(len(header)), header])
+
+
+def _tensors_response_parts(
+    answer: Answer, request_id: str, server_s: float, *, with_data: bool
+) -> list[Buffer]:
     parts: list[Buffer] = []
     for tensor in answer.tensors:
         packed = b"".join([varint(int(dim)) for dim in tensor.shape])
         head = field_key(1, VARINT) + varint(_TENSOR_DTYPES[tensor.dtype])
         if packed:
             head += field_key(2, LEN) + varint(len(packed)) + packed
-        nbytes = tensor.nbytes
+        nbytes = tensor.nbytes if with_data else 0
         data_head = field_key(3, LEN) + varint(nbytes) if nbytes else b""
         tensor_size = len(head) + len(data_head) + nbytes
         name = string_field(_NAME_KEY, tensor.name)
@@ -230,7 +247,7 @@ def tensors_response(answer: Answer, request_id: str, server_s: float) -> bytes:
         string_field(_TENSORS_MODEL_VERSION_KEY, answer.model_version),
         string_field(_TENSORS_REQUEST_ID_KEY, request_id),
     ]
-    return b"".join(parts)
+    return parts
 
 
 # Every dtype a named tensor may be in (ids and answers), to its wire enum value.

@@ -54,9 +54,11 @@ FRONT_END = FrontEnd(
         "GetModelInfo": "model_info",
         "ListModels": "list_models",
         "Nearest": "nearest",
+        "NearestChunked": "nearest",
         "Tokenize": "tokenize",
         "Detokenize": "detokenize",
         "EmbedText": "embed_text",
+        "EmbedTextChunked": "embed_text",
     },
     status_of=status_name,
 )
@@ -118,6 +120,12 @@ class EmbeddingServicer:
         await self._serve("Nearest", request, context, sink, NEAREST)
         return sink.payload
 
+    async def NearestChunked(
+        self, request: NearestCall | Refused, context: grpc.aio.ServicerContext
+    ) -> None:
+        sink = _ChunkedSink(context, self._chunk_bytes, responses.tensors_chunk_header)
+        await self._serve("NearestChunked", request, context, sink, NEAREST)
+
     async def Tokenize(
         self, request: Request[TextInput] | Refused, context: grpc.aio.ServicerContext
     ) -> bytes:
@@ -131,6 +139,12 @@ class EmbeddingServicer:
         sink = _TensorsSink(context)
         await self._serve("EmbedText", request, context, sink, EMBED_TEXT)
         return sink.payload
+
+    async def EmbedTextChunked(
+        self, request: Request[TextInput] | Refused, context: grpc.aio.ServicerContext
+    ) -> None:
+        sink = _ChunkedSink(context, self._chunk_bytes, responses.tensors_chunk_header)
+        await self._serve("EmbedTextChunked", request, context, sink, EMBED_TEXT)
 
     async def Detokenize(
         self, request: Request[DetokenizeInput] | Refused, context: grpc.aio.ServicerContext
@@ -215,15 +229,25 @@ class _TextsSink(GrpcUnarySink):
 
 
 class _ChunkedSink(Sink[tuple[bytes, list[Buffer]]]):
-    """EmbedChunked: a header, then the answer's bytes in slices, each made as it is
-    written (so an answer is never whole in memory twice)."""
+    """EmbedChunked, NearestChunked and EmbedTextChunked: a header (``header``: EmbedChunked's, or a
+    TensorsChunk's), then the answer's bytes in slices (an answer of several tensors: each
+    tensor's pieces after the one before it), each made as it is written (so an answer is
+    never whole in memory twice)."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        context: grpc.aio.ServicerContext,
+        chunk_bytes: int,
+        header: Callable[[Answer, str, float], bytes] = responses.chunk_header,
+    ) -> None:
         self._context = context
         self._chunk_bytes = chunk_bytes
+        self._header = header
 
     def frame(self, answer: Answer, call: Call) -> tuple[bytes, list[Buffer]]:
-        header = responses.chunk_header(answer, call.request_id, _server_s(call))
+        header = self._header(answer, call.request_id, _server_s(call))
+        if answer.several:
+            return header, [piece for tensor in answer.tensors for piece in tensor.pieces]
         return header, list(answer.pieces)
 
     async def send(self, framed: tuple[bytes, list[Buffer]], sent: Callable[[], None]) -> None:
@@ -258,6 +282,9 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
         "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, servicer.parse),
         "EmbedChunked": grpc.unary_stream_rpc_method_handler(servicer.EmbedChunked, servicer.parse),
         "Nearest": grpc.unary_unary_rpc_method_handler(servicer.Nearest, servicer.parse_nearest),
+        "NearestChunked": grpc.unary_stream_rpc_method_handler(
+            servicer.NearestChunked, servicer.parse_nearest
+        ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, parse_model_query, pb.ModelInfo.SerializeToString
         ),
@@ -273,6 +300,9 @@ def generic_handler(servicer: EmbeddingServicer) -> grpc.GenericRpcHandler:
         ),
         "EmbedText": grpc.unary_unary_rpc_method_handler(
             servicer.EmbedText, servicer.parse_text["EmbedText"]
+        ),
+        "EmbedTextChunked": grpc.unary_stream_rpc_method_handler(
+            servicer.EmbedTextChunked, servicer.parse_text["EmbedText"]
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

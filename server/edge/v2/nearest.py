@@ -12,7 +12,8 @@ inputs and outputs, which ModelMetadata and ModelConfig describe.
 
 Names ending in ``.nearest`` are therefore this protocol's: a served model's own name
 never does (``core.repository`` would serve it, but V2 reads it as this). Nearest
-requests inside ModelStreamInfer are refused (INVALID_ARGUMENT; ModelInfer serves them).
+requests are served in ModelStreamInfer too, beside look-ups, answered in order (one
+whose output names a shared-memory region is refused there, as a look-up's is).
 
 System shared memory (``shm``) as for the look-up: ``vectors`` may name a region of the
 caller's (described here, read by ``Nearest.read`` only once everything the request
@@ -233,6 +234,7 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
         "vectors_datatypes": ",".join(_V2_VECTOR_DTYPES),
         "metrics": "dot,cosine",
         "max_k": min(served.limits.max_nearest_k, served.vocab_size),
+        "runs_on": head.runs_on,
         "max_batch_rows": served.batch.nearest_max_batch_rows,
         "max_message_bytes": max_message_bytes,
     }

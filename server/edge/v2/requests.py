@@ -47,7 +47,14 @@ from tokembed.server.core.operations.embed_request import (
 from tokembed.server.edge.v2 import nearest
 from tokembed.server.edge.v2.nearest import NearestCall
 from tokembed.server.edge.v2.parameters import string_parameter
-from tokembed.server.edge.v2.text import TextCall, is_text, text_call
+from tokembed.server.edge.v2.text import (
+    DetokenizeCall,
+    TextCall,
+    asks_texts,
+    detokenize_call,
+    is_text,
+    text_call,
+)
 from tokembed.v2 import grpc_service_pb2 as pb
 
 # The V2 datatype names, by the rows of the server's dtype table (``core.dtypes``): a row
@@ -115,7 +122,9 @@ class InferParser:
         self._max_tokens = max_tokens
         self._source = source or in_request
 
-    def __call__(self, data: bytes) -> InferCall | NearestCall | TextCall | Refused:
+    def __call__(
+        self, data: bytes
+    ) -> InferCall | NearestCall | TextCall | DetokenizeCall | Refused:
         if len(data) > self._max_bytes:
             return Refused(request_over_limit(len(data), self._max_bytes, self._max_tokens))
         try:
@@ -130,7 +139,12 @@ class InferParser:
                 return Refused(error, request.id)
         if is_text(request):  # texts, not ids (``edge.v2.text``)
             try:
-                return text_call(request, V2_OUTPUT_DTYPES)
+                return text_call(request, V2_OUTPUT_DTYPES, self._source, self._max_bytes)
+            except EmbedError as error:
+                return Refused(error, request.id)
+        if asks_texts(request):  # ids to texts (``edge.v2.text``)
+            try:
+                return detokenize_call(request)
             except EmbedError as error:
                 return Refused(error, request.id)
         try:

@@ -23,6 +23,7 @@ from tokembed.server.core.operations.text_request import (
     OFFSETS,
     SPECIAL_TOKENS_MASK,
     TEXT,
+    TEXTS,
 )
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, Buffer
@@ -86,6 +87,18 @@ def tensors_infer_response(answer: Answer, request_id: str) -> bytes:
     """A ``ModelInferResponse`` of any answer of several named tensors (``Answer.tensors``:
     NAME.nearest's, a tokenizer's): each described in ``outputs``, their bytes in
     ``raw_output_contents`` in the same order, each piece copied once."""
+    return b"".join(_tensors_infer_response_parts(answer, request_id))
+
+
+def tensors_stream_response(answer: Answer, request_id: str) -> bytes:
+    """``ModelStreamInferResponse`` bytes whose ``infer_response`` is an answer of several
+    named tensors, framed as :func:`tensors_infer_response` frames it, in the same join."""
+    parts = _tensors_infer_response_parts(answer, request_id)
+    size = sum(memoryview(part).nbytes for part in parts)
+    return b"".join([_STREAM_RESPONSE_KEY, varint(size), *parts])
+
+
+def _tensors_infer_response_parts(answer: Answer, request_id: str) -> list[Buffer]:
     parts: list[Buffer] = [
         model_fields(answer.model_name, answer.model_version),
         string_field(_ID_KEY, request_id),
@@ -100,7 +113,7 @@ def tensors_infer_response(answer: Answer, request_id: str) -> bytes:
         parts += [_OUTPUTS_KEY, varint(len(described)), described]
     for tensor in answer.tensors:
         parts += [_RAW_OUTPUT_KEY, varint(tensor.nbytes), *tensor.pieces]
-    return b"".join(parts)
+    return parts
 
 
 def _output_prefix(name: str, shape: tuple[int, ...], dtype: DType, nbytes: int) -> bytes:
@@ -159,6 +172,7 @@ def model_metadata(served: ServedModel, versions: Sequence[str]) -> pb.ModelMeta
             tensor(name=name, datatype=dtype.v2, shape=shape)
             for name, dtype, shape in _TOKENIZER_OUTPUTS
         ]
+        outputs.append(tensor(name=TEXTS, datatype="BYTES", shape=[-1]))
     return pb.ModelMetadataResponse(
         name=served.name,
         versions=list(versions),
@@ -169,7 +183,8 @@ def model_metadata(served: ServedModel, versions: Sequence[str]) -> pb.ModelMeta
 
 
 # A model with a tokenizer answers texts with these too (``edge.v2.text``): [N] and [B]
-# (every text's tokens one after another, and each text's count), [N, 2].
+# (every text's tokens one after another, and each text's count), [N, 2]; and ids with
+# ``texts`` (BYTES [B], detokenizing).
 _TOKENIZER_OUTPUTS = (
     (INPUT_IDS, ID_DTYPES["int64"], [-1]),
     (LENGTHS, ID_DTYPES["int64"], [-1]),
@@ -218,6 +233,11 @@ def model_config(served: ServedModel, max_message_bytes: int) -> pb.ModelConfigR
         config.output.extend(
             config_pb.ModelOutput(name=name, data_type=_config_type(dtype), dims=shape)
             for name, dtype, shape in _TOKENIZER_OUTPUTS
+        )
+        config.output.append(
+            config_pb.ModelOutput(
+                name=TEXTS, data_type=config_pb.DataType.Value("TYPE_STRING"), dims=[-1]
+            )
         )
     if backend.batches:
         config.dynamic_batching.max_queue_delay_microseconds = int(served.batch.max_delay_s * 1e6)

@@ -28,7 +28,7 @@ import grpc
 from tokembed.export.manifest import OUTPUT_NAME
 from tokembed.server.core.calls import Call, FrontEnd, ModelTotals
 from tokembed.server.core.control import ModelControl
-from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused
+from tokembed.server.core.dataplane import DataPlane, ModelQuery, Refused, Request
 from tokembed.server.core.errors import (
     EmbedError,
     InvalidInput,
@@ -36,6 +36,8 @@ from tokembed.server.core.errors import (
     ModelUnloaded,
     Unavailable,
 )
+from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.operations.detokenize import DETOKENIZE
 from tokembed.server.core.operations.embed import EMBED
 from tokembed.server.core.operations.embed_text import EMBED_TEXT
 from tokembed.server.core.operations.nearest import NEAREST
@@ -66,7 +68,7 @@ from tokembed.server.edge.v2.shm_service import (
     output_windows,
 )
 from tokembed.server.edge.v2.status import V2, status_name, status_of
-from tokembed.server.edge.v2.text import TextCall, stream_refusal
+from tokembed.server.edge.v2.text import DetokenizeCall, TextCall, TextsInRegion, as_tensors
 from tokembed.v2 import grpc_service_pb2 as pb
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -127,10 +129,10 @@ class InferenceServicer:
 
     async def ModelInfer(
         self,
-        request: InferCall | NearestCall | TextCall | Refused,
+        request: InferCall | NearestCall | TextCall | DetokenizeCall | Refused,
         context: grpc.aio.ServicerContext,
     ) -> bytes:
-        if isinstance(request, TextCall):
+        if isinstance(request, (TextCall, DetokenizeCall)):
             return await self._text(request, context)
         if not isinstance(request, (InferCall, Refused)):  # NAME.nearest: v2.nearest
             nearest_call, tensors = self._nearest_sink(request, context)
@@ -150,17 +152,45 @@ class InferenceServicer:
             refuse(context, status_of(error), error)  # not an abort: see refuse
         return sink.payload
 
-    async def _text(self, request: TextCall, context: grpc.aio.ServicerContext) -> bytes:
-        """Texts: tokenized, or embedded, as the requested outputs say (``edge.v2.text``)."""
-        sink = TensorsSink(context)
-        operation = TOKENIZE if request.tokenize else EMBED_TEXT
+    async def _text(
+        self, request: TextCall | DetokenizeCall, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        """Texts: tokenized, or embedded, as the requested outputs say; or ids detokenized
+        (``edge.v2.text``)."""
+        operation = operation_of(request)
+        sent, sink = self._text_sink(request, context)
         try:
             await self._dataplane.serve(
-                FRONT_END, "ModelInfer", operation, request, deadline_of(context), sink
+                FRONT_END, "ModelInfer", operation, sent, deadline_of(context), sink
             )
         except EmbedError as error:
             refuse(context, status_of(error), error)
         return sink.payload
+
+    def _text_sink(
+        self, request: TextCall | DetokenizeCall, context: grpc.aio.ServicerContext
+    ) -> tuple[Request[Any] | Refused, TensorsSink | TensorsSharedMemorySink]:
+        """A text request told its caller (whose region its texts may be read from), and
+        where its answer goes: the response, or a region per requested output that names
+        one (their windows held until the RPC ends). A window that cannot be had refuses
+        the request, through the data plane."""
+        if not isinstance(request, TextCall):
+            return request, TensorsSink(context)
+        self._tell_caller(request, context)
+        if self._regions is None or not any(names_region(o.parameters) for o in request.outputs):
+            return request, TensorsSink(context)
+        try:
+            windows = output_windows(
+                self._regions, request.outputs, partial(self._identities.of, context)
+            )
+        except EmbedError as error:
+            return Refused(error, request.request_id), TensorsSink(context)
+        return request, TensorsSharedMemorySink(context, windows)
+
+    def _tell_caller(self, request: TextCall, context: grpc.aio.ServicerContext) -> None:
+        texts = request.body.texts
+        if isinstance(texts, TextsInRegion) and isinstance(texts.source, CallersInput):
+            texts.source.caller = self._identities.of(context)
 
     def unary_sink(
         self, request: InferCall | Refused, context: grpc.aio.ServicerContext
@@ -186,9 +216,7 @@ class InferenceServicer:
         and where its answer goes: the response, or a region per requested output that
         names one (their windows held until the RPC ends). A window that cannot be had
         refuses the request, through the data plane."""
-        vectors = request.body.data
-        if isinstance(vectors, CallersInput):
-            vectors.caller = self._identities.of(context)
+        request = self._nearest_sent_by(request, context)
         if self._regions is None or not any(names_region(o.parameters) for o in request.outputs):
             return request, TensorsSink(context)
         try:
@@ -201,13 +229,26 @@ class InferenceServicer:
 
     async def ModelStreamInfer(
         self,
-        request_iterator: AsyncIterator[InferCall | Refused],
+        request_iterator: AsyncIterator[
+            InferCall | NearestCall | TextCall | DetokenizeCall | Refused
+        ],
         context: grpc.aio.ServicerContext,
     ) -> None:
         await self._dataplane.serve_stream(
-            FRONT_END, "ModelStreamInfer", EMBED, self._in_the_stream(request_iterator, context),
+            FRONT_END, "ModelStreamInfer", operation_of,
+            self._in_the_stream(request_iterator, context),
             deadline_of(context), StreamItemSink(context),
         )  # fmt: skip
+
+    def _nearest_sent_by(
+        self, request: NearestCall, context: grpc.aio.ServicerContext
+    ) -> NearestCall:
+        """A nearest request, its vectors in a shared-memory region told whose regions
+        they may be read from: the caller's."""
+        vectors = request.body.data
+        if isinstance(vectors, CallersInput):
+            vectors.caller = self._identities.of(context)
+        return request
 
     def _sent_by(
         self, request: InferCall | Refused, context: grpc.aio.ServicerContext
@@ -220,23 +261,44 @@ class InferenceServicer:
 
     async def _in_the_stream(
         self,
-        requests: AsyncIterator[InferCall | NearestCall | Refused],
+        requests: AsyncIterator[InferCall | NearestCall | TextCall | DetokenizeCall | Refused],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[InferCall | Refused]:
-        """A stream's requests, told their caller; one asking for its answer in shared
+    ) -> AsyncIterator[Request[Any] | Refused]:
+        """A stream's requests, told their caller; one asking for an answer in shared
         memory is refused (a stream's answers are its messages; ModelInfer writes answers
-        into regions), and so is one for a ``.nearest`` name (ModelInfer serves it)."""
+        into regions). Texts, ids to detokenize and ``NAME.nearest``'s vectors are served
+        as ModelInfer serves them (``operation_of``)."""
         async for request in requests:
-            if isinstance(request, TextCall):
-                yield Refused(stream_refusal(), request.request_id)
-            elif not isinstance(request, (InferCall, Refused)):
-                yield Refused(
-                    InvalidInput(
-                        f"model {request.model_name + nearest.SUFFIX!r} is served by "
-                        "ModelInfer, not in ModelStreamInfer"
-                    ),
-                    request.request_id,
-                )
+            if isinstance(request, DetokenizeCall):
+                yield request
+            elif isinstance(request, TextCall):
+                in_region = [o.name for o in request.outputs if names_region(o.parameters)]
+                if in_region:
+                    yield Refused(
+                        InvalidInput(
+                            f"output {in_region[0]} names a shared-memory region: "
+                            "ModelStreamInfer answers in the stream; use ModelInfer for "
+                            "answers in shared memory"
+                        ),
+                        request.request_id,
+                    )
+                else:
+                    self._tell_caller(request, context)
+                    yield request
+            elif isinstance(request, NearestCall):
+                in_region = [o.name for o in request.outputs if names_region(o.parameters)]
+                if in_region:
+                    yield Refused(
+                        InvalidInput(
+                            f"output {in_region[0]!r} of model "
+                            f"{request.model_name + nearest.SUFFIX!r} names a shared-memory "
+                            "region: ModelStreamInfer answers in the stream; use ModelInfer "
+                            "for answers in shared memory"
+                        ),
+                        request.request_id,
+                    )
+                else:
+                    yield self._nearest_sent_by(request, context)
             elif isinstance(request, InferCall) and any(
                 names_region(output.parameters) for output in request.outputs
             ):
@@ -403,21 +465,39 @@ class UnarySink(GrpcUnarySink):
 
 
 class TensorsSink(GrpcUnarySink):
-    """ModelInfer of an answer of several named tensors (NAME.nearest's, a tokenizer's): one
-    ModelInferResponse with an output each."""
+    """ModelInfer of an answer of several named tensors (NAME.nearest's, a tokenizer's) or
+    of texts (a BYTES output): one ModelInferResponse with an output each."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
-        return responses.tensors_infer_response(answer, call.request_id)
+        return responses.tensors_infer_response(as_tensors(answer), call.request_id)
 
 
 class StreamItemSink(GrpcStreamItemSink):
-    """ModelStreamInfer: each answer (or a request's error) as the stream's next message."""
+    """ModelStreamInfer: each answer (or a request's error) as the stream's next message;
+    an answer of several named tensors (NAME.nearest's, texts in) or of texts as ModelInfer
+    frames it."""
 
     def frame(self, answer: Answer, call: Call) -> bytes:
+        answer = as_tensors(answer)
+        if answer.several:
+            return responses.tensors_stream_response(answer, call.request_id)
         return responses.stream_response(answer, OUTPUT_NAME, call.request_id)
 
     def frame_error(self, error: EmbedError) -> bytes:
         return responses.stream_error(str(error))
+
+
+def operation_of(request: object) -> Operation[Any, Any, Any]:
+    """The operation a ModelInfer or ModelStreamInfer request gets: NAME.nearest's vectors
+    searched, its texts tokenized or embedded, its ids detokenized, else its ids embedded
+    (a refused one is counted as an embed)."""
+    if isinstance(request, NearestCall):
+        return NEAREST
+    if isinstance(request, TextCall):
+        return TOKENIZE if request.tokenize else EMBED_TEXT
+    if isinstance(request, DetokenizeCall):
+        return DETOKENIZE
+    return EMBED
 
 
 def _unary(

@@ -213,7 +213,7 @@ class SharedMemorySink(Sink[bytes]):
 
 
 class TensorsSharedMemorySink(Sink[bytes]):
-    """ModelInfer of an answer of several named tensors (NAME.nearest's) with some of its
+    """ModelInfer of an answer of several named tensors (NAME.nearest's, texts in) with some of its
     outputs in regions: each of those written into its own window (every size checked
     before any is written), the others in the response; the response lists every output,
     with an empty raw content for one in a region (the contents are by output index).
@@ -237,7 +237,8 @@ class TensorsSharedMemorySink(Sink[bytes]):
                 raise SharedMemoryError(
                     f"output {tensor.name} is {tensor.nbytes} bytes, over the "
                     f"shared_memory_byte_size {window.byte_size} given for it in region "
-                    f"{window.name!r}"
+                    f"{window.name!r} (its shape is {list(tensor.shape)} of "
+                    f"{tensor.dtype.v2}); nothing was written"
                 )
         for tensor in answer.tensors:
             window = windows.get(tensor.name)
