@@ -4,7 +4,7 @@
 in its stored dtype (never a widened copy of the whole table): a float32 table is
 multiplied as it is; a bfloat16 or float16 one a block of rows at a time, each block
 widened to float32 (exactly) into a buffer small enough to stay in the cache and
-multiplied there, so that the memory traffic is the stored bytes (``_Blocks``). Then per
+multiplied there, so that the memory traffic is the stored bytes (``Blocks``). Then per
 vector the ``k`` largest by ``dot`` (the logits themselves) or ``cosine`` (the logits
 divided by ``|h| |W_v|``; a row of ``W`` with norm 0 scores 0). The scores answered are
 those products accumulated in float64 and rounded once to float32 (``_exact_top_k``: the
@@ -12,7 +12,7 @@ float32 multiply finds the candidates within its proven error bound, which are s
 again), so that a vector's answer is the same alone or in any batch; equal scores are
 ordered by the lower id. The logits, when asked, are the float32 multiply's (within
 ``D 2**-24 |h| |W_v|`` of the exact products): a batch that asks them is multiplied
-exactly widened, whatever the table (``_Blocks``' bfloat16 first pass is not).
+exactly widened, whatever the table (``Blocks``' bfloat16 first pass is not).
 
 The rows of every request in a batch go into one multiply (the table is read once per
 batch, a slice of rows at a time so that the ``[rows, V]`` logits stay bounded); each
@@ -28,7 +28,7 @@ again; otherwise (or for ``cosine``, or logits asked) the row's logits come back
 and the candidates are found in them as numpy's are. Either way the answer is the exact
 one above: the same ids and scores whichever multiply ran. A head made with
 ``first_pass="int8"`` finds the candidates of a batch without logits in an int8 copy of
-the table instead (``_Int8Table``: onnxruntime's ``MatMulInteger`` within a proven bound),
+the table instead (``Int8Table``: onnxruntime's ``MatMulInteger`` within a proven bound),
 with the same answers.
 """
 
@@ -40,16 +40,11 @@ from typing import Protocol
 
 import numpy as np
 
+from tokembed.server.backends.head_blocks import ROW_SLICE_BYTES, Blocks, row_norms
+from tokembed.server.backends.head_int8 import Int8Table
+
 # Logits are computed this many bytes ([rows, V] float32) at a time.
-_LOGITS_CHUNK_BYTES = 64 * 1024 * 1024
-# A narrow table is widened this many float32 bytes of rows at a time: small enough that
-# the widened block is still in the cache when the multiply reads it. That is what counts
-# for a few vectors, whose multiply is bound by memory; from ``_MANY_VECTORS`` on it is
-# bound by arithmetic, and fewer, larger multiplies count more (each is a BLAS call whose
-# threads meet once: on a busy machine, each of many small ones waited for a core).
-_BLOCK_BYTES = 2 * 1024 * 1024
-_MANY_VECTORS = 16
-_MANY_VECTORS_BLOCK_BYTES = 32 * 1024 * 1024
+_LOGITS_CHUNK_BYTES = ROW_SLICE_BYTES
 
 DOT = "dot"
 COSINE = "cosine"
@@ -58,10 +53,6 @@ METRICS = (DOT, COSINE)
 FLOAT32_PASS = "float32"
 INT8_PASS = "int8"
 FIRST_PASSES = (FLOAT32_PASS, INT8_PASS)
-# The int8 codes' range: symmetric, so that a code's negation is a code.
-_CODE = 127
-# q_h . q_v sums D products of at most 127**2 in int32.
-MAX_INT8_WIDTH = (2**31 - 1) // _CODE**2
 
 
 @dataclass(frozen=True)
@@ -143,7 +134,7 @@ class NearestHead:
         head's bytes are its own (``memory_bytes``). ``graph``: the head graph over the
         same table, which then runs the multiply instead of numpy. ``first_pass``:
         ``"int8"`` finds the candidates of a search without logits in an int8 copy of the
-        table made here (``_Int8Table``, onnxruntime's ``MatMulInteger`` on ``threads``
+        table made here (``Int8Table``, onnxruntime's ``MatMulInteger`` on ``threads``
         threads) instead of either multiply; the answers are the same."""
         if table.ndim != 2 or not table.flags.c_contiguous:
             raise ValueError("this is a bug: a head table is a C-contiguous [V, D] array")
@@ -152,8 +143,8 @@ class NearestHead:
         self.norm = norm
         self.table_role = table_role  # "embedding" (tied) or "output"
         self.shared = shared
-        self._blocks = _Blocks(table)
-        self._row_norms64 = _row_norms(self._blocks)
+        self._blocks = Blocks(table)
+        self._row_norms64 = row_norms(self._blocks)
         # The bfloat16 first pass's bound holds for finite rows only (an infinite value's
         # word would read as a NaN): a table with one is widened exactly.
         self._blocks.first_pass = self._blocks.first_pass and bool(
@@ -167,9 +158,7 @@ class NearestHead:
         if first_pass not in FIRST_PASSES:
             raise ValueError(f"this is a bug: first pass {first_pass!r}")
         self._int8 = (
-            _Int8Table(self._blocks, self._row_norms64, threads)
-            if first_pass == INT8_PASS
-            else None
+            Int8Table(self._blocks, self._row_norms64, threads) if first_pass == INT8_PASS else None
         )
 
     @property
@@ -263,7 +252,7 @@ class NearestHead:
     def _first_pass(
         self, chunk: np.ndarray, queries: Sequence[Query], exact: bool
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """The chunk's float32 logits (numpy's: ``exact`` as ``_Blocks.multiply`` takes
+        """The chunk's float32 logits (numpy's: ``exact`` as ``Blocks.multiply`` takes
         it), or (through the graph, when every query in it is ``dot`` without logits) its
         widened top-k: scores and ids ``[rows, _wide(k)]``."""
         graph = self._graph
@@ -319,13 +308,13 @@ class NearestHead:
         at most ``D 2**-24 |h|``, plus the roundings of the division).
         So the answer is the same whatever the batch a vector was in, and whatever BLAS.
 
-        ``logits`` from ``_Blocks``' first pass (``exact`` false) are of values off by
-        ``|delta_i| <= rel |w_i| + a`` each (``_Blocks.FIRST_PASS_ERROR``), which adds
+        ``logits`` from ``Blocks``' first pass (``exact`` false) are of values off by
+        ``|delta_i| <= rel |w_i| + a`` each (``Blocks.FIRST_PASS_ERROR``), which adds
         ``sum|h_i delta_i| <= rel |h| |w| + a sqrt(D) |h|`` to the error, and widens the
         terms the float32 sums round by ``(1 + rel)``.
         """
         h_norms = np.sqrt(np.einsum("nd,nd->n", h.astype(np.float64), h.astype(np.float64)))
-        rel, per_value = (0.0, 0.0) if exact else _Blocks.FIRST_PASS_ERROR
+        rel, per_value = (0.0, 0.0) if exact else Blocks.FIRST_PASS_ERROR
         gamma = self._gamma() * (1 + rel) + rel
         absolute = (1 + gamma) * per_value * np.sqrt(self.d_model)
         if metric == COSINE:
@@ -353,7 +342,7 @@ class NearestHead:
         self, approx: np.ndarray, bounds: np.ndarray, h: np.ndarray, k: int, metric: str
     ) -> tuple[np.ndarray, np.ndarray]:
         """The same top-k as ``_exact_top_k``, from the int8 first pass: ``approx [n, V]``
-        float64 scores, each within ``bounds [n, V]`` of ``h . w_v`` (``_Int8Table``).
+        float64 scores, each within ``bounds [n, V]`` of ``h . w_v`` (``Int8Table``).
 
         With ``lower = approx - bounds`` and ``upper = approx + bounds``, the k-th largest
         exact score lies in ``[L, U]``, the k-th largest of ``lower`` and of ``upper``. An id
@@ -403,232 +392,6 @@ class NearestHead:
     def _normed(self, vectors: np.ndarray) -> np.ndarray:
         assert self.norm is not None, "This is a bug: validation refuses norm without one."
         return self.norm.apply(vectors)
-
-
-class _Blocks:
-    """A ``[V, D]`` table read in its stored dtype, widened to float32 a block at a time.
-
-    bfloat16 is the upper half of a float32: the table's bytes seen as ``uint32`` pairs
-    ``(w[2j+1] << 16) | w[2j]`` give ``w[2j]`` exactly by a shift left by 16 and
-    ``w[2j+1]`` exactly by masking off the low half, two word-wide passes over a block in
-    the cache (where a cast from 16-bit to 32-bit words measured an order slower). So a
-    bfloat16 block's product is that of the even columns plus that of the odd columns:
-    still float32 sums of the same ``D`` products, inside ``_exact_top_k``'s bound.
-
-    The first pass (``exact`` false) skips the mask: it multiplies the odd columns by the
-    words as they are, the float32 whose upper half is ``w[2j+1]`` and whose lower half is
-    ``w[2j]``'s bits. That value exceeds ``w[2j+1]`` in magnitude by less than one unit in
-    the last place of a bfloat16, less than ``2**-7 |w[2j+1]|`` (by less than ``2**-133``
-    where ``w[2j+1]`` is zero or subnormal): ``FIRST_PASS_ERROR``, which the re-scoring's
-    bound adds. The multiply then reads the table straight from memory for half of its
-    columns and writes only the even half, and the candidates it finds are scored again
-    exactly. float16 is widened by numpy's cast; float32 is multiplied as it is.
-    """
-
-    # (relative, absolute) error of each value the bfloat16 first pass reads.
-    FIRST_PASS_ERROR = (2.0**-7, 2.0**-133)
-
-    def __init__(self, table: np.ndarray) -> None:
-        self.table = table
-        d_model = table.shape[1]
-        self._kind = "float32"
-        if table.dtype != np.float32:
-            self._kind = "float16" if table.dtype == np.float16 else "bfloat16"
-            if self._kind == "bfloat16" and (table.dtype.itemsize != 2 or d_model % 2):
-                self._kind = "cast"  # an odd D: no word pairs; numpy's (slower) cast
-        self._words = table.view(np.uint32) if self._kind == "bfloat16" else None
-        # Whether ``multiply(exact=False)`` may take the first pass (its owner may say no).
-        self.first_pass = self._kind == "bfloat16"
-
-    def multiply(self, h: np.ndarray, *, exact: bool = True) -> np.ndarray:
-        """``h [n, D] float32 @ W.T``: float32 ``[n, V]``; with ``exact`` false, a
-        bfloat16 table's first pass (``FIRST_PASS_ERROR``)."""
-        if self._kind == "float32":
-            return np.asarray(h @ self.table.T, dtype=np.float32)
-        vocab = len(self.table)
-        out = np.empty((len(h), vocab), dtype=np.float32)
-        step = self._rows_per_block(len(h))
-        if self._kind == "bfloat16":
-            words = self._words
-            assert words is not None
-            even_h = np.ascontiguousarray(h[:, 0::2])
-            odd_h = np.ascontiguousarray(h[:, 1::2])
-            if not exact and self.first_pass:
-                return self._first_pass(words, even_h, odd_h, out)
-            low = np.empty((step, words.shape[1]), dtype=np.uint32)
-            high = np.empty((step, words.shape[1]), dtype=np.uint32)
-            odd = np.empty((len(h), step), dtype=np.float32)
-            shift, mask = np.uint32(16), np.uint32(0xFFFF0000)
-            for start in range(0, vocab, step):
-                block = words[start : start + step]
-                n = len(block)
-                np.left_shift(block, shift, out=low[:n])
-                np.bitwise_and(block, mask, out=high[:n])
-                part = out[:, start : start + n]
-                np.matmul(even_h, low[:n].view(np.float32).T, out=part)
-                np.matmul(odd_h, high[:n].view(np.float32).T, out=odd[:, :n])
-                part += odd[:, :n]
-            return out
-        widened = np.empty((step, self.table.shape[1]), dtype=np.float32)
-        for start in range(0, vocab, step):
-            block = self.table[start : start + step]
-            n = len(block)
-            np.copyto(widened[:n], block, casting="unsafe")
-            np.matmul(h, widened[:n].T, out=out[:, start : start + n])
-        return out
-
-    def _first_pass(
-        self, words: np.ndarray, even_h: np.ndarray, odd_h: np.ndarray, out: np.ndarray
-    ) -> np.ndarray:
-        step = self._rows_per_block(len(even_h))
-        low = np.empty((step, words.shape[1]), dtype=np.uint32)
-        even = np.empty((len(even_h), step), dtype=np.float32)
-        for start in range(0, len(words), step):
-            block = words[start : start + step]
-            n = len(block)
-            part = out[:, start : start + n]
-            np.matmul(odd_h, block.view(np.float32).T, out=part)  # reads the block in
-            np.left_shift(block, np.uint32(16), out=low[:n])  # from the cache
-            np.matmul(even_h, low[:n].view(np.float32).T, out=even[:, :n])
-            part += even[:, :n]
-        return out
-
-    def _rows_per_block(self, vectors: int) -> int:
-        block = _BLOCK_BYTES if vectors < _MANY_VECTORS else _MANY_VECTORS_BLOCK_BYTES
-        return max(1, block // (4 * max(1, int(self.table.shape[1]))))
-
-    def rows64(self, ids: np.ndarray) -> np.ndarray:
-        """The rows ``ids`` in float64 (exact for every stored dtype)."""
-        return np.asarray(self.table[ids], dtype=np.float64)
-
-
-class _Int8Table:
-    """The int8 first pass: an int8 copy of ``W`` (a quarter of a float32 table's bytes)
-    multiplied by onnxruntime's ``MatMulInteger`` (int32 accumulation, exact), with a
-    proven bound on each score's error, so that ``NearestHead._bounded_top_k`` rescoring
-    the candidates gives exactly the float32 pass's answer.
-
-    Each row ``w_v`` is quantized at load with its own scale: ``s_v = max|w_v| / 127``,
-    ``q_v = rint(w_v / s_v)`` in ``[-127, 127]``; its error ``d_v = w_v - s_v q_v`` (each
-    component at most ``s_v / 2``) is kept as its norm ``|d_v|``. A query ``h`` is
-    quantized in two int8 rows, ``h = s_1 q_1 + s_2 q_2 + d_h`` (``q_2`` the codes of the
-    first rounding's remainder, so ``|d_h|`` is about 127 times smaller than one row's
-    error), both multiplied in the same ``MatMulInteger`` call, which reads the codes
-    once. ``q . q_v`` is exact in int32 (``D 127**2`` fits while D <= ``MAX_INT8_WIDTH``),
-    and the approximate score ``a_v = s_v (s_1 (q_1 . q_v) + s_2 (q_2 . q_v))`` is
-    ``(h - d_h) . (w_v - d_v)``, so
-
-        h . w_v - a_v = h . d_v + d_h . w_v - d_h . d_v,
-        |h . w_v - a_v| <= |h| |d_v| + |d_h| |w_v| + |d_h| |d_v|   (Cauchy-Schwarz).
-
-    The brief's first-order bound, ``|h|_1 s_v / 2``, bounds the first term too; the
-    Euclidean one is smaller (``|d_v| <= sqrt(D) s_v / 2``, and is about a third of
-    ``|h|_1 s_v / 2`` for a row of rounding errors spread evenly), which decides how many
-    candidates are rescored. ``a_v`` is computed in float64 (a few roundings of ``2**-53``
-    of its terms: ``2**-50`` of them is added to the bound), the norms in float64 from
-    float32 values (their roundings covered by a factor ``1 + 2**-40``).
-
-    The codes ``[D, V]`` (``MatMulInteger``'s B) are handed to onnxruntime as an
-    external initializer, not copied into the graph; onnxruntime may pack a copy of its
-    own for its kernel.
-    """
-
-    def __init__(self, blocks: _Blocks, row_norms: np.ndarray, threads: int) -> None:
-        import onnxruntime as ort
-        from onnx import TensorProto, helper
-
-        table = blocks.table
-        vocab, width = table.shape
-        if width > MAX_INT8_WIDTH:
-            raise ValueError(f"the int8 first pass takes D up to {MAX_INT8_WIDTH}, got {width}")
-        codes = np.empty((width, vocab), dtype=np.int8)
-        self.scales = np.empty(vocab, dtype=np.float64)
-        self.errors = np.empty(vocab, dtype=np.float64)  # |d_v|
-        self.norms = row_norms  # |w_v|
-        step = max(1, _LOGITS_CHUNK_BYTES // (8 * max(1, width)))
-        for start in range(0, vocab, step):
-            rows = blocks.rows64(np.arange(start, min(start + step, vocab)))
-            stop = start + len(rows)
-            q, self.scales[start:stop], remainder = _quantized(rows)
-            codes[:, start:stop] = q.T
-            self.errors[start:stop] = _norms(remainder)
-        self.codes = codes
-        self.nbytes = int(codes.nbytes)
-        placeholder = TensorProto(name="codes", data_type=TensorProto.INT8, dims=[width, vocab])
-        placeholder.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", "codes"), ("offset", "0"), ("length", str(codes.size))):
-            entry = placeholder.external_data.add()
-            entry.key, entry.value = key, value
-        graph = helper.make_graph(
-            [helper.make_node("MatMulInteger", ["h", "codes", "zero"], ["products"])],
-            "tokembed-int8-first-pass",
-            [helper.make_tensor_value_info("h", TensorProto.UINT8, ["n", width])],
-            [helper.make_tensor_value_info("products", TensorProto.INT32, ["n", vocab])],
-            initializer=[helper.make_tensor("zero", TensorProto.UINT8, [], [128]), placeholder],
-        )
-        opsets = [helper.make_opsetid("", 17)]
-        model = helper.make_model(graph, opset_imports=opsets)
-        model.ir_version = helper.find_min_ir_version_for(opsets)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # onnxruntime reads the codes from this array (kept alive by ``self.codes``).
-        options.add_external_initializers(["codes"], [ort.OrtValue.ortvalue_from_numpy(codes)])
-        self._session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
-
-    def first_pass(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``h [n, D]`` float32: the approximate scores ``[n, V]`` float64 and their
-        bounds (the class's docstring)."""
-        h64 = h.astype(np.float64)
-        first, first_scale, remainder = _quantized(h64)
-        second, second_scale, left = _quantized(remainder)
-        n = len(h)
-        # uint8 with zero point 128: MatMulInteger's fast kernel is u8 x s8.
-        shifted = (np.concatenate([first, second]).astype(np.int16) + 128).astype(np.uint8)
-        products = self._session.run(["products"], {"h": shifted})[0]
-        high = products[:n] * first_scale[:, None]
-        low = products[n:] * second_scale[:, None]
-        approx = (high + low) * self.scales
-        h_norms = _norms(h64)
-        d_h = _norms(left)
-        bounds = (
-            np.multiply.outer(h_norms, self.errors)
-            + np.multiply.outer(d_h, self.norms + self.errors)
-        ) * (1 + 2.0**-40) + (np.abs(high) + np.abs(low)) * self.scales * 2.0**-50
-        return approx, bounds
-
-
-def _quantized(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float64 rows ``[n, D]``: their int8 codes, scales, and what the codes leave,
-    ``rows - scale * codes`` (in float64: each component within ``2**-52`` of the row's
-    largest of the exact value, which ``_norms``' margin covers). A row of zeros: scale 0,
-    codes 0, nothing left."""
-    largest = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(len(rows))
-    scales = largest / _CODE
-    safe = np.where(scales > 0, scales, 1.0)
-    q = np.clip(np.rint(rows / safe[:, None]), -_CODE, _CODE)
-    return q.astype(np.int8), scales, rows - q * scales[:, None]
-
-
-def _norms(rows: np.ndarray) -> np.ndarray:
-    """Each row's Euclidean norm in float64, with ``2**-40`` of its largest component on
-    top (the roundings of the remainder it measures and of the norm itself)."""
-    largest = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(len(rows))
-    norms = np.sqrt(np.einsum("nd,nd->n", rows, rows))
-    return np.asarray(norms * (1 + 2.0**-40) + 2.0**-40 * largest, dtype=np.float64)
-
-
-def _row_norms(blocks: _Blocks) -> np.ndarray:
-    """Each row's norm in float64, a slice of rows at a time (no float64 copy of the table)."""
-    table = blocks.table
-    norms = np.empty(len(table), dtype=np.float64)
-    step = max(1, _LOGITS_CHUNK_BYTES // (8 * max(1, table.shape[1])))
-    for start in range(0, len(table), step):
-        rows = np.asarray(table[start : start + step], dtype=np.float64)
-        norms[start : start + step] = np.sqrt(np.einsum("vd,vd->v", rows, rows))
-    return norms
 
 
 def _wide(k: int) -> int:

@@ -118,7 +118,7 @@ def test_a_narrow_table_is_read_as_stored_in_blocks_and_answers_exactly(dtype, m
     that does not divide V, the whole table)."""
     import ml_dtypes
 
-    import tokembed.server.backends.head as module
+    import tokembed.server.backends.head_blocks as blocks_module
 
     numpy_dtype = {"float32": np.float32, "float16": np.float16,
                    "bfloat16": ml_dtypes.bfloat16}[dtype]  # fmt: skip
@@ -133,8 +133,8 @@ def test_a_narrow_table_is_read_as_stored_in_blocks_and_answers_exactly(dtype, m
                       * np.linalg.norm(table.astype(np.float64), axis=1)[None, :])  # fmt: skip
     answers = {}
     for block_rows in (1, 37, vocab):
-        monkeypatch.setattr(module, "_BLOCK_BYTES", 4 * width * block_rows)
-        monkeypatch.setattr(module, "_MANY_VECTORS_BLOCK_BYTES", 4 * width * block_rows)
+        monkeypatch.setattr(blocks_module, "_BLOCK_BYTES", 4 * width * block_rows)
+        monkeypatch.setattr(blocks_module, "_MANY_VECTORS_BLOCK_BYTES", 4 * width * block_rows)
         head = NearestHead(table, None, "embedding", shared=False)
         assert np.shares_memory(head.table, table)  # read where it is, not copied
         assert head.memory_bytes == table.nbytes
@@ -181,13 +181,13 @@ def test_a_narrow_table_of_odd_width(dtype):
 
 def test_the_bfloat16_first_pass_misorders_and_the_rescoring_corrects_it():
     """The bfloat16 first pass reads each odd column with its even neighbour's bits below
-    it (``_Blocks.FIRST_PASS_ERROR``): a row whose neighbours are -1.0 reads higher than it
-    is. Row 1 is below row 0 by one unit in its first odd value, but reads above it by
-    twelve neighbours' bits: the first pass ranks it first, the answer is row 0 (and row
-    0's exact score), and so is the exact widening's when logits are asked."""
+    it (``head_blocks.Blocks.FIRST_PASS_ERROR``): a row whose neighbours are -1.0 reads
+    higher than it is. Row 1 is below row 0 by one unit in its first odd value, but reads
+    above it by twelve neighbours' bits: the first pass ranks it first, the answer is row 0
+    (and row 0's exact score), and so is the exact widening's when logits are asked."""
     import ml_dtypes
 
-    from tokembed.server.backends.head import _Blocks
+    from tokembed.server.backends.head_blocks import Blocks
 
     width = 24
     rng = np.random.default_rng(11)
@@ -197,7 +197,7 @@ def test_the_bfloat16_first_pass_misorders_and_the_rescoring_corrects_it():
     table[1, 1] = 1.0 - 2.0**-8  # the bfloat16 just below 1.0
     h = np.zeros((1, width), dtype=np.float32)
     h[0, 1::2] = 1.0
-    first_pass = _Blocks(table).multiply(h, exact=False)
+    first_pass = Blocks(table).multiply(h, exact=False)
     assert int(first_pass.argmax()) == 1  # misordered, as constructed
     exact = h.astype(np.float64) @ table.astype(np.float64).T
     head = NearestHead(table, None, "embedding", shared=False)

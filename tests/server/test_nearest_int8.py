@@ -19,7 +19,9 @@ import pytest
 
 from tokembed.client import EmbeddingClient
 from tokembed.export.head import add_head
-from tokembed.server.backends.head import NearestHead, Query, _Blocks, _Int8Table, _row_norms
+from tokembed.server.backends.head import NearestHead, Query
+from tokembed.server.backends.head_blocks import Blocks, row_norms
+from tokembed.server.backends.head_int8 import Int8Table
 
 from support.models import export_model_dir
 
@@ -67,8 +69,8 @@ def queries(table: np.ndarray) -> np.ndarray:
 
 
 def test_the_bound_holds_for_every_score_and_prunes(table, queries) -> None:
-    blocks = _Blocks(table)
-    int8 = _Int8Table(blocks, _row_norms(blocks), threads=1)
+    blocks = Blocks(table)
+    int8 = Int8Table(blocks, row_norms(blocks), threads=1)
     approx, bounds = int8.first_pass(queries)
     exact = queries.astype(np.float64) @ table.astype(np.float64).T
     assert np.all(np.abs(exact - approx) <= bounds)
