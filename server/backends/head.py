@@ -43,8 +43,10 @@ import numpy as np
 from tokembed.server.backends.head_blocks import ROW_SLICE_BYTES, Blocks, row_norms
 from tokembed.server.backends.head_int8 import Int8Table
 
-# Logits are computed this many bytes ([rows, V] float32) at a time.
+# Logits are computed this many bytes ([rows, V] float32) at a time, and candidates are
+# re-scored this many bytes of float64 rows at a time.
 _LOGITS_CHUNK_BYTES = ROW_SLICE_BYTES
+_RESCORE_BYTES = ROW_SLICE_BYTES
 
 DOT = "dot"
 COSINE = "cosine"
@@ -380,7 +382,14 @@ class NearestHead:
         pairwise sum over the row (an order fixed by D alone, so a row's score is the same
         whichever candidates come with it), rounded once to float32; equal scores by the
         lower id."""
-        exact = (self._blocks.rows64(candidates) * h.astype(np.float64)).sum(axis=1)
+        h64 = h.astype(np.float64)
+        exact = np.empty(len(candidates), dtype=np.float64)
+        # A slice of rows at a time: a vector that ties with every row (zeros) makes every
+        # id a candidate, whose float64 rows at once would be twice the table's size.
+        step = max(1, _RESCORE_BYTES // (8 * max(1, self.d_model)))
+        for start in range(0, len(candidates), step):
+            rows = self._blocks.rows64(candidates[start : start + step])
+            exact[start : start + len(rows)] = (rows * h64).sum(axis=1)
         if metric == COSINE:
             norms = h_norm * self._row_norms64[candidates]
             exact = np.divide(exact, norms, out=np.zeros_like(exact), where=norms > 0)

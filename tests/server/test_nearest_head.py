@@ -232,3 +232,29 @@ def test_the_bfloat16_first_pass_agrees_with_the_exact_widening(metric):
     (exact,) = head.search([Query(h, 5, metric, True, False)])
     np.testing.assert_array_equal(fast.ids, exact.ids)
     np.testing.assert_array_equal(fast.scores, exact.scores)
+
+
+def test_a_vector_that_ties_with_every_row_is_rescored_a_slice_at_a_time(monkeypatch):
+    """A zero vector scores 0 against every row: every id is a candidate. They are
+    re-scored a slice of rows at a time (memory bounded by the slice, not the table), with
+    the same answer as in one slice: the lowest ids, score 0."""
+    import tracemalloc
+
+    import tokembed.server.backends.head as module
+
+    rng = np.random.default_rng(9)
+    table = rng.standard_normal((20000, 128)).astype(np.float32)
+    head = NearestHead(table, None, "embedding", shared=False)
+    zero = np.zeros((1, 128), dtype=np.float32)
+    for metric in ("dot", "cosine"):
+        (whole,) = head.search([Query(zero, 3, metric, False, False)])
+        monkeypatch.setattr(module, "_RESCORE_BYTES", 8 * 128 * 100)  # 100 rows a slice
+        tracemalloc.start()
+        (sliced,) = head.search([Query(zero, 3, metric, False, False)])
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        monkeypatch.undo()
+        assert sliced.ids.tolist() == whole.ids.tolist() == [[0, 1, 2]]
+        np.testing.assert_array_equal(sliced.scores, whole.scores)
+        # The candidates' float64 rows at once would be 20000 x 128 x 8 bytes (20 MB).
+        assert peak < 4 * 1024 * 1024, peak
