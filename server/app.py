@@ -51,7 +51,8 @@ from tokembed.server.edge.v1.servicer import (
 )
 from tokembed.server.edge.v2 import servicer as v2
 from tokembed.server.edge.v2.shm import SharedMemoryRegistry
-from tokembed.server.models.control_plane import ControlPlane, loads_under_way
+from tokembed.server.models.control_plane import ControlPlane
+from tokembed.server.models.load_threads import loads_under_way
 from tokembed.server.models.loading import LoadedModel, ModelLoader, load_model
 from tokembed.server.observability.metrics import Metrics
 from tokembed.server.observability.metrics_http import start_metrics_server

@@ -25,10 +25,8 @@ signature) is not loaded again unless forced: loading an unchanged model is a no
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,6 +53,7 @@ from tokembed.server.core.errors import (
 from tokembed.server.core.repository import ModelHandle, ModelState, Repository
 from tokembed.server.core.scheduler import Scheduler
 from tokembed.server.models.default_model import ensure_default_model
+from tokembed.server.models.load_threads import drop, in_load_thread
 from tokembed.server.models.loading import LoadedModel, ModelLoader, check_model_dirs
 from tokembed.server.models.model_repository import (
     ModelRepositoryDir,
@@ -178,7 +177,7 @@ class ControlPlane:
         ``ServerConfigError`` for a directory that cannot be served."""
         started = time.monotonic()
         try:
-            loaded = await _in_load_thread(self._loader, directory, self.settings)
+            loaded = await in_load_thread(self._loader, directory, self.settings)
         except ServerConfigError:
             self._observer.version_loaded("", "", "failed", time.monotonic() - started)
             raise
@@ -276,7 +275,7 @@ class ControlPlane:
         finally:
             stopping.cancel()
         if not work.done():
-            work.add_done_callback(_drop)
+            work.add_done_callback(drop)
             raise Unavailable(f"the server is stopping: {what} was abandoned")
         return work.result()
 
@@ -394,7 +393,7 @@ class ControlPlane:
             self._check_memory(name, version)
             try:
                 loaded = await self._unless_stopping(
-                    _in_load_thread(self._loader, version.path, self.settings),
+                    in_load_thread(self._loader, version.path, self.settings),
                     f"the load of model {name!r} version {version.number}",
                 )
             except ServerConfigError as exc:
@@ -552,58 +551,6 @@ class ControlPlane:
         if not changed:
             return
         await self._load_versions(disk, name, policy, force=False, wait_for_copies=True)
-
-
-# The threads of the loads under way (``loads_under_way``).
-_LOAD_THREADS: set[threading.Thread] = set()
-
-
-def loads_under_way() -> bool:
-    """Whether a load's thread is still running (one abandoned at a stop, say)."""
-    return any(thread.is_alive() for thread in list(_LOAD_THREADS))
-
-
-def _in_load_thread(work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """``work(*args)`` in a daemon thread of its own, as a future of the running loop:
-    neither asyncio.run's end nor the interpreter's exit waits for it, as they wait for
-    the default executor's threads (``app.run`` ends the process past one still
-    running)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        result: T | None = None
-        error: BaseException | None = None
-        try:
-            result = work(*args)
-        except BaseException as exc:
-            error = exc
-        finally:
-            _LOAD_THREADS.discard(threading.current_thread())
-        # RuntimeError: the loop is closed (the server stopped while this was under way).
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, result, error)
-
-    name = getattr(work, "__name__", type(work).__name__)
-    thread = threading.Thread(target=run, name=f"tokembed-load-{name}", daemon=True)
-    _LOAD_THREADS.add(thread)
-    thread.start()
-    return future
-
-
-def _drop(work: asyncio.Future[Any]) -> None:
-    """An abandoned load's outcome: nobody waits for it (its exception, if any, is not
-    logged as never retrieved)."""
-    if not work.cancelled():
-        work.exception()
 
 
 def _as_version(loaded: LoadedModel, name: str, version: str) -> LoadedModel:
