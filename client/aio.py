@@ -44,8 +44,6 @@ from tokembed.client.vectors import nearest_request
 from tokembed.v1 import embedding_pb2 as pb
 
 if TYPE_CHECKING:
-    import torch
-
     from tokembed.client.shared_memory_aio import AsyncSharedMemorySession
 
 T = TypeVar("T")
@@ -284,7 +282,7 @@ class AsyncEmbeddingClient(ClientBase):
         *,
         model: str | None = None,
         timeout_s: float | None = None,
-    ) -> torch.Tensor:
+    ) -> engines.TorchTensor:
         """:meth:`embed`'s answer as a torch tensor over the received bytes, without a
         copy (``torch.bfloat16`` for "bfloat16"): transformers' ``inputs_embeds``. Read-only
         like the array; ``.clone()`` it to write. Needs torch (the client's optional

@@ -359,29 +359,7 @@ class ChunkAssembler:
 
     @staticmethod
     def _split(chunk: bytes | pb.EmbedChunk) -> tuple[pb.EmbedResponse | None, bytes | memoryview]:
-        if isinstance(chunk, pb.EmbedChunk):
-            return (chunk.header if chunk.HasField("header") else None), chunk.data
-        try:
-            found = list(_wire.fields(chunk, 0, len(chunk)))
-            header_field = _wire.only(found, 1)
-            data_field = _wire.only(found, 2)
-        except _wire.WireError:
-            try:
-                msg = pb.EmbedChunk.FromString(chunk)
-            except Exception as exc:
-                raise protocol_error(f"cannot parse EmbedChunk: {exc}") from exc
-            return ChunkAssembler._split(msg)
-        header = None
-        if header_field is not None:
-            try:
-                header = pb.EmbedResponse.FromString(
-                    chunk[header_field.value_start : header_field.end]
-                )
-            except Exception as exc:
-                raise protocol_error(f"cannot parse EmbedChunk header: {exc}") from exc
-        if data_field is None:
-            return header, b""
-        return header, memoryview(chunk)[data_field.value_start : data_field.end]
+        return _split_chunk(chunk, pb.EmbedChunk, pb.EmbedResponse)
 
 
 class TensorsChunkAssembler:
@@ -466,29 +444,37 @@ class TensorsChunkAssembler:
     def _split(
         chunk: bytes | pb.TensorsChunk,
     ) -> tuple[pb.TensorsResponse | None, bytes | memoryview]:
-        if isinstance(chunk, pb.TensorsChunk):
-            return (chunk.header if chunk.HasField("header") else None), chunk.data
+        return _split_chunk(chunk, pb.TensorsChunk, pb.TensorsResponse)
+
+
+def _split_chunk(
+    chunk: Any, chunk_type: type[Any], header_type: type[Any]
+) -> tuple[Any, bytes | memoryview]:
+    """A chunk message's header (only the first has one) and its data: read off the wire
+    when it comes as raw bytes (the data a view of them, not a copy), else from the
+    parsed ``chunk_type`` message, whose header is a ``header_type``."""
+    name = chunk_type.DESCRIPTOR.name
+    if isinstance(chunk, chunk_type):
+        return (chunk.header if chunk.HasField("header") else None), chunk.data
+    try:
+        found = list(_wire.fields(chunk, 0, len(chunk)))
+        header_field = _wire.only(found, 1)
+        data_field = _wire.only(found, 2)
+    except _wire.WireError:
         try:
-            found = list(_wire.fields(chunk, 0, len(chunk)))
-            header_field = _wire.only(found, 1)
-            data_field = _wire.only(found, 2)
-        except _wire.WireError:
-            try:
-                msg = pb.TensorsChunk.FromString(chunk)
-            except Exception as exc:
-                raise protocol_error(f"cannot parse TensorsChunk: {exc}") from exc
-            return TensorsChunkAssembler._split(msg)
-        header = None
-        if header_field is not None:
-            try:
-                header = pb.TensorsResponse.FromString(
-                    chunk[header_field.value_start : header_field.end]
-                )
-            except Exception as exc:
-                raise protocol_error(f"cannot parse TensorsChunk header: {exc}") from exc
-        if data_field is None:
-            return header, b""
-        return header, memoryview(chunk)[data_field.value_start : data_field.end]
+            message = chunk_type.FromString(chunk)
+        except Exception as exc:
+            raise protocol_error(f"cannot parse {name}: {exc}") from exc
+        return _split_chunk(message, chunk_type, header_type)
+    header = None
+    if header_field is not None:
+        try:
+            header = header_type.FromString(chunk[header_field.value_start : header_field.end])
+        except Exception as exc:
+            raise protocol_error(f"cannot parse {name} header: {exc}") from exc
+    if data_field is None:
+        return header, b""
+    return header, memoryview(chunk)[data_field.value_start : data_field.end]
 
 
 def check_shape(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -34,7 +34,13 @@ from tokembed.client.errors import UnknownConventionError, client_invalid_input
 from tokembed.client.results import ModelInfo
 
 if TYPE_CHECKING:
+    # The one name of torch the client's signatures use (``embed_torch``'s answer); at run
+    # time torch is imported by ``_torch`` alone, when a torch answer is asked for.
+    from typing import TypeAlias
+
     import torch
+
+    TorchTensor: TypeAlias = torch.Tensor
 
 VLLM, SGLANG = "vllm", "sglang"
 # The dtypes vLLM accepts in a prompt_embeds tensor (its safe_load_prompt_embeds).
@@ -55,7 +61,7 @@ def _torch() -> Any:
     return torch
 
 
-def as_torch(array: npt.NDArray[Any]) -> torch.Tensor:
+def as_torch(array: npt.NDArray[Any]) -> TorchTensor:
     """``array`` (float32, float16 or bfloat16) as a torch tensor over the same memory.
 
     The client's answers are read-only views of the received bytes: so is the tensor
@@ -63,8 +69,7 @@ def as_torch(array: npt.NDArray[Any]) -> torch.Tensor:
     write. DLPack carries the read-only flag that ``torch.from_numpy`` would warn about.
     """
     torch = _torch()
-    from torch.utils.dlpack import from_dlpack
-
+    from_dlpack: Callable[[Any], TorchTensor] = torch.from_dlpack
     if array.dtype == ml_dtypes.bfloat16:
         # numpy knows no bfloat16 of its own: its 16 bits, viewed as torch's bfloat16.
         return from_dlpack(array.view(np.int16)).view(torch.bfloat16)

@@ -25,7 +25,7 @@ from tokembed.client import EmbeddingClient, UnavailableError
 from tokembed.v1 import embedding_pb2_grpc
 
 from support.fixtures import DEFAULT_V
-from support.metrics import scrape, total
+from support.metrics import scrape, total, workers_ready
 from support.models import export_model_dir
 from support.ports import free_ports
 from support.repository import put_version
@@ -111,14 +111,7 @@ def test_sigterm_to_workers_during_a_load_exits_every_worker_within_the_grace(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-
-        def both_ready() -> bool:
-            try:
-                return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(2))
-            except OSError:
-                return False
-
-        assert wait_for(both_ready, 60, 0.2)
+        assert wait_for(lambda: workers_ready(metrics_base, 2), 60, 0.2)
         put_version(tmp_path, SLOW, 1, slow_model_dir)
 
         def both_loading() -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 
 from tokembed.client import EmbeddingClient
 
-from support.metrics import scrape, total
+from support.metrics import scrape, total, workers_ready
 from support.ports import free_ports
 from support.server import wait_for
 
@@ -32,14 +32,7 @@ def test_two_workers_share_the_port_and_both_serve(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-
-        def both_ready() -> bool:
-            try:
-                return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(2))
-            except OSError:
-                return False
-
-        assert wait_for(both_ready, 60, 0.2)
+        assert wait_for(lambda: workers_ready(metrics_base, 2), 60, 0.2)
         # Each client opens its own connection; the kernel spreads connections.
         for index in range(40):
             options = (("grpc.use_local_subchannel_pool", 1),)
@@ -70,14 +63,7 @@ def test_two_workers_serve_from_one_mapped_table_file(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-
-        def both_ready() -> bool:
-            try:
-                return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(2))
-            except OSError:
-                return False
-
-        assert wait_for(both_ready, 60, 0.2)
+        assert wait_for(lambda: workers_ready(metrics_base, 2), 60, 0.2)
         files = {str(path) for path in cache.glob("*.rows")}
         assert len(files) == 3  # float32, float16 and bfloat16, written once
         children = psutil.Process(process.pid).children()

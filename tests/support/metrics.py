@@ -70,3 +70,12 @@ def value(source: Source, name: str, labels: Mapping[str, str] | None = None) ->
     found = matching(source, name, labels)
     assert len(found) == 1, f"{len(found)} samples {name} with labels {labels}: {found}"
     return float(found[0].value)
+
+
+def workers_ready(metrics_base: int, workers: int) -> bool:
+    """Whether each of ``--workers`` processes, whose metrics ports are ``metrics_base``
+    and up, says it is ready (False while one does not answer yet)."""
+    try:
+        return all(total(scrape(metrics_base + i), "tokembed_ready") == 1 for i in range(workers))
+    except OSError:
+        return False
