@@ -76,7 +76,7 @@ class RowViews(GatherableRows):
     """The views of rows ``ids``, each looked up as it is read: a large answer's writer
     then touches each view's object once, as it copies the row, rather than once more
     beforehand to list them (the objects are scattered and cold: each touch is a cache
-    miss). Or the same rows gathered by numpy in runs (``runs``)."""
+    miss). Or some of the same rows gathered by numpy (``gather``)."""
 
     __slots__ = ("_first", "_ids", "_rows", "_source", "_views")
 
@@ -109,12 +109,20 @@ class RowViews(GatherableRows):
     def __iter__(self) -> Iterator[Buffer]:
         return map(self._views.__getitem__, self._ids)
 
-    def runs(self, max_bytes: int) -> Iterator[Buffer]:
-        per_run = max(1, max_bytes // self._rows.itemsize)
-        ids = self._source.array()[self._first : self._first + len(self._ids)]
-        for start in range(0, len(ids), per_run):
-            # mode="clip": the ids are validated (as in ``TableRows.joined``).
-            yield byte_view(self._rows.take(ids[start : start + per_run], mode="clip"))
+    @property
+    def row_bytes(self) -> int:
+        return int(self._rows.itemsize)
+
+    def gather(self, start: int, into: memoryview) -> memoryview:
+        row_bytes = self.row_bytes
+        count = max(0, min(into.nbytes // row_bytes, len(self._ids) - start))
+        first = self._first + start
+        ids = self._source.array()[first : first + count]
+        out = np.frombuffer(into, dtype=self._rows.dtype, count=count)
+        # mode="clip": the ids are validated; unlike "raise" it writes straight into
+        # ``out`` (as in ``TableRows.joined``).
+        self._rows.take(ids, out=out, mode="clip")
+        return into[: count * row_bytes]
 
 
 class TableBackend(Backend):

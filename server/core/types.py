@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,17 +29,23 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 class GatherableRows(Sequence[Buffer]):
     """An answer's pieces that are rows picked from one table (a look-up's row views),
-    which can also be had gathered: ``runs`` yields their bytes in order as contiguous
-    buffers of at most ``max_bytes`` (at least one row each), each a fresh buffer. A writer
-    that copies an answer into a file (a shared-memory region) writes these: numpy's
-    gather into a buffer small enough to stay in the cache, then the kernel's copy from
-    there, beat the kernel's copy of each row from where it lies in the table
-    (docs/benchmarks/README.md, "Shared memory")."""
+    each ``row_bytes`` long, which can also be had gathered: ``gather(start, into)``
+    copies rows from ``start`` on, as many as fit ``into`` (a writable buffer) and there
+    are, to its start, and gives the part of it they fill. A writer that copies an answer
+    into a file (a shared-memory region) writes runs of these: numpy's gather into a
+    buffer small enough to stay in the cache, then the kernel's copy from there, beat the
+    kernel's copy of each row from where it lies in the table (docs/benchmarks/README.md,
+    "Shared memory"). Runs are independent of each other, so two threads may gather and
+    write different runs at once, each into a buffer of its own."""
 
     __slots__ = ()
 
+    @property
     @abstractmethod
-    def runs(self, max_bytes: int) -> Iterator[Buffer]: ...
+    def row_bytes(self) -> int: ...
+
+    @abstractmethod
+    def gather(self, start: int, into: memoryview) -> memoryview: ...
 
 
 class TokenIds:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
@@ -244,9 +246,12 @@ def test_environment_variables_configure_the_server(small_model_dir: Path) -> No
 
 
 def _connections_to(port: int) -> set[int]:
-    """The local ports of this machine's TCP sockets to 127.0.0.1:``port``, in any state
+    """The local ports of this process's TCP sockets to 127.0.0.1:``port``, in any state
     (the kernel's tables, /proc/net/tcp and tcp6: gRPC's sockets are IPv6 ones, holding
-    IPv4 as ::ffff:127.0.0.1): one per connection a client opened to it."""
+    IPv4 as ::ffff:127.0.0.1): one per connection this process's client opened to it.
+    Only this process's (by the sockets' inodes): the port may be one an earlier server
+    had, whose clients' closed sockets may still be listed (TIME_WAIT)."""
+    mine = _socket_inodes()
     ports = set()
     for table_path, family, address in (
         ("/proc/net/tcp", socket.AF_INET, "127.0.0.1"),
@@ -261,10 +266,22 @@ def _connections_to(port: int) -> set[int]:
         with open(table_path, encoding="ascii") as table:
             next(table)  # the column names
             for line in table:
-                local, remote = line.split()[1:3]
-                if remote == wanted:
+                fields = line.split()
+                local, remote, inode = fields[1], fields[2], fields[9]
+                if remote == wanted and inode in mine:
                     ports.add(int(local.rsplit(":", 1)[1], 16))
     return ports
+
+
+def _socket_inodes() -> set[str]:
+    """The inodes of this process's open sockets (its descriptors' ``socket:[N]`` links)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed since it was listed
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")

@@ -1,15 +1,18 @@
 """An answer's copy into a shared-memory region: straight from its pieces, however many
 (more than one vectored write takes), or, for a table's rows, gathered in runs (a write
-call each); on from where a short write stopped, and the object checked before every
-write call of it. The region's other defences are tried in test_shm_registry.py; the
-answers' bytes end to end in tests/e2e."""
+call each) by two threads; on from where a short write stopped, and the object checked
+before every write call of it. The region's other defences are tried in
+test_shm_registry.py; the answers' bytes end to end in tests/e2e."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import secrets
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -206,7 +209,7 @@ def record_writes(
     return calls
 
 
-def test_rows_of_a_table_are_gathered_in_runs_that_land_whole_and_in_order(
+def test_rows_of_a_table_are_gathered_in_runs_that_land_whole_and_in_place(
     region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registry, path = region
@@ -221,7 +224,8 @@ def test_rows_of_a_table_are_gathered_in_runs_that_land_whole_and_in_order(
         want = table[ids[start:stop]].tobytes()
         assert written(path, len(want)) == want
         per_run = RUN_BYTES // 32 * 32  # whole rows: 31 a run
-        assert calls == [per_run] * (len(want) // per_run) + [len(want) % per_run]
+        # Two threads write the runs, in whichever order they take them: each once.
+        assert sorted(calls) == sorted([per_run] * (len(want) // per_run) + [len(want) % per_run])
 
 
 def test_runs_go_on_from_the_byte_where_a_short_write_stopped(
@@ -244,7 +248,12 @@ def test_runs_go_on_from_the_byte_where_a_short_write_stopped(
 def test_an_object_shrunk_between_two_runs_is_refused_and_not_grown(
     region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The object is checked before each run's write. With one thread: a second writing
+    beside it may have checked the object before the shrink (as a caller may shrink it
+    between any check and the write after it: the check bounds what a write may grow to
+    the window the caller registered, docs/security.md)."""
     registry, path = region
+    monkeypatch.setattr(shm_region, "_HELPER", NoHelper())
     _, rows = table_rows(list(range(40)) * 40)
 
     def then_shrink(fd: int, data: Any, position: int) -> int:
@@ -257,3 +266,111 @@ def test_an_object_shrunk_between_two_runs_is_refused_and_not_grown(
         write(registry, rows.pieces(0, 1600))
     assert len(calls) == 1
     assert os.stat(path).st_size == 4096
+
+
+class NoHelper(concurrent.futures.Executor):
+    """An executor that never runs what it is given (a helper always busy elsewhere)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        return concurrent.futures.Future()
+
+
+def test_a_write_whose_helper_is_busy_writes_every_run_itself(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, path = region
+    monkeypatch.setattr(shm_region, "_HELPER", NoHelper())
+    ids = np.random.default_rng(7).integers(0, 40, size=1000).tolist()
+    table, rows = table_rows(ids)
+    threads: set[str] = set()
+
+    def note_thread(fd: int, data: Any, position: int) -> int:
+        threads.add(threading.current_thread().name)
+        return REAL_PWRITE(fd, data, position)
+
+    record_writes(monkeypatch, note_thread)
+    write(registry, rows.pieces(0, 1000))
+    assert written(path, 32 * 1000) == table[ids].tobytes()
+    assert threads == {threading.current_thread().name}
+
+
+def test_both_threads_write_runs_of_a_large_answer(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calling thread's first write waits until the helper has written a run: the
+    helper takes part, whatever the scheduling."""
+    registry, path = region
+    ids = np.random.default_rng(8).integers(0, 40, size=1500).tolist()
+    table, rows = table_rows(ids)
+    caller = threading.current_thread().name
+    helper_wrote = threading.Event()
+    threads: list[str] = []
+
+    def wait_for_the_helper(fd: int, data: Any, position: int) -> int:
+        name = threading.current_thread().name
+        threads.append(name)
+        if name == caller:
+            assert helper_wrote.wait(10), "the helper wrote no run"
+        done = REAL_PWRITE(fd, data, position)
+        if name != caller:
+            helper_wrote.set()
+        return done
+
+    record_writes(monkeypatch, wait_for_the_helper)
+    write(registry, rows.pieces(0, 1500))
+    assert written(path, 32 * 1500) == table[ids].tobytes()
+    assert caller in threads
+    assert any(name.startswith("tokembed-shm-write") for name in threads)
+
+
+def test_a_failed_run_stops_the_other_thread_and_is_raised_once_both_stopped(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calling thread's write fails while the helper is in one of its own: the write
+    raises only once the helper's is done (no write outlives the call, whose descriptor
+    may close after it), and neither thread starts another run."""
+    registry, _ = region
+    _, rows = table_rows(list(range(40)) * 40)
+    caller = threading.current_thread().name
+    helper_writing = threading.Event()
+    helper_done = threading.Event()
+    calls: list[str] = []
+
+    def fail_beside_a_slow_helper(fd: int, data: Any, position: int) -> int:
+        name = threading.current_thread().name
+        calls.append(name)
+        if name == caller:
+            assert helper_writing.wait(10), "the helper wrote no run"
+            raise OSError(5, "Input/output error")
+        helper_writing.set()
+        time.sleep(0.2)
+        done = REAL_PWRITE(fd, data, position)
+        helper_done.set()
+        return done
+
+    record_writes(monkeypatch, fail_beside_a_slow_helper)
+    with pytest.raises(SharedMemoryError, match="cannot write region 'r': Input/output error"):
+        write(registry, rows.pieces(0, 1600))
+    assert helper_done.is_set()
+    assert calls.count(caller) == 1
+    assert len(calls) == 2  # the helper's one run: it took no other after the failure
+
+
+def test_a_failed_run_of_the_helper_is_raised_by_the_write(
+    region: tuple[SharedMemoryRegistry, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, _ = region
+    _, rows = table_rows(list(range(40)) * 40)
+    caller = threading.current_thread().name
+    helper_failed = threading.Event()
+
+    def the_helper_fails(fd: int, data: Any, position: int) -> int:
+        if threading.current_thread().name == caller:
+            assert helper_failed.wait(10), "the helper wrote no run"
+            return REAL_PWRITE(fd, data, position)
+        helper_failed.set()
+        raise OSError(28, "No space left on device")
+
+    record_writes(monkeypatch, the_helper_fails)
+    with pytest.raises(SharedMemoryError, match="No space left on device"):
+        write(registry, rows.pieces(0, 1600))

@@ -7,11 +7,13 @@ checked against the object as it is at that moment. Why it is done this way: shm
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tokembed.server.core.errors import Cancelled, InvalidInput
@@ -20,9 +22,15 @@ from tokembed.server.core.types import Buffer, GatherableRows
 # Buffers one pwritev takes (Linux: 1024); sysconf says -1 where it sets no limit.
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 0
 _IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024
-# Rows gathered per write call (``GatherableRows.runs``): small enough that the gathered
-# run is still in the cache when the kernel copies it.
-RUN_BYTES = 256 * 1024
+# Rows gathered per write call (``GatherableRows.gather``): small enough that the
+# gathered run is still in the cache when the kernel copies it.
+RUN_BYTES = 512 * 1024
+# The second thread that gathers and writes runs of a large answer beside the one that
+# frames it: one thread's gather overlaps the other's copy into the object (the kernel
+# serialises the copies into one file, not the gathers). One per process, shared by
+# every answer: a write whose helper is busy with another does all its runs itself.
+_HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokembed-shm-write")
+_RUN_BUFFERS = threading.local()
 
 
 class SharedMemoryError(InvalidInput):
@@ -118,13 +126,13 @@ class Region:
 
     def write(self, offset: int, pieces: Sequence[Buffer], nbytes: int) -> None:
         """The ``nbytes`` of ``pieces``, joined, at ``offset`` of the window (the caller
-        checked that they fit it): rows of a table gathered in runs, a write call each;
-        other pieces straight from them, vectored."""
+        checked that they fit it): rows of a table gathered in runs, a write call each,
+        by two threads; other pieces straight from them, vectored."""
         fd = self._begin_copy()
         try:
             check = functools.partial(self._check_object, fd)
             if isinstance(pieces, GatherableRows):
-                _pwrite_runs(fd, pieces.runs(RUN_BYTES), self.offset + offset, check)
+                _pwrite_rows(fd, pieces, self.offset + offset, check)
             elif _pwrite_batches(fd, pieces, self.offset + offset, check) != nbytes:
                 # A call wrote less than it was given (a signal, the file system full),
                 # so the calls after it wrote at the wrong places: all again, resumed.
@@ -238,18 +246,76 @@ def _pwrite_batches(
     return position - start
 
 
-def _pwrite_runs(fd: int, runs: Iterable[Buffer], position: int, check: Callable[[], None]) -> None:
-    """Write each of ``runs`` (contiguous buffers) at ``position`` on, ``check`` before
-    each write call, on from where a short one stopped."""
-    for run in runs:
-        view = memoryview(run)
-        while view.nbytes:
-            check()
-            written = os.pwrite(fd, view, position)
-            if written <= 0:
-                raise OSError(0, "the write made no progress")
-            position += written
-            view = view[written:]
+class _Runs:
+    """The runs of rows a write has yet to start, handed out one at a time to the threads
+    that write them; none more once ``stop`` is called (a thread's write failed)."""
+
+    def __init__(self, rows: int, per_run: int) -> None:
+        self._starts = iter(range(0, rows, per_run))
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """The first row of the next run, or None when there is none left."""
+        with self._lock:
+            return next(self._starts, None)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._starts = iter(())
+
+
+def _pwrite_rows(fd: int, rows: GatherableRows, position: int, check: Callable[[], None]) -> None:
+    """Write ``rows`` at ``position`` in runs of about RUN_BYTES, each gathered and then
+    written (``check`` before each write call) by whichever of this thread and the helper
+    takes it; returns once every run is written, or raises the first failure (after the
+    helper has stopped: no write outlives the call, whose descriptor may then close)."""
+    per_run = max(1, RUN_BYTES // rows.row_bytes)
+    runs = _Runs(len(rows), per_run)
+
+    def write_runs() -> None:
+        try:
+            buffer = _run_buffer(per_run * rows.row_bytes)
+            while (start := runs.take()) is not None:
+                run = rows.gather(start, buffer)
+                _pwrite_whole(fd, run, position + start * rows.row_bytes, check)
+        except BaseException:
+            runs.stop()
+            raise
+
+    helper = _HELPER.submit(write_runs) if len(rows) > per_run else None
+    try:
+        write_runs()
+    finally:
+        # A helper that has not started has nothing left to do; one that has is waited
+        # for, and its failure raised unless this thread's own is on its way.
+        if helper is not None and not helper.cancel():
+            concurrent.futures.wait([helper])
+    if helper is not None and not helper.cancelled():
+        helper.result()
+
+
+def _run_buffer(size: int) -> memoryview:
+    """This thread's buffer for runs, of ``size`` bytes: kept across writes, because
+    memory allocated and freed per run can be given back to the system and faulted in
+    again each time (as the images' malloc settings do: a fixed mmap threshold leaves
+    the trim threshold at 128 KiB), which doubled a large answer's write."""
+    buffer: memoryview | None = getattr(_RUN_BUFFERS, "buffer", None)
+    if buffer is None or buffer.nbytes < size:
+        buffer = _RUN_BUFFERS.buffer = memoryview(bytearray(size))
+    return buffer[:size]
+
+
+def _pwrite_whole(fd: int, run: Buffer, position: int, check: Callable[[], None]) -> None:
+    """Write all of ``run`` at ``position``, ``check`` before each write call, on from
+    where a short one stopped."""
+    view = memoryview(run)
+    while view.nbytes:
+        check()
+        written = os.pwrite(fd, view, position)
+        if written <= 0:
+            raise OSError(0, "the write made no progress")
+        position += written
+        view = view[written:]
 
 
 def _pwrite_all(
