@@ -14,7 +14,7 @@ double the model's memory), a run of the model (``settings.Settings.tables`` dec
 A look-up makes no array and copies nothing: its rows are views of the table, one per
 id, which whoever writes the answer copies once, straight from the table (a response's
 join); a shared-memory region's writer has them gathered in cache-sized runs instead
-(``RowViews.runs``: the kernel's copy into the region is then from the cache, not from
+(``RowViews.gather``: the kernel's copy into the region is then from the cache, not from
 rows scattered over the table). The views are made once, at load (a
 Python object per row of each table kept, a few hundred bytes beside the row's ``D *
 itemsize``), so that a look-up only picks them by id: slicing each row per request cost
