@@ -7,13 +7,12 @@ checked against the object as it is at that moment. Why it is done this way: shm
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tokembed.server.core.errors import Cancelled, InvalidInput
@@ -289,7 +288,7 @@ def _pwrite_rows(fd: int, rows: GatherableRows, position: int, check: Callable[[
         # A helper that has not started has nothing left to do; one that has is waited
         # for, and its failure raised unless this thread's own is on its way.
         if helper is not None and not helper.cancel():
-            concurrent.futures.wait([helper])
+            wait([helper])
     if helper is not None and not helper.cancelled():
         helper.result()
 
@@ -297,8 +296,8 @@ def _pwrite_rows(fd: int, rows: GatherableRows, position: int, check: Callable[[
 def _run_buffer(size: int) -> memoryview:
     """This thread's buffer for runs, of ``size`` bytes: kept across writes, because
     memory allocated and freed per run can be given back to the system and faulted in
-    again each time (as the images' malloc settings do: a fixed mmap threshold leaves
-    the trim threshold at 128 KiB), which doubled a large answer's write."""
+    again each time (as under the images' malloc settings: a fixed mmap threshold leaves
+    the trim threshold at 128 KiB; docs/benchmarks/README.md, "Shared memory")."""
     buffer: memoryview | None = getattr(_RUN_BUFFERS, "buffer", None)
     if buffer is None or buffer.nbytes < size:
         buffer = _RUN_BUFFERS.buffer = memoryview(bytearray(size))
