@@ -209,6 +209,12 @@ def _from_sequence(seq: Sequence[Any], sequence_first: bool) -> EncodedIds:
         raise client_invalid_input("ids are empty: give at least one sequence of ids")
     if not _is_row(seq[0]):
         return _from_array(_asarray(seq, "ids"), sequence_first)  # a flat list: one sequence
+    rectangle = _rectangle(seq)
+    if rectangle is not None:
+        ids = _int_ids(rectangle, "ids")
+        if sequence_first:  # a list of sequences, sent [S,B]
+            return EncodedIds(np.ascontiguousarray(ids.T), None, True)
+        return EncodedIds(np.ascontiguousarray(ids), None)
     rows: list[npt.NDArray[np.signedinteger[Any]]] = []
     for i, item in enumerate(seq):
         if not _is_row(item):
@@ -233,6 +239,21 @@ def _from_sequence(seq: Sequence[Any], sequence_first: bool) -> EncodedIds:
             return EncodedIds(np.ascontiguousarray(np.stack(rows, axis=1)), None, True)
         return EncodedIds(np.stack(rows), None)
     return EncodedIds(np.concatenate(rows), lengths, sequence_first)
+
+
+def _rectangle(seq: Sequence[Any]) -> npt.NDArray[Any] | None:
+    """Sequences of ids of one length, read by numpy in one call as ``[B, S]`` integers;
+    None for anything else (ragged, empty, not integers...), which is read a sequence at a
+    time, so that what is wrong is named with its sequence."""
+    try:
+        array = np.asarray(seq)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if array.ndim != 2 or array.shape[1] == 0 or array.dtype.kind not in "iu":
+        return None
+    # uint64: a value past int64 (numpy 1.x reads Python ints up to 2**64 - 1 so), named
+    # with its sequence below.
+    return None if array.dtype == np.uint64 else array
 
 
 def _from_array(arr: npt.NDArray[Any], sequence_first: bool = False) -> EncodedIds:

@@ -139,6 +139,7 @@ def test_a_call_cut_by_closing_the_client_is_not_retried(
     ("ids", "named"),
     [
         ([[1, 2**70, 3]], "sequence 0: element 1 = 1180591620717411303424 does not fit in int64"),
+        ([[1, 2**63, 3]], "sequence 0: element 1 = 9223372036854775808 does not fit in int64"),
         ([5, -(2**63) - 1], "ids: element 1 = -9223372036854775809 does not fit in int64"),
         ([[1, "a"]], "sequence 0: element 1 = 'a' is not an id"),
         (np.array([[1, 2**64]], dtype=object), "ids: element (0, 1) = 18446744073709551616"),

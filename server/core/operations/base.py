@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar
 
 from tokembed.server.backends.base import Backend
 from tokembed.server.core.served import ServedModel
@@ -31,13 +31,13 @@ class Job(Protocol):
         """The bytes of its answer: what the process's output budget counts."""
 
 
-@runtime_checkable
-class Costed(Protocol):
-    """A job of a heavy operation: admission bounds the queue by its work, not its tokens."""
+class Costed:
+    """A job of a heavy operation: admission bounds the queue by its work, not its tokens.
+    A base class its jobs name, not a runtime-checkable Protocol: ``isinstance`` against
+    one walks the protocol's members on every call, and every request's admission asks."""
 
-    @property
-    def work(self) -> int:
-        """Its flops (nearest: ``2 N D V``)."""
+    __slots__ = ()
+    work: int  # its flops (nearest: ``2 N D V``)
 
 
 RequestT = TypeVar("RequestT", contravariant=True)

@@ -27,7 +27,7 @@ from tokembed.server.backends.base import Backend
 from tokembed.server.backends.head import METRICS, Found, NearestHead, Query
 from tokembed.server.core.dtypes import BFLOAT16, FLOAT16, FLOAT32, INT64, DType
 from tokembed.server.core.errors import Internal, InvalidInput, TooLarge
-from tokembed.server.core.operations.base import Operation
+from tokembed.server.core.operations.base import Costed, Operation
 from tokembed.server.core.operations.embed_request import Unread
 from tokembed.server.core.served import ServedModel
 from tokembed.server.core.types import Answer, NamedTensor, Timings
@@ -53,12 +53,12 @@ class NearestInput:
 
 
 @dataclass(slots=True)
-class NearestJob:
+class NearestJob(Costed):
     query: Query
     leading: tuple[int, ...]  # the vectors' shape without D
     tokens: int  # vectors: what the row budget counts
     output_bytes: int
-    work: int  # 2 N D V flops: what the queue bound counts (``operations.base.Costed``)
+    work: int  # 2 N D V flops: what the queue bound counts (``Costed``)
 
 
 class Nearest(Operation[NearestInput, NearestJob, Found]):
