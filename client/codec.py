@@ -242,9 +242,16 @@ def _from_sequence(seq: Sequence[Any], sequence_first: bool) -> EncodedIds:
 
 
 def _rectangle(seq: Sequence[Any]) -> npt.NDArray[Any] | None:
-    """Sequences of ids of one length, read by numpy in one call as ``[B, S]`` integers;
-    None for anything else (ragged, empty, not integers...), which is read a sequence at a
-    time, so that what is wrong is named with its sequence."""
+    """Lists of ids of one length, read by numpy in one call as ``[B, S]`` integers; None
+    for anything else (ragged, empty, not integers, arrays...), which is read a sequence at
+    a time, so that what is wrong is named with its sequence. A list that starts with a
+    bool is left to that path too: numpy would read a sequence of bools beside one of ints
+    as ints, where alone it is refused."""
+    if not all(
+        isinstance(row, (list, tuple)) and row and not isinstance(row[0], (bool, np.bool_))
+        for row in seq
+    ):
+        return None
     try:
         array = np.asarray(seq)
     except (TypeError, ValueError, OverflowError):

@@ -99,6 +99,11 @@ def test_uint64_beyond_int64_is_refused() -> None:
         ([[1, 2], 3], "element 1"),
         ([[1, 2], [[3]]], "sequence 1 has shape"),
         ([2**70], "element 0 = 1180591620717411303424 does not fit in int64"),
+        # Sequences of bools beside sequences of ints (numpy reads them together as ints).
+        ([[True, False], [1, 2]], "sequence 0 must be integers, got dtype bool"),
+        ([[1, 2], [True, False]], "sequence 1 must be integers, got dtype bool"),
+        ([np.array([True, False]), [1, 2]], "sequence 0 must be integers, got dtype bool"),
+        ([[1.5, 2.0], [1, 2]], "sequence 0 must be integers, got dtype float64"),
     ],
 )
 def test_refused_before_sending(ids: Any, match: str) -> None:

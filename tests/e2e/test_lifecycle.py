@@ -246,11 +246,11 @@ def test_environment_variables_configure_the_server(small_model_dir: Path) -> No
 
 
 def _connections_to(port: int) -> set[int]:
-    """The local ports of this process's TCP sockets to 127.0.0.1:``port``, in any state
-    (the kernel's tables, /proc/net/tcp and tcp6: gRPC's sockets are IPv6 ones, holding
-    IPv4 as ::ffff:127.0.0.1): one per connection this process's client opened to it.
-    Only this process's (by the sockets' inodes): the port may be one an earlier server
-    had, whose clients' closed sockets may still be listed (TIME_WAIT)."""
+    """The local ports of this process's open TCP sockets to 127.0.0.1:``port`` (the
+    kernel's tables, /proc/net/tcp and tcp6: gRPC's sockets are IPv6 ones, holding IPv4 as
+    ::ffff:127.0.0.1): one per connection this process's client has open to it. Only
+    this process's (by the sockets' inodes): the port may be one an earlier server had,
+    whose clients' closed sockets may still be listed (TIME_WAIT, inode 0)."""
     mine = _socket_inodes()
     ports = set()
     for table_path, family, address in (

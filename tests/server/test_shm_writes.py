@@ -333,8 +333,14 @@ def test_a_failed_run_stops_the_other_thread_and_is_raised_once_both_stopped(
     _, rows = table_rows(list(range(40)) * 40)
     caller = threading.current_thread().name
     helper_writing = threading.Event()
+    stopped = threading.Event()  # the runs were stopped (the caller's failure)
     helper_done = threading.Event()
     calls: list[str] = []
+    stop = shm_region._Runs.stop
+
+    def stop_and_tell(runs: Any) -> None:
+        stop(runs)
+        stopped.set()
 
     def fail_beside_a_slow_helper(fd: int, data: Any, position: int) -> int:
         name = threading.current_thread().name
@@ -343,10 +349,13 @@ def test_a_failed_run_stops_the_other_thread_and_is_raised_once_both_stopped(
             assert helper_writing.wait(10), "the helper wrote no run"
             raise OSError(5, "Input/output error")
         helper_writing.set()
-        time.sleep(0.2)
+        assert stopped.wait(10), "the caller's failure did not stop the runs"
+        time.sleep(0.2)  # long after the caller's failure: a write that did not wait is gone
         done = REAL_PWRITE(fd, data, position)
         helper_done.set()
         return done
+
+    monkeypatch.setattr(shm_region._Runs, "stop", stop_and_tell)
 
     record_writes(monkeypatch, fail_beside_a_slow_helper)
     with pytest.raises(SharedMemoryError, match="cannot write region 'r': Input/output error"):

@@ -27,7 +27,8 @@ RUN_BYTES = 512 * 1024
 # The second thread that gathers and writes runs of a large answer beside the one that
 # frames it: one thread's gather overlaps the other's copy into the object (the kernel
 # serialises the copies into one file, not the gathers). One per process, shared by
-# every answer: a write whose helper is busy with another does all its runs itself.
+# every answer: a write whose helper is busy with another writes its runs itself until the
+# helper is free.
 _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokembed-shm-write")
 _RUN_BUFFERS = threading.local()
 
@@ -266,8 +267,9 @@ class _Runs:
 def _pwrite_rows(fd: int, rows: GatherableRows, position: int, check: Callable[[], None]) -> None:
     """Write ``rows`` at ``position`` in runs of about RUN_BYTES, each gathered and then
     written (``check`` before each write call) by whichever of this thread and the helper
-    takes it; returns once every run is written, or raises the first failure (after the
-    helper has stopped: no write outlives the call, whose descriptor may then close)."""
+    takes it; returns once every run is written, or raises this thread's failure, else the
+    helper's (after the helper has stopped: no write outlives the call, whose descriptor
+    may then close)."""
     per_run = max(1, RUN_BYTES // rows.row_bytes)
     runs = _Runs(len(rows), per_run)
 
